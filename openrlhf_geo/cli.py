@@ -1,0 +1,44 @@
+"""`openrlhf-geo` console entry point: one sub-command per module, imported only when used.
+
+Each target module exposes ``main(argv: list[str]) -> int | None`` and parses its own arguments, so
+``openrlhf-geo train-ppo-ray ARGS`` hands every upstream flag through untouched.
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("openrlhf_geo.local.demo", "tiny SFT->RL on CPU: GRPO vs +SALT vs +GeoAlign, with a report"),
+    "train": ("openrlhf_geo.local.train", "single-process training run (CPU or one GPU)"),
+    "train-ppo-ray": ("openrlhf_geo.fork", "upstream openrlhf.cli.train_ppo_ray with the fork's patches"),
+    "fork": ("openrlhf_geo.fork", "fork maintenance: `fork verify`, `fork path`"),
+    "eval": ("openrlhf_geo.eval.harness", "avg@n and pass@k on math benchmarks"),
+    "report": ("openrlhf_geo.eval.report", "paired multi-seed comparison with bootstrap CIs and plots"),
+    "serve-rm": ("openrlhf_geo.rewards.armorm", "serve ArmoRM scores over HTTP for --reward.remote_url"),
+}
+
+
+def usage():
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "usage: openrlhf-geo COMMAND [ARGS...]\n\ncommands:\n" + "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"openrlhf-geo: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    # `fork` and `train-ppo-ray` share a module; the sub-command name tells it which entry to run.
+    if command == "fork":
+        return module.main_fork(rest)
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

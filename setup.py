@@ -1,0 +1,40 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+
+
+def read_requirements(path):
+    return [
+        line.split("#")[0].strip()
+        for line in (here / path).read_text().splitlines()
+        if line.split("#")[0].strip()
+    ]
+
+
+setup(
+    name="openrlhf-geo",
+    version="0.1.0.dev0",
+    description="OpenRLHF 0.11.2 fork with SALT advantage reweighting and GeoAlign rollout curation",
+    long_description=(here / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"]) + ["openrlhf_geo.patches"],
+    # The fork's diffs live at the repository root (patches/) and ship inside the package.
+    package_dir={"openrlhf_geo.patches": "patches"},
+    package_data={"openrlhf_geo.patches": ["*.diff", "*.md"], "openrlhf_geo": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=read_requirements("requirements.txt"),
+    extras_require={
+        # GPU nodes: upstream with the versions it pins (deepspeed, ray, vllm, flash-attn).
+        "openrlhf": ["openrlhf[vllm]==0.11.2"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["openrlhf-geo=openrlhf_geo.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+    ],
+    license="Apache-2.0",
+)
