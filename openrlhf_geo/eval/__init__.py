@@ -1,0 +1,1 @@
+"""Evaluation: avg@n, unbiased pass@k, paired multi-seed reports."""

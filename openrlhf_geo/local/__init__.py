@@ -1,0 +1,1 @@
+"""Single-process engine (CPU or one GPU) and the embedded demo."""

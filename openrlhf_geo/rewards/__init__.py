@@ -1,0 +1,1 @@
+"""Reward functions (math-verify, ArmoRM) and reward-noise injection for robustness experiments."""
