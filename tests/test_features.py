@@ -1,0 +1,389 @@
+"""LM-head-gradient proxy features (SALT Eq. 19): exact = autograd's gradient, sketch = unbiased projection of it."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.special import softmax as np_softmax
+from torch.testing import assert_close
+
+from openrlhf_geo.features import EXACT_MAX_NUMEL, last_token_hidden, lm_head_features, sketch_projections
+
+
+def random_batch(seed, B=3, S=6, V=13, d=5, p_mask=0.7, dtype=torch.float32, scale=2.0):
+    """Aligned (logits, hidden, tokens, mask) with a random mask; row 0 always has a masked token."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(B, S, V, generator=g)).to(dtype)
+    hidden = torch.randn(B, S, d, generator=g).to(dtype)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.rand(B, S, generator=g) < p_mask
+    mask[0, 0] = True
+    return logits, hidden, tokens, mask
+
+
+def numpy_exact(logits, hidden, tokens, mask, temperature=1.0):
+    """SALT Eq. 19 in float64, one token at a time: rows vec((1/T_i) Σ_t (onehot − softmax(z/τ)) h_tᵀ / τ)."""
+    z, h = logits.double().numpy(), hidden.double().numpy()
+    B, S, V = z.shape
+    rows = np.zeros((B, V * h.shape[2]))
+    for b in range(B):
+        ts = [t for t in range(S) if mask[b, t]]
+        for t in ts:
+            e = -np_softmax(z[b, t] / temperature)
+            e[int(tokens[b, t])] += 1.0
+            rows[b] += np.outer(e, h[b, t]).ravel() / (len(ts) * temperature)
+    return torch.from_numpy(rows)
+
+
+def packed_from_padded(logits, hidden, tokens, mask, order, gap=1):
+    """Concatenate padded rows (in `order`) into one (1, T) sequence, `gap` unmasked filler tokens between them."""
+    B, S, V = logits.shape
+    parts = {name: [] for name in ("logits", "hidden", "tokens", "mask", "seg")}
+    for b in order:
+        filler = torch.zeros(gap, dtype=torch.long)
+        parts["logits"] += [logits[b], torch.full((gap, V), float("nan"))]  # filler is never read
+        parts["hidden"] += [hidden[b], torch.full((gap, hidden.shape[2]), float("nan"))]
+        parts["tokens"] += [tokens[b], filler]
+        parts["mask"] += [mask[b], torch.ones(gap, dtype=torch.bool)]
+        parts["seg"] += [torch.full((S,), b), torch.full((gap,), -1)]  # masked but id −1 ⇒ ignored
+    return [torch.cat(parts[name])[None] for name in ("logits", "hidden", "tokens", "mask", "seg")]
+
+
+# ---------------------------------------------------------------- exact: autograd and brute force
+
+
+def tiny_qwen2(dtype):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_exact_features_equal_autograd_gradient_of_mean_action_logprob(dtype, temperature):
+    model = tiny_qwen2(dtype)
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 6, 4]  # right padding to 9; prompt = first 3 tokens of every row
+    seq = torch.randint(0, 40, (3, 9), generator=g)
+    attn = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
+    captured = {}
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: captured.update(h=args[0]))
+    logits = model(input_ids=seq, attention_mask=attn).logits  # (B, S, V)
+    hook.remove()
+    # OpenRLHF's shift: action column j <-> logits/hidden at position j, label seq[:, j+1].
+    labels, action_mask = seq[:, 1:], attn[:, 1:].bool()
+    action_mask[:, :2] = False  # prompt tokens do not count
+    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, labels[..., None])[..., 0]
+    grads = []
+    for b in range(3):
+        mean_logp = logp[b][action_mask[b]].mean()
+        (grad,) = torch.autograd.grad(mean_logp, model.lm_head.weight, retain_graph=True)
+        grads.append(grad.reshape(-1))
+    features = lm_head_features(
+        logits[:, :-1].detach(), captured["h"][:, :-1].detach(), labels, action_mask, "exact", temperature=temperature
+    )
+    assert features.dtype == torch.float32 and features.shape == (3, 40 * 16)
+    assert_close(features, torch.stack(grads).float(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_exact_features_match_float64_numpy_bruteforce(seed, temperature):
+    logits, hidden, tokens, mask = random_batch(seed, B=4, S=7, V=11, d=6)
+    expected = numpy_exact(logits, hidden, tokens, mask, temperature)
+    got = lm_head_features(logits, hidden, tokens, mask, "exact", temperature=temperature, chunk_size=3)
+    assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sketch: projection of the exact gradient, unbiased
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_sketch_equals_projections_applied_to_exact_gradient(dim):
+    logits, hidden, tokens, mask = random_batch(5, B=4, S=8, V=50, d=9)
+    exact = numpy_exact(logits, hidden, tokens, mask, 0.8).reshape(4, 50, 9)
+    s_e, s_h = sketch_projections(50, 9, dim, seed=3)
+    expected = (s_e.double() @ exact @ s_h.double().T).reshape(4, -1)  # S_e G_i S_hᵀ, (k, k) per response
+    got = lm_head_features(logits, hidden, tokens, mask, "sketch", dim, seed=3, temperature=0.8)
+    assert got.shape == (4, dim)
+    assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_projections_are_rademacher_with_unit_column_norm():
+    s_e, s_h = sketch_projections(30, 7, 64, seed=0)
+    assert s_e.shape == (8, 30) and s_h.shape == (8, 7)
+    for s in (s_e, s_h):
+        assert_close(s.abs(), torch.full_like(s, 8**-0.5))  # ±1/sqrt(k), k = sqrt(dim) = 8
+        assert 0.3 < (s > 0).float().mean() < 0.7
+        assert_close(s.pow(2).sum(0), torch.ones(s.shape[1]))  # ‖S onehot(v)‖ = 1 for every v
+    # S_h is drawn first, so models sharing d (and seed, dim) share S_h whatever their vocabulary
+    assert torch.equal(sketch_projections(99, 7, 64, seed=0)[1], s_h)
+    assert not torch.equal(sketch_projections(30, 7, 64, seed=1)[0], s_e)
+
+
+def test_sketch_inner_products_are_unbiased_over_seeds():
+    """Mean over seeds of ⟨φ_i, φ_j⟩ matches ⟨G_i, G_j⟩_F within 4 standard errors estimated from the draws."""
+    logits, hidden, tokens, mask = random_batch(11, B=4, S=6, V=24, d=6, scale=1.0)
+    exact = lm_head_features(logits, hidden, tokens, mask, "exact").double()
+    gram_exact = exact @ exact.T
+    grams = torch.stack(
+        [
+            (phi := lm_head_features(logits, hidden, tokens, mask, "sketch", 16, seed=s).double()) @ phi.T
+            for s in range(600)
+        ]
+    )
+    mean, stderr = grams.mean(0), grams.std(0) / len(grams) ** 0.5
+    assert (mean - gram_exact).abs().le(4 * stderr).all(), (mean, gram_exact, stderr)
+    # the check has power: 4 SE is a small fraction of the Gram's scale, so a biased sketch (e.g. S_e with
+    # unscaled ±1 entries, ×k on every inner product) could not pass
+    assert (4 * stderr).max() < 0.25 * gram_exact.diag().min()
+
+
+def test_sketch_features_are_bit_identical_in_a_fresh_process(tmp_path):
+    batch = random_batch(2, V=97, d=10)
+    here = lm_head_features(*batch, "sketch", 64, seed=7)
+    torch.save(batch, tmp_path / "batch.pt")
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from openrlhf_geo.features import lm_head_features
+        phi = lm_head_features(*torch.load(sys.argv[1]), "sketch", 64, seed=7)
+        torch.save(phi, sys.argv[2])
+        """
+    )
+    subprocess.run([sys.executable, "-c", code, tmp_path / "batch.pt", tmp_path / "phi.pt"], check=True)
+    assert torch.equal(torch.load(tmp_path / "phi.pt"), here)
+    assert not torch.equal(lm_head_features(*batch, "sketch", 64, seed=8), here)
+
+
+# ---------------------------------------------------------------- layouts, chunks, dtypes, temperature
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 10_000), chunk=st.integers(1, 20), method=st.sampled_from(["exact", "sketch"]))
+def test_chunked_equals_unchunked(seed, chunk, method):
+    batch = random_batch(seed, B=3, S=6, V=17, d=4)
+    whole = lm_head_features(*batch, method, 16, chunk_size=10_000)
+    assert_close(lm_head_features(*batch, method, 16, chunk_size=chunk), whole, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 10_000), order=st.permutations(range(4)), method=st.sampled_from(["exact", "sketch"]))
+def test_packed_and_padded_inputs_give_the_same_rows(seed, order, method):
+    batch = random_batch(seed, B=4, S=5, V=9, d=4, p_mask=0.5)
+    padded = lm_head_features(*batch, method, 16)
+    *packed, seg = packed_from_padded(*batch, order)
+    for chunk in (3, 1000):
+        got = lm_head_features(*packed, method, 16, segment_ids=seg, chunk_size=chunk)
+        assert_close(got, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_non_contiguous_logits_view_equals_its_copy():
+    logits, hidden, tokens, mask = random_batch(4, B=3, S=9, V=12, d=4)
+    view = logits[:, 1:]  # what a caller's shift produces; no copy of logits is made by the function
+    assert not view.is_contiguous()
+    expected = lm_head_features(view.contiguous(), hidden[:, 1:], tokens[:, 1:], mask[:, 1:], chunk_size=4, dim=16)
+    assert_close(lm_head_features(view, hidden[:, 1:], tokens[:, 1:], mask[:, 1:], chunk_size=4, dim=16), expected)
+
+
+@pytest.mark.parametrize("method", ["exact", "sketch"])
+def test_bf16_logits_give_float32_features_close_to_full_precision(method):
+    logits, hidden, tokens, mask = random_batch(6, B=3, S=8, V=30, d=8)
+    full = lm_head_features(logits, hidden, tokens, mask, method, 64)
+    half = lm_head_features(logits.bfloat16(), hidden.bfloat16(), tokens, mask, method, 64)
+    assert half.dtype == torch.float32
+    # softmax ran in float32 on the bf16 values: identical to passing those values as float32
+    upcast = lm_head_features(logits.bfloat16().float(), hidden.bfloat16().float(), tokens, mask, method, 64)
+    assert torch.equal(half, upcast)
+    assert_close(half, full, rtol=0.05, atol=0.02 * full.abs().max().item())
+
+
+@pytest.mark.parametrize("method", ["exact", "sketch"])
+def test_temperature_divides_logits_and_scales_gradient(method):
+    logits, hidden, tokens, mask = random_batch(8)
+    tempered = lm_head_features(logits, hidden, tokens, mask, method, 16, temperature=0.5)
+    assert_close(tempered, lm_head_features(logits / 0.5, hidden, tokens, mask, method, 16) / 0.5)
+    assert not torch.allclose(tempered, lm_head_features(logits, hidden, tokens, mask, method, 16))
+
+
+# ---------------------------------------------------------------- properties (hypothesis)
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 10_000), perm=st.permutations(range(4)), method=st.sampled_from(["exact", "sketch"]))
+def test_permuting_responses_permutes_feature_rows(seed, perm, method):
+    logits, hidden, tokens, mask = random_batch(seed, B=4, S=5, V=10, d=3)
+    perm = torch.tensor(perm)
+    base = lm_head_features(logits, hidden, tokens, mask, method, 16)
+    permuted = lm_head_features(logits[perm], hidden[perm], tokens[perm], mask[perm], method, 16)
+    assert_close(permuted, base[perm])
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 10_000), col=st.integers(1, 5), method=st.sampled_from(["exact", "sketch"]))
+def test_masking_out_a_token_equals_removing_it(seed, col, method):
+    logits, hidden, tokens, mask = random_batch(seed, B=3, S=6, V=10, d=3, p_mask=0.8)
+    masked = mask.clone()
+    masked[:, col] = False
+    keep = [t for t in range(6) if t != col]
+    removed = lm_head_features(logits[:, keep], hidden[:, keep], tokens[:, keep], mask[:, keep], method, 16)
+    assert_close(lm_head_features(logits, hidden, tokens, masked, method, 16), removed)
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 10_000), c=st.floats(-3, 3), method=st.sampled_from(["exact", "sketch"]))
+def test_features_are_linear_in_hidden_for_fixed_logits(seed, c, method):
+    logits, h1, tokens, mask = random_batch(seed, V=10, d=4)
+    h2 = random_batch(seed + 1, V=10, d=4)[1]
+    lhs = lm_head_features(logits, h1 + c * h2, tokens, mask, method, 16)
+    rhs = lm_head_features(logits, h1, tokens, mask, method, 16) + c * lm_head_features(
+        logits, h2, tokens, mask, method, 16
+    )
+    assert_close(lhs, rhs, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=50)
+@given(
+    seed=st.integers(0, 10_000),
+    scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+    p_mask=st.floats(0.0, 1.0),
+    neg_inf=st.booleans(),
+    method=st.sampled_from(["exact", "sketch"]),
+)
+def test_finite_inputs_give_finite_features_and_zero_rows_for_empty_responses(seed, scale, p_mask, neg_inf, method):
+    logits, hidden, tokens, mask = random_batch(seed, B=4, S=5, V=10, d=3, p_mask=p_mask, scale=scale)
+    mask[3] = False
+    if neg_inf:  # masked vocabulary entries: probability 0 (the sampled token keeps a finite logit)
+        logits[..., 0] = float("-inf")
+        tokens.clamp_(min=1)
+    features = lm_head_features(logits, hidden, tokens, mask, method, 16)
+    assert torch.isfinite(features).all()
+    assert (features[3] == 0).all()
+    if method == "exact":  # every entry of e_t lies in [-1, 1], so |G_i| <= max|h| entrywise (τ = 1)
+        assert features.abs().max() <= hidden.abs().max() * (1 + 1e-6)
+
+
+@settings(max_examples=30)
+@given(seed=st.integers(0, 10_000), order=st.permutations(range(3)))
+def test_last_token_hidden_picks_each_responses_last_masked_position(seed, order):
+    batch = random_batch(seed, B=3, S=6, d=4, p_mask=0.5)
+    hidden, mask = batch[1], batch[3]
+    mask[2] = False
+    expected = torch.zeros(3, 4)
+    for b in range(2):
+        expected[b] = hidden[b, mask[b].nonzero().max()]
+    assert torch.equal(last_token_hidden(hidden, mask), expected)
+    _, packed_hidden, _, packed_mask, seg = packed_from_padded(*batch, order)
+    assert torch.equal(last_token_hidden(packed_hidden, packed_mask, seg), expected)
+
+
+# ---------------------------------------------------------------- degenerate inputs and validation
+
+
+def test_nan_or_inf_at_unmasked_positions_is_ignored():
+    logits, hidden, tokens, mask = random_batch(9, B=2, S=5)
+    mask[:, 4] = False
+    expected = lm_head_features(logits, hidden, tokens, mask, "exact")
+    logits[:, 4], hidden[:, 4] = float("nan"), float("inf")
+    assert torch.equal(lm_head_features(logits, hidden, tokens, mask, "exact"), expected)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "name"),
+    [
+        (lambda z, h: z.__setitem__((0, 0, 3), float("nan")), "logits"),
+        (lambda z, h: z.__setitem__((0, 0, 3), float("inf")), "logits"),
+        (lambda z, h: z.__setitem__((0, 0), float("-inf")), "logits"),
+        (lambda z, h: h.__setitem__((0, 0, 1), float("nan")), "hidden"),
+        (lambda z, h: h.__setitem__((0, 0, 1), float("-inf")), "hidden"),
+    ],
+)
+@pytest.mark.parametrize("method", ["exact", "sketch"])
+def test_non_finite_values_at_masked_positions_raise_naming_the_argument(corrupt, name, method):
+    logits, hidden, tokens, mask = random_batch(10)
+    corrupt(logits, hidden)
+    with pytest.raises(ValueError, match=rf"^{name} "):
+        lm_head_features(logits, hidden, tokens, mask, method, 16)
+
+
+def test_last_token_hidden_rejects_non_finite_selected_states_only():
+    _, hidden, _, mask = random_batch(3, B=2, S=5)
+    mask[:, 3:] = False
+    mask[:, 2] = True
+    hidden[:, 4] = float("nan")  # after every response's last token: never selected
+    assert torch.equal(last_token_hidden(hidden, mask), hidden[:, 2])
+    hidden[1, 2, 0] = float("inf")
+    with pytest.raises(ValueError, match="^hidden "):
+        last_token_hidden(hidden, mask)
+
+
+def test_empty_inputs_give_zero_rows():
+    logits, hidden, tokens, mask = random_batch(1)
+    mask[:] = False
+    assert torch.equal(lm_head_features(logits, hidden, tokens, mask, "sketch", 16), torch.zeros(3, 16))
+    seg = torch.full(mask.shape, -1)
+    assert lm_head_features(logits, hidden, tokens, mask, "sketch", 16, segment_ids=seg).shape == (0, 16)
+    assert last_token_hidden(hidden, mask, seg).shape == (0, 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "ghost"}, r"method must be one of \('sketch', 'exact'\)"),
+        ({"dim": 1000}, "dim must be a perfect square >= 16"),
+        ({"dim": 9}, "dim must be a perfect square >= 16"),
+        ({"temperature": 0.0}, "temperature must be"),
+        ({"temperature": float("nan")}, "temperature must be"),
+        ({"chunk_size": 0}, "chunk_size must be"),
+        ({"segment_ids": torch.zeros(3, 6)}, "segment_ids must be an integer tensor"),
+        ({"segment_ids": torch.full((3, 6), -2)}, "segment_ids must be >= -1"),
+        ({"segment_ids": torch.zeros(1, 6, dtype=torch.long)}, "segment_ids must have the shape of mask"),
+    ],
+)
+def test_invalid_arguments_raise_a_clear_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lm_head_features(*random_batch(0), **kwargs)
+
+
+def test_invalid_shapes_tokens_and_mask_raise_naming_the_argument():
+    logits, hidden, tokens, mask = random_batch(0)
+    cases = [
+        ((logits[0], hidden, tokens, mask), "logits"),
+        ((logits, hidden[:, :-1], tokens, mask), "hidden"),
+        ((logits, hidden, tokens.float(), mask), "tokens"),
+        ((logits, hidden, tokens + 13, mask), "tokens"),
+        ((logits, hidden, tokens, mask[:, :-1]), "mask"),
+        ((logits, hidden, tokens, mask.long() * 2), "mask"),
+    ]
+    for args, name in cases:
+        with pytest.raises(ValueError, match=name):
+            lm_head_features(*args)
+
+
+def test_exact_method_refuses_huge_vocab_times_hidden_and_points_at_sketch():
+    V, d = 2**14, 2**13
+    assert V * d > EXACT_MAX_NUMEL
+    with pytest.raises(ValueError, match='use method="sketch"'):
+        lm_head_features(
+            torch.zeros(1, 1, V),
+            torch.zeros(1, 1, d),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, 1, dtype=torch.bool),
+            "exact",
+        )
