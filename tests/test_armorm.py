@@ -1,0 +1,277 @@
+"""ArmoRM reward on a tiny local stand-in with the same remote-code interface: scoring, batching, HTTP, parsing."""
+
+import importlib.util
+import json
+import shutil
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+from openrlhf_geo.rewards import armorm
+
+STANDIN = Path(__file__).parent / "fixtures" / "armorm_standin" / "modeling_armo_standin.py"
+SPECIALS = ["[PAD]", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Llama-3's chat-template layout (as ArmoRM's tokenizer renders it), written for this tiny tokenizer.
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there!"}],
+    [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four."}],
+    [{"role": "user", "content": "tell me a joke"}, {"role": "assistant", "content": "no."}],
+    [
+        {"role": "system", "content": "be kind"},
+        {"role": "user", "content": "how do i bake bread at home, step by step?"},
+        {"role": "assistant", "content": "mix flour, water, yeast and salt; knead; let it rise; bake at 230 c."},
+    ],
+    [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2, longer this time"},
+        {"role": "assistant", "content": "a2"},
+    ],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+    [{"role": "user", "content": "why is the sky blue?"}, {"role": "assistant", "content": "rayleigh scattering."}],
+]
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    """A saved tiny model with ArmoRM's loading interface: config.json auto_map -> remote code, chat template."""
+    path = tmp_path_factory.mktemp("armorm_standin")
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set("abcdefghijklmnopqrstuvwxyz0123456789 .,;:?!'\n")))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    tok.add_special_tokens(SPECIALS)
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="[PAD]"
+    )
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    armorm._install_transformers5_shim()  # the stand-in imports LLAMA_INPUTS_DOCSTRING, as ArmoRM does
+    spec = importlib.util.spec_from_file_location("modeling_armo_standin", STANDIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=vocab["[PAD]"],
+        num_objectives=4,
+        assistant_header_id=vocab["<|end_header_id|>"],
+        architectures=["StandInRewardModel"],
+        auto_map={"AutoModelForSequenceClassification": "modeling_armo_standin.StandInRewardModel"},
+    )
+    torch.manual_seed(0)
+    # config + safetensors directly: model.save_pretrained would import accelerate/deepspeed (seconds) to unwrap it
+    config.save_pretrained(path)
+    weights = module.StandInRewardModel(config).state_dict()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(STANDIN, path)
+    assert json.loads((path / "config.json").read_text())["auto_map"]
+    return path, weights
+
+
+@pytest.fixture(scope="module")
+def scorer(standin):
+    return armorm.ArmoRMScorer(str(standin[0]), device="cpu", batch_size=3)
+
+
+def _model_card_scores(scorer, conversations):
+    """The model card's recipe, one conversation at a time: chat template -> input_ids -> model(...).score."""
+    out = []
+    with torch.no_grad():
+        for messages in conversations:
+            ids = scorer.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+            out.append(scorer.model(ids["input_ids"]).score.float().item())
+    return torch.tensor(out)
+
+
+def test_scorer_loads_remote_code_and_matches_model_card_scoring(scorer, standin):
+    assert type(scorer.model).__name__ == "StandInRewardModel"  # trust_remote_code path, not a value head
+    loaded = scorer.model.state_dict()
+    assert loaded.keys() == standin[1].keys() and all(torch.equal(loaded[k], v) for k, v in standin[1].items())
+    expected = _model_card_scores(scorer, CONVERSATIONS)
+    assert expected.std() > 0  # distinct scores, so a row mix-up would show
+    torch.testing.assert_close(scorer(CONVERSATIONS), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_scores_equal_one_at_a_time_in_any_order(scorer):
+    one_at_a_time = torch.stack([scorer([c])[0] for c in CONVERSATIONS])
+    reversed_batch = scorer(CONVERSATIONS[::-1]).flip(0)
+    torch.testing.assert_close(reversed_batch, one_at_a_time, rtol=1e-5, atol=1e-6)
+
+
+def test_long_conversations_keep_bos_and_tail(standin):
+    short = armorm.ArmoRMScorer(str(standin[0]), device="cpu", max_length=24)
+    ids = short.tokenize(CONVERSATIONS[3:4])[0]
+    full = short.tokenizer.apply_chat_template(CONVERSATIONS[3], tokenize=True, return_dict=True)["input_ids"]
+    assert len(ids) == 24 and ids[0] == full[0] and ids[1:] == full[-23:] and short.truncated == 1
+
+
+QWEN_PROMPT = (
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHow do I boil an egg?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+LLAMA3_PROMPT = (
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nName a color.<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+HH_PROMPT = "\n\nHuman: Can you help me move?\n\nAssistant: Sure, when?\n\nHuman: Tomorrow.\n\nAssistant:"
+
+
+@pytest.mark.parametrize(
+    "prompt, response, expected",
+    [
+        (
+            QWEN_PROMPT,
+            "Put it in boiling water for 9 minutes.<|im_end|>",
+            [
+                {"role": "system", "content": "You are helpful."},
+                {"role": "user", "content": "How do I boil an egg?"},
+                {"role": "assistant", "content": "Put it in boiling water for 9 minutes."},
+            ],
+        ),
+        (
+            LLAMA3_PROMPT,
+            "Blue.<|eot_id|>",
+            [
+                {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "Blue."},
+            ],
+        ),
+        (
+            HH_PROMPT,
+            " I can come at noon.</s>",
+            [
+                {"role": "user", "content": "Can you help me move?"},
+                {"role": "assistant", "content": "Sure, when?"},
+                {"role": "user", "content": "Tomorrow."},
+                {"role": "assistant", "content": "I can come at noon."},
+            ],
+        ),
+        (
+            "Write a haiku about rain.\n",
+            "Soft rain on the roof<|endoftext|>",
+            [
+                {"role": "user", "content": "Write a haiku about rain."},
+                {"role": "assistant", "content": "Soft rain on the roof"},
+            ],
+        ),
+    ],
+    ids=["chatml", "llama3", "hh-rlhf", "plain"],
+)
+def test_upstream_query_splits_into_prompt_turns_and_response(prompt, response, expected):
+    assert armorm.conversation_from_query(prompt + response, prompt) == expected
+    if not prompt.startswith("Write"):  # a templated query also parses alone (requests without "prompts")
+        assert armorm.conversation_from_query(prompt + response) == expected
+
+
+def test_query_without_assistant_turn_and_without_prompt_is_rejected():
+    with pytest.raises(ValueError, match="send `prompts`"):
+        armorm.conversation_from_query("just a user message")
+
+
+def _post(url, payload):
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"] == "application/json"  # upstream's aiohttp client insists
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def server(scorer):
+    batcher = armorm.BatchingScorer(scorer, max_batch=16, max_wait_s=0.05)
+    server = armorm.make_server(batcher, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", batcher
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_round_trip_speaks_upstream_protocol_concurrently(server, scorer):
+    url, batcher = server
+    prompts = ["<|im_start|>user\n" + c[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n" for c in CONVERSATIONS]
+    queries = [p + c[-1]["content"] + "<|im_end|>" for p, c in zip(prompts, CONVERSATIONS)]
+    conversations = [armorm.conversation_from_query(q, p) for q, p in zip(queries, prompts)]
+    expected = scorer(conversations).tolist()
+
+    def one(i):  # upstream's client: one query per request, many requests in flight
+        return _post(url + "/get_reward", {"query": [queries[i]], "prompts": [prompts[i]], "labels": [None]})
+
+    with ThreadPoolExecutor(len(queries)) as pool:
+        replies = list(pool.map(one, range(len(queries))))
+    for reply, want in zip(replies, expected):
+        assert reply["rewards"] == pytest.approx([want], rel=1e-5, abs=1e-6)
+        assert reply["scores"] == reply["rewards"] and reply["extra_logs"] == {}
+    assert batcher.conversations == len(queries)
+    batch = _post(url + "/get_reward", {"query": queries, "prompts": prompts, "labels": [None] * len(queries)})
+    assert batch["rewards"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    with pytest.raises(urllib.error.HTTPError) as error:
+        _post(url + "/get_reward", {"query": [queries[0]], "prompts": prompts})
+    assert error.value.code == 400 and "differ in length" in json.loads(error.value.read())["error"]
+
+
+def test_batcher_merges_requests_that_arrive_while_scoring():
+    calls, release, busy = [], threading.Event(), threading.Event()
+
+    def slow_scorer(conversations):
+        calls.append(len(conversations))
+        if len(calls) == 1:
+            busy.set()
+            release.wait(30)
+        return torch.arange(len(conversations), dtype=torch.float32)
+
+    batcher = armorm.BatchingScorer(slow_scorer, max_batch=64, max_wait_s=0.0)
+    first = batcher.submit([["a"]])
+    busy.wait(30)
+    later = [batcher.submit([["b"]] * n) for n in (1, 2, 3)]  # queued while the first call runs
+    release.set()
+    assert first.result(30).tolist() == [0.0]
+    assert [f.result(30).tolist() for f in later] == [[0.0], [1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert calls == [1, 6] and (batcher.calls, batcher.conversations) == (2, 7)
+
+
+def test_reward_function_file_loaded_like_upstream(standin, scorer, monkeypatch):
+    monkeypatch.setenv(armorm.ENV_MODEL, str(standin[0]))
+    monkeypatch.setenv(armorm.ENV_DEVICE, "cpu")
+    monkeypatch.setattr(armorm, "_default", None)
+    spec = importlib.util.spec_from_file_location("reward_func", armorm.__file__)  # what upstream does
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt = "<|im_start|>user\nwhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"
+    info = module.reward_func([prompt + "rayleigh scattering.<|im_end|>"], [prompt], [None])
+    expected = scorer([CONVERSATIONS[-1]])
+    torch.testing.assert_close(info["rewards"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.tensor([info["rewards"]]).shape == (1,)  # upstream wraps it: torch.tensor([reward])
+
+
+def test_reward_function_without_model_path_says_which_variable(monkeypatch):
+    monkeypatch.delenv(armorm.ENV_MODEL, raising=False)
+    monkeypatch.setattr(armorm, "_default", None)
+    with pytest.raises(ValueError, match=armorm.ENV_MODEL):
+        armorm.reward_func(["q a"], ["q "], [None])

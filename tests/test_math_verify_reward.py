@@ -1,0 +1,227 @@
+"""Boxed-answer math-verify reward: a table of real-looking cases, timeouts, threads, upstream's entry point."""
+
+import asyncio
+import importlib.util
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_geo.rewards import math_verify as mv
+from openrlhf_geo.rewards import split_query
+
+LONG_REASONING = "Let me think about this carefully. " * 6000  # ~200k characters before the answer
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: hangs without a timeout
+
+# (response, gold, correct, status)
+CASES = [
+    # fractions and their spellings
+    ("The answer is \\boxed{\\frac{1}{2}}.", "1/2", True, "correct"),
+    ("So we get $\\boxed{\\dfrac{1}{2}}$", "\\frac12", True, "correct"),
+    ("\\boxed{\\tfrac{3}{4}}", "0.75", True, "correct"),
+    ("\\boxed{0.5}", "\\frac{1}{2}", True, "correct"),
+    ("\\boxed{\\frac{1}{2}}", "0.5", True, "correct"),
+    ("\\boxed{0.333}", "\\frac13", False, "wrong"),
+    ("\\boxed{1/3}", "0.3333333", True, "correct"),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True, "correct"),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", True, "correct"),
+    # integers, signs, decimals, separators
+    ("Thus \\boxed{42}", "42", True, "correct"),
+    ("\\boxed{-3}", "-3", True, "correct"),
+    ("\\boxed{-3}", "3", False, "wrong"),
+    ("\\boxed{3.0}", "3", True, "correct"),
+    ("\\boxed{1,000}", "1000", True, "correct"),
+    ("\\boxed{1{,}000}", "1000", True, "correct"),
+    ("\\boxed{10^{10}}", "10000000000", True, "correct"),
+    ("\\boxed{10}", "12", False, "wrong"),
+    # LaTeX spacing and formatting
+    ("\\boxed{ 7 }", "7", True, "correct"),
+    ("\\boxed {7}", "7", True, "correct"),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\frac{\\pi}{2})", True, "correct"),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True, "correct"),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", True, "correct"),
+    ("\\boxed{\\mathbf{5}}", "5", True, "correct"),
+    # units, text, degrees, currency, percent
+    ("\\boxed{5\\text{ cm}}", "5", True, "correct"),
+    ("\\boxed{6.0\\,\\text{m/s}}", "6", True, "correct"),
+    ("\\boxed{20^\\circ}", "20", True, "correct"),
+    ("\\boxed{\\$20}", "20", True, "correct"),
+    ("\\boxed{50\\%}", "50", True, "correct"),
+    ("\\boxed{50\\%}", "0.5", True, "correct"),
+    ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}", True, "correct"),
+    ("\\boxed{x = 5}", "5", True, "correct"),
+    # sets, intervals, tuples
+    ("\\boxed{\\{1, 2, 3\\}}", "\\{3,2,1\\}", True, "correct"),
+    ("\\boxed{(1, 2]}", "(1,2]", True, "correct"),
+    ("\\boxed{[1,2]}", "(1,2)", False, "wrong"),
+    ("\\boxed{[2, 5)}", "x \\in [2,5)", True, "correct"),
+    ("\\boxed{2, 3}", "3, 2", True, "correct"),
+    # gold given with a box, or with $...$
+    ("\\boxed{12}", "The answer is \\boxed{12}", True, "correct"),
+    ("\\boxed{\\frac{1}{2}}", "$\\frac{1}{2}$", True, "correct"),
+    # no box, empty box, multiple boxes, nesting, truncation
+    ("The answer is 42.", "42", False, "no_box"),
+    ("", "1", False, "no_box"),
+    ("\\boxed{}", "1", False, "wrong"),
+    ("First \\boxed{3}, on reflection \\boxed{4}.", "4", True, "correct"),
+    ("First \\boxed{4}, on reflection \\boxed{3}.", "4", False, "wrong"),
+    ("\\boxed{\\boxed{5}}", "5", True, "correct"),
+    ("\\boxed{2} then \\fbox{7}", "7", True, "correct"),
+    ("Earlier \\boxed{4}; finally \\boxed{\\frac{4", "4", False, "no_box"),
+    ("\\boxedtext{4} is not a box", "4", False, "no_box"),
+    (LONG_REASONING + "\\boxed{17}", "17", True, "correct"),
+    (LONG_REASONING + "no final answer", "17", False, "no_box"),
+    # unusable gold
+    ("\\boxed{3}", "", False, "bad_gold"),
+    ("\\boxed{3}", "\\boxed{", False, "bad_gold"),
+]
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with mv.MathVerifyReward(mode="grpo", timeout=30.0, workers=2) as reward:
+        yield reward
+
+
+def test_case_table_has_at_least_40_real_looking_cases():
+    assert len(CASES) >= 40
+    assert {status for *_, status in CASES} >= {"correct", "wrong", "no_box", "bad_gold"}
+
+
+def test_case_table_verdicts(scorer):
+    responses, golds, correct, statuses = zip(*CASES)
+    got = [(v.correct, v.status) for v in scorer.verdicts(responses, golds)]
+    mismatches = [
+        (CASES[i][0][-60:], CASES[i][1], got[i]) for i in range(len(CASES)) if got[i] != (correct[i], statuses[i])
+    ]
+    assert not mismatches
+
+
+def test_grpo_rewards_one_zero_and_stats_count_statuses(scorer):
+    rewards, stats = scorer(["\\boxed{2}", "\\boxed{3}", "no box", "\\boxed{2}"], ["2", "2", "2", ""])
+    torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert (stats["correct"], stats["wrong"], stats["no_box"], stats["bad_gold"], stats["timeout"]) == (1, 1, 1, 1, 0)
+    assert stats["accuracy"] == 0.25
+
+
+def test_pathological_answer_times_out_and_pool_recovers():
+    with mv.MathVerifyReward(timeout=1.0, workers=1) as reward:
+        verdicts = reward.verdicts([PATHOLOGICAL, "\\boxed{2}"], ["1", "2"])
+    assert [(v.correct, v.status) for v in verdicts] == [(False, "timeout"), (True, "correct")]
+    assert verdicts[0].answer == "9^{9^{9^{9}}}"
+
+
+def test_scoring_from_non_main_threads_matches_main_thread(scorer):
+    responses = [f"\\boxed{{{i}}}" for i in range(12)]
+    golds = [str(i if i % 3 else i + 1) for i in range(12)]
+    expected, _ = scorer(responses, golds)
+    results = {}
+
+    def one(i):
+        assert threading.current_thread() is not threading.main_thread()
+        return scorer([responses[i]], [golds[i]])[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        for i, reward in zip(range(12), pool.map(one, range(12))):
+            results[i] = reward
+    torch.testing.assert_close(torch.cat([results[i] for i in range(12)]), expected)
+
+
+def _load_like_upstream():
+    """What openrlhf.utils.agent.SingleTurnAgentExecutor does with `--reward.remote_url file.py`."""
+    spec = importlib.util.spec_from_file_location("reward_func", mv.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reward_func
+
+
+@pytest.fixture
+def env_reward(monkeypatch):
+    monkeypatch.setenv(mv.ENV_MODE, "dapo")
+    monkeypatch.setenv(mv.ENV_TIMEOUT, "30")
+    monkeypatch.setenv(mv.ENV_WORKERS, "1")
+    monkeypatch.setattr(mv, "_default", None)
+    yield
+    if mv._default is not None:
+        mv._default.close()
+
+
+def test_upstream_entry_point_called_like_upstream_with_dapo_mode_from_env(env_reward):
+    reward_func = _load_like_upstream()
+    prompt = "<|im_start|>user\nWhat is 1+1? Put the answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+    queries = [prompt + "1+1 = \\boxed{2}<|im_end|>", prompt + "\\boxed{3}<|im_end|>", prompt + "two<|im_end|>"]
+
+    async def fetch():  # upstream: asyncio.to_thread(reward_func, queries[i:i+1], prompts[i:i+1], labels[i:i+1])
+        calls = [asyncio.to_thread(reward_func, [q], [prompt], ["2"]) for q in queries]
+        return await asyncio.gather(*calls)
+
+    infos = asyncio.run(fetch())
+    # upstream: rewards=torch.tensor([info["rewards"]]), scores likewise, extra_logs values .flatten()[0].item()
+    rewards = torch.cat([torch.tensor([info["rewards"]]) for info in infos])
+    scores = torch.cat([torch.tensor([info["scores"]]) for info in infos])
+    torch.testing.assert_close(rewards, torch.tensor([1.0, -1.0, -1.0]))  # OPENRLHF_GEO_MATH_MODE=dapo
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0, 0.0]))
+    no_box = [info["extra_logs"]["math_verify/no_box"].flatten()[0].item() for info in infos]
+    assert no_box == [0.0, 0.0, 1.0]
+    assert mv._default is not None and mv._default.mode == "dapo"  # the path-loaded copy delegated to the package
+
+
+def test_bad_options_raise_naming_the_option(monkeypatch):
+    with pytest.raises(ValueError, match="mode"):
+        mv.MathVerifyReward(mode="ppo")
+    with pytest.raises(ValueError, match="timeout"):
+        mv.MathVerifyReward(timeout=0)
+    with pytest.raises(ValueError, match="workers"):
+        mv.MathVerifyReward(workers=0)
+    monkeypatch.setenv(mv.ENV_TIMEOUT, "soon")
+    with pytest.raises(ValueError, match=mv.ENV_TIMEOUT):
+        mv.reward_from_env()
+    with pytest.raises(ValueError, match=r"golds\[1\] is None"):
+        mv.MathVerifyReward().verdicts(["\\boxed{1}", "\\boxed{2}"], ["1", None])
+
+
+# Text without backslashes or braces: any box inside it would be ours.
+_plain = st.text(alphabet=st.characters(blacklist_characters="\\{}", blacklist_categories=("Cs",)), max_size=30)
+
+
+@st.composite
+def _balanced(draw, depth=0):
+    """LaTeX-ish content with balanced braces, escaped braces and nested boxes."""
+    parts = draw(st.lists(_plain, min_size=1, max_size=3))
+    out = parts[0]
+    for part in parts[1:]:
+        kind = draw(st.sampled_from(["group", "escaped", "box", "text"] if depth < 2 else ["escaped", "text"]))
+        if kind == "group":
+            out += "{" + draw(_balanced(depth + 1)) + "}"
+        elif kind == "escaped":
+            out += "\\{" + part + "\\}"
+        elif kind == "box":
+            out += "\\boxed{" + draw(_balanced(depth + 1)) + "}"
+        out += part
+    return out
+
+
+@settings(max_examples=100)
+@given(_balanced(), _balanced(), _plain)
+def test_extract_last_boxed_returns_the_last_top_level_box(earlier, content, tail):
+    text = "Reasoning \\boxed{" + earlier + "} more " + "\\boxed{" + content + "}" + tail
+    assert mv.extract_last_boxed(text) == content
+    assert mv.extract_last_boxed(text[: -len(tail) - 1] if tail else text[:-1]) is None  # unclosed last box
+
+
+@settings(max_examples=100)
+@given(_plain, _plain, st.text(alphabet="ab \n", max_size=400), st.integers(0, 300))
+def test_split_query_recovers_the_response(prompt, response, template, cut):
+    assert split_query(prompt + response, prompt) == response
+    # Upstream left-truncates long prompts: the query starts with a suffix of the prompt (repetitive on purpose).
+    long_prompt = "ab " * 40 + template
+    cut = min(cut, len(long_prompt) - 16)
+    assert split_query(long_prompt[cut:] + "Z" + response, long_prompt) == "Z" + response
+
+
+def test_split_query_refuses_to_guess():
+    with pytest.raises(ValueError, match="cannot locate the prompt"):
+        split_query("completely different text", "the prompt")
