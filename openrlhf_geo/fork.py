@@ -1,0 +1,336 @@
+"""The fork: upstream openrlhf==0.11.2 plus the diffs in patches/, imported by the driver and by every Ray worker.
+
+    materialize()         check the installed openrlhf (version; sha256 of every file a diff touches), copy the
+                          distribution's openrlhf/ and tests/ into <cache>/fork/openrlhf-<version>-<key>, apply the
+                          diffs with `git apply` (GNU `patch` when git is missing); built in a temp dir, renamed
+                          into place (atomic). The key hashes the upstream hashes and the diffs.
+    activate(root)        put that copy first on sys.path, before anything imports openrlhf.
+    worker_runtime_env()  the Ray runtime_env fields (py_modules + a start-up check) that make every worker, on
+                          every node, import the driver's copy; the patched train_ppo_ray passes them to ray.init.
+    check_worker()        runs at each Ray worker's start: its openrlhf must carry FORK_ID (set by the diffs).
+    main(argv)            `openrlhf-geo train-ppo-ray ARGS`: upstream openrlhf.cli.train_ppo_ray as __main__.
+    main_fork(argv)       `openrlhf-geo fork verify | path`.
+
+Every problem found before Ray starts is reported in ONE ForkError listing all of them.
+"""
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PINNED_VERSION = "0.11.2"
+# Written into openrlhf/__init__.py by patches/openrlhf.__init__.diff; bump both together when the diffs change.
+FORK_ID = "openrlhf==0.11.2+openrlhf-geo.1"
+UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
+CACHE_ENV = "OPENRLHF_GEO_CACHE"
+STAMP = "FORK.json"
+REINSTALL = f"pip install --force-reinstall --no-deps openrlhf=={PINNED_VERSION}"
+
+
+class ForkError(RuntimeError):
+    """The fork cannot be built or used here; the message lists every problem and what to do."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One diff of patches/: the upstream file it changes and that file's sha256 in the pinned release."""
+
+    path: Path
+    target: str  # e.g. "openrlhf/models/actor.py"
+    upstream_sha256: str
+    sha256: str  # of the diff itself (part of the cache key)
+
+
+def sha256_file(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def patch_dir() -> Path:
+    """The diffs: package data `openrlhf_geo.patches` when installed, else patches/ of this source checkout."""
+    try:
+        found = Path(str(importlib.resources.files("openrlhf_geo.patches")))
+        if any(found.glob("*.diff")):
+            return found
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parents[1] / "patches"
+
+
+_HEADER = re.compile(r"^# target: (\S+)\n# upstream: openrlhf==(\S+) sha256:([0-9a-f]{64})$", re.MULTILINE)
+
+
+def load_patches(directory=None) -> list[Patch]:
+    """The diffs in `directory` (default `patch_dir()`), sorted by name; each names its target in its header."""
+    directory = Path(directory) if directory is not None else patch_dir()
+    patches, problems = [], []
+    for path in sorted(directory.glob("*.diff")):
+        text = path.read_text()
+        match = _HEADER.search(text)
+        if match is None:
+            problems.append(f"{path.name}: header lacks '# target: PATH' / '# upstream: openrlhf==V sha256:HEX'")
+            continue
+        target, version, digest = match.groups()
+        if version != PINNED_VERSION:
+            problems.append(f"{path.name}: written for openrlhf=={version}, the fork pins {PINNED_VERSION}")
+        if text.count("\n--- ") != 1 or f"\n--- a/{target}\n" not in text or f"\n+++ b/{target}\n" not in text:
+            problems.append(f"{path.name}: must be one unified diff of a/{target} -> b/{target}")
+        patches.append(Patch(path, target, digest, sha256_file(path)))
+    if not patches and not problems:
+        problems.append(f"no *.diff files in {directory}")
+    if problems:
+        raise ForkError("invalid patches:\n  " + "\n  ".join(problems))
+    return patches
+
+
+def upstream_distribution(site_packages=None):
+    """The installed openrlhf distribution (or the one inside `site_packages`, a site-packages-like folder)."""
+    if site_packages is None:
+        try:
+            return importlib.metadata.distribution("openrlhf")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    else:
+        found = list(importlib.metadata.distributions(name="openrlhf", path=[str(site_packages)]))
+        if found:
+            return found[0]
+    where = f" in {site_packages}" if site_packages is not None else ""
+    raise ForkError(
+        f"openrlhf is not installed{where}: pip install --no-deps openrlhf=={PINNED_VERSION} "
+        "(GPU nodes: pip install 'openrlhf-geo[openrlhf]')"
+    )
+
+
+def check_upstream(patches, dist) -> tuple[list[str], list[str]]:
+    """(report lines, problems) for the upstream version and the sha256 of every file a diff touches."""
+    lines, problems = [], []
+    root = Path(dist.locate_file(""))
+    ok = dist.version == PINNED_VERSION
+    lines.append(f"openrlhf {dist.version} at {root} (pinned {PINNED_VERSION}): {'ok' if ok else 'WRONG VERSION'}")
+    if not ok:
+        problems.append(
+            f"installed openrlhf is {dist.version}; the fork's patches are for {PINNED_VERSION}: {REINSTALL}"
+        )
+    for patch in patches:
+        path = root / patch.target
+        actual = sha256_file(path) if path.is_file() else None
+        if actual == patch.upstream_sha256:
+            status = "ok"
+        elif actual is None:
+            status = "MISSING"
+            problems.append(f"{patch.target} is missing from {root}: {REINSTALL}")
+        else:
+            status = f"MODIFIED (sha256 {actual[:12]}…, expected {patch.upstream_sha256[:12]}…)"
+            problems.append(
+                f"{patch.target} differs from openrlhf=={PINNED_VERSION} (sha256 {actual}, expected "
+                f"{patch.upstream_sha256}): the installed package was modified; {REINSTALL}"
+            )
+        lines.append(f"{patch.target:<48} {patch.path.name:<48} {status}")
+    return lines, problems
+
+
+def fork_key(patches, version) -> str:
+    """sha256 over the upstream version, FORK_ID, and each diff's target, upstream sha256 and own sha256."""
+    payload = [version, FORK_ID] + [[p.path.name, p.target, p.upstream_sha256, p.sha256] for p in patches]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def cache_root(cache_dir=None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "openrlhf-geo"
+
+
+def _copy_distribution(dist, dest: Path) -> None:
+    """Copy the distribution's own files under openrlhf/ and tests/ (its RECORD), without bytecode."""
+    files = [f for f in dist.files or () if f.parts[0] in ("openrlhf", "tests") and "__pycache__" not in f.parts]
+    if not any(f.parts[0] == "openrlhf" for f in files):
+        raise ForkError(f"the openrlhf distribution lists no files (RECORD); reinstall it: {REINSTALL}")
+    for f in files:
+        target = dest / Path(*f.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(dist.locate_file(f), target)
+
+
+def _apply(patches, root: Path) -> None:
+    """Apply every diff to `root` exactly (no fuzz): `git apply` (all-or-nothing), else GNU patch after a dry run."""
+    files = [str(p.path) for p in patches]
+    if shutil.which("git"):
+        # Outside any repository: without the ceiling, a cache inside a git work tree makes `git apply` skip
+        # every file ("Skipped patch") and exit 0.
+        env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE")}
+        env["GIT_CEILING_DIRECTORIES"] = str(root.parent)
+        commands = [["git", "apply", "--whitespace=nowarn", *files]]
+    elif shutil.which("patch"):
+        env = None
+        base = ["patch", "-p1", "--fuzz=0", "--batch", "--forward", "--no-backup-if-mismatch", "-s"]
+        commands = [[*base, "--dry-run", "-i", f] for f in files] + [[*base, "-i", f] for f in files]
+    else:
+        raise ForkError("applying the patches needs `git` or GNU `patch` on PATH")
+    for command in commands:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ForkError(f"`{' '.join(command[:2])}` failed in {root}:\n{done.stderr or done.stdout}")
+
+
+def _check_materialized(root: Path, key: str, patches) -> None:
+    stamp = json.loads((root / STAMP).read_text())
+    if stamp.get("key") != key:
+        raise ForkError(f"{root / STAMP} belongs to another patch set; delete {root}")
+    changed = [t for t, digest in stamp["patched"].items() if sha256_file(root / t) != digest]
+    if changed:
+        raise ForkError(f"the materialized fork at {root} was modified ({', '.join(changed)}); delete {root}")
+
+
+def materialize(site_packages=None, cache_dir=None, patches_from=None) -> Path:
+    """Build (once) and return the patched copy: a folder holding openrlhf/ and upstream's tests/."""
+    patches = load_patches(patches_from)
+    dist = upstream_distribution(site_packages)
+    _, problems = check_upstream(patches, dist)
+    if problems:
+        raise ForkError(
+            "the installed openrlhf does not match the fork's patches:\n  "
+            + "\n  ".join(problems)
+            + "\n(`openrlhf-geo fork verify` prints the full report)"
+        )
+    key = fork_key(patches, dist.version)
+    parent = cache_root(cache_dir) / "fork"
+    root = parent / f"openrlhf-{dist.version}-{key[:16]}"
+    if not (root / STAMP).is_file():
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+        try:
+            _copy_distribution(dist, tmp)
+            _apply(patches, tmp)
+            patched = {p.target: sha256_file(tmp / p.target) for p in patches}
+            stamp = {"fork_id": FORK_ID, "openrlhf": dist.version, "key": key, "patched": patched}
+            (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+            try:
+                tmp.rename(root)
+            except OSError:
+                if not (root / STAMP).is_file():  # not a concurrent build that won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _check_materialized(root, key, patches)
+    return root
+
+
+def _check_marker(module) -> None:
+    found = getattr(module, "__openrlhf_geo_fork__", None)
+    if found != FORK_ID:
+        where = Path(module.__file__).parent if getattr(module, "__file__", None) else "an unknown location"
+        raise ForkError(
+            f"this process imported openrlhf from {where}, which is not the openrlhf-geo fork {FORK_ID} "
+            f"(found {found!r}). A folder named `openrlhf` in the working directory (or a job's working_dir) "
+            "shadows the fork on Ray workers: launch from another directory, through `openrlhf-geo train-ppo-ray`."
+        )
+
+
+def activate(root) -> None:
+    """Make `import openrlhf` in this process load the materialized copy at `root` (call before any import)."""
+    root = Path(root).resolve()
+    loaded = sys.modules.get("openrlhf")
+    if loaded is not None and Path(loaded.__file__).resolve().parent != root / "openrlhf":
+        raise ForkError(
+            f"openrlhf was already imported from {Path(loaded.__file__).parent} before the fork was activated; "
+            "activate it first (openrlhf_geo.fork.activate) or launch through `openrlhf-geo train-ppo-ray`"
+        )
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    import openrlhf
+
+    _check_marker(openrlhf)
+
+
+def worker_runtime_env() -> dict:
+    """Ray runtime_env fields for ray.init: ship this driver's openrlhf and openrlhf_geo, check them at start-up.
+
+    Only py_modules reach other nodes. Under `ray job submit`, pass only env_vars (or working_dir) at job level:
+    a field set at both levels is an error (DESIGN.md §3).
+    """
+    import openrlhf
+
+    import openrlhf_geo
+
+    _check_marker(openrlhf)
+    return {
+        "py_modules": [str(Path(openrlhf.__file__).parent), str(Path(openrlhf_geo.__file__).parent)],
+        "worker_process_setup_hook": "openrlhf_geo.fork.check_worker",
+    }
+
+
+def check_worker() -> None:
+    """Ray worker_process_setup_hook (and PolicyModelActor init): this process must import the fork."""
+    import openrlhf
+
+    _check_marker(openrlhf)
+
+
+def verify(site_packages=None, cache_dir=None) -> tuple[bool, list[str]]:
+    """Everything `materialize` checks, as a readable report: (ok, lines)."""
+    lines, problems = [f"openrlhf-geo fork {FORK_ID}"], []
+    try:
+        patches = load_patches()
+        lines.append(f"patches: {patch_dir()} ({len(patches)} diffs)")
+        check_lines, problems = check_upstream(patches, upstream_distribution(site_packages))
+        lines += check_lines
+        if not problems:
+            lines.append(f"patched copy: {materialize(site_packages, cache_dir)} (diffs applied exactly)")
+    except ForkError as e:
+        problems = [*problems, str(e)]
+    if problems:
+        lines += ["FAILED:", *(f"  {p}" for p in problems)]
+    else:
+        lines.append("ok")
+    return not problems, lines
+
+
+def main(argv=None) -> int:
+    """`openrlhf-geo train-ppo-ray ARGS`: upstream's train_ppo_ray, run as __main__ on the patched copy."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        activate(materialize())
+    except ForkError as e:
+        print(f"openrlhf-geo: {e}", file=sys.stderr)
+        return 1
+    sys.argv = [UPSTREAM_MAIN, *argv]
+    runpy.run_module(UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def main_fork(argv=None) -> int:
+    """`openrlhf-geo fork verify | path`."""
+    parser = argparse.ArgumentParser(prog="openrlhf-geo fork", description="check or locate the patched openrlhf")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("verify", "check the installed openrlhf against the patches and build the patched copy (exit 0/1)"),
+        ("path", "print the patched copy's folder (built if needed)"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--site-packages", help="check the openrlhf installed in this folder instead")
+        cmd.add_argument("--cache-dir", help=f"cache root (default ${CACHE_ENV} or ~/.cache/openrlhf-geo)")
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        ok, lines = verify(args.site_packages, args.cache_dir)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    try:
+        print(materialize(args.site_packages, args.cache_dir))
+    except ForkError as e:
+        print(f"openrlhf-geo: {e}", file=sys.stderr)
+        return 1
+    return 0

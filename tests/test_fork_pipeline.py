@@ -1,0 +1,633 @@
+"""The REAL patched openrlhf 0.11.2 modules, imported from the materialized fork (CPU, test-only import shims).
+
+Covers: upstream's own parser with the fork's flags; Actor.forward (padded and packed) returning upstream's
+log-probs plus correct features / hidden states; PolicyModelActor.forward's return value; the experience maker's
+SALT advantages against `salt_advantages`; GeoAlign rectification on micro-batched Experiences; PolicyLoss
+gradients under replacement against an explicitly duplicated batch; metrics through `info` and the replay-buffer
+split/merge; GeoAlign state in checkpoints.
+"""
+
+import copy
+import dataclasses
+import importlib.util
+import itertools
+import math
+import re
+import runpy
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_geo import fork, fork_hooks
+from openrlhf_geo.geoalign import CurationPlan
+
+pytestmark = pytest.mark.fork
+V = 48  # tiny vocabulary
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """The patched upstream modules, imported from a fork materialized for this test session."""
+    spec = importlib.util.spec_from_file_location("fork_shims", Path(__file__).with_name("fork_shims.py"))
+    shims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shims)
+    shims.install()
+    cache = tmp_path_factory.getbasetemp() / "openrlhf-geo-cache"
+    fork.activate(fork.materialize(cache_dir=cache))
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_utils.experience_maker as experience_maker
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    import openrlhf.utils as utils
+    from openrlhf.models import Actor, PolicyLoss
+    from openrlhf.trainer.ppo_utils import experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    yield NS(
+        cache=cache,
+        Actor=Actor,
+        PolicyLoss=PolicyLoss,
+        experience=experience,
+        experience_maker=experience_maker,
+        ppo_actor=ppo_actor,
+        ppo_trainer=ppo_trainer,
+        utils=utils,
+        FixedKLController=FixedKLController,
+    )
+    shims.uninstall()  # other test modules may probe importlib for vllm / flash_attn
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def load_actor(up, tiny_path, packing=False, temperature=1.0):
+    actor = up.Actor(
+        tiny_path, attn_implementation="eager", param_dtype="bf16", packing_samples=packing, temperature=temperature
+    )
+    actor.model.float().eval()  # param_dtype takes bf16/fp16 only; fp32 for CPU numerics
+    return actor
+
+
+# ── upstream's parser (cli/train_ppo_ray.py run as __main__, `train` never reached) ──
+
+BASE_ARGV = ["--actor.model_name_or_path", "tiny", "--rollout.n_samples_per_prompt", "4", "--train.seed", "7"]
+
+
+class Parsed(Exception):
+    pass
+
+
+def parse(up, monkeypatch, argv):
+    """`openrlhf-geo train-ppo-ray ARGV` (fork.main: upstream train_ppo_ray run as __main__ on the fork), stopped
+    where train() starts: returns the args it receives, after upstream's own checks."""
+    import ray
+
+    def stop(args):
+        raise Parsed(args)
+
+    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
+    monkeypatch.setattr(up.utils, "get_strategy", stop)  # train()'s first call after ray.init
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    with pytest.raises(Parsed) as caught:
+        fork.main([*BASE_ARGV, *argv])
+    return caught.value.args[0]
+
+
+def test_help_lists_upstream_and_fork_flags(up, monkeypatch, capsys):
+    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
+    with pytest.raises(SystemExit) as caught:
+        fork.main(["--help"])
+    out = capsys.readouterr().out
+    assert caught.value.code == 0
+    flags = set(re.findall(r"(--[\w.]+)", out))
+    assert {"--algo.advantage.estimator", "--advantage_estimator", "--vllm.num_engines", "--salt.variant"} <= flags
+    assert {"--geoalign.projector.hidden_sizes", "--reward.noise.type", "--reward.noise.rate"} <= flags
+    assert "salt (openrlhf-geo" in " ".join(out.split())
+
+
+def test_advantage_estimator_salt_parses_to_its_base_plus_salt(up, monkeypatch):
+    args = parse(up, monkeypatch, ["--advantage_estimator", "salt", "--salt.base", "rloo"])
+    assert args.algo.advantage.estimator == "rloo" and args.salt.enable
+    assert args.critic.model_name_or_path is None  # upstream's own post-parse logic saw a group estimator
+    flat = parse(up, monkeypatch, ["--advantage_estimator", "group_norm"])
+    assert flat.algo.advantage.estimator == "group_norm" and not flat.salt.enable and not flat.geoalign.enable
+
+
+def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
+    argv = (
+        "--advantage_estimator salt --salt.base dr_grpo --salt.variant fixed-alpha --salt.alpha 0.3 "
+        "--salt.features exact --salt.dim 256 --salt.seed 3 --salt.group_prompts 2 "
+        "--geoalign.enable --geoalign.preset rlhf --geoalign.alpha 0.1 --geoalign.mode amplify --geoalign.gdi mean "
+        "--geoalign.prototype plain --geoalign.max_flag_frac 0.3 --geoalign.min_scores 8 "
+        "--geoalign.max_pairs_per_side 2 --geoalign.device cpu --geoalign.projector.hidden_sizes 16 8 "
+        "--geoalign.projector.out_dim 4 --geoalign.projector.steps 5 --geoalign.projector.lr 0.01 "
+        "--geoalign.projector.val_acc 0.9 --geoalign.projector.val_frac 0.3 --geoalign.projector.no_warm_start "
+        "--reward.noise.type flip --reward.noise.rate 0.25 --reward.noise.seed 5"
+    ).split()
+    args = parse(up, monkeypatch, argv)
+    salt, noise = args.salt, args.reward.noise
+    assert (salt.base, salt.variant, salt.alpha, salt.features, salt.dim, salt.seed, salt.group_prompts) == (
+        "dr_grpo",
+        "fixed-alpha",
+        0.3,
+        "exact",
+        256,
+        3,
+        2,
+    )
+    assert args.algo.advantage.estimator == "dr_grpo"
+    config = fork_hooks.ExperienceGeometry(args).geoalign
+    assert (config.alpha, config.mode, config.gdi, config.prototype, config.max_flag_frac) == (
+        0.1,
+        "amplify",
+        "mean",
+        "plain",
+        0.3,
+    )
+    assert (config.min_scores, config.max_pairs_per_side, config.device) == (8, 2, "cpu")
+    assert (config.hidden_sizes, config.out_dim, config.steps, config.lr) == ((16, 8), 4, 5, 0.01)
+    assert (config.val_acc, config.val_frac, config.warm_start) == (0.9, 0.3, False)
+    assert (noise.type, noise.rate, noise.seed) == ("flip", 0.25, 5)
+    assert args.reward.num_nodes == 1  # upstream's --reward.* flags live beside --reward.noise.*
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ("--salt.variant full", "--salt.variant only applies with --advantage_estimator salt"),
+        ("--advantage_estimator salt --salt.dim 1000", "--salt.dim must be a perfect square"),
+        ("--geoalign.mode replace", "--geoalign.mode only applies with --geoalign.enable"),
+        ("--reward.noise.rate 0.1", "needs --reward.noise.type flip or swap"),
+        ("--advantage_estimator group_norm --geoalign.enable --geoalign.mode drop", "--geoalign.mode drop changes"),
+        ("--advantage_estimator reinforce_baseline --geoalign.enable", "needs a per-prompt group estimator"),
+        (
+            "--advantage_estimator salt --salt.base reinforce_baseline --geoalign.enable",
+            "(got 'reinforce_baseline' (from --salt.base))",
+        ),
+        ("--advantage_estimator group_norm --geoalign.enable --geoalign.device cuda", "starts without a GPU"),
+        ("--advantage_estimator salt --ds.ring_attn_size 2 --vllm.num_engines 1", "--ds.ring_attn_size 2 splits"),
+        ("--advantage_estimator bogus", "invalid choice: 'bogus'"),
+    ],
+)
+def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, message):
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, argv.split())
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
+    import ray
+
+    class Init(Exception):
+        pass
+
+    def init(**kwargs):
+        raise Init(kwargs)
+
+    args = parse(up, monkeypatch, ["--advantage_estimator", "salt"])
+    module = runpy.run_module("openrlhf.cli.train_ppo_ray")  # the module body only; `train` as upstream wrote it
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Init) as caught:
+        module["train"](args)
+    env = caught.value.args[0]["runtime_env"]
+    import openrlhf
+
+    import openrlhf_geo
+
+    assert env["py_modules"] == [str(Path(openrlhf.__file__).parent), str(Path(openrlhf_geo.__file__).parent)]
+    assert env["worker_process_setup_hook"] == "openrlhf_geo.fork.check_worker"
+    assert set(env["env_vars"]) == {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
+
+
+# ── the experience forward (models/actor.py, trainer/ray/ppo_actor.py) ──
+
+
+def toy_batch(seed, left_pad=False):
+    """(sequences, attention_mask, action_mask) like 0.11.2 micro-batches: right padding, action_mask (B, S-1);
+    `left_pad`: left-padded prompts with an action_mask covering only the last A < S-1 columns."""
+    g = torch.Generator().manual_seed(seed)
+    if left_pad:
+        attn = torch.tensor(
+            [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]]
+        )
+        action = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])  # last A=5 action columns
+    else:
+        lengths, prompts = [10, 7, 8], [4, 3, 5]
+        attn = torch.zeros(3, 10, dtype=torch.long)
+        action = torch.zeros(3, 9, dtype=torch.long)
+        for b, (n, p) in enumerate(zip(lengths, prompts)):
+            attn[b, :n] = 1
+            action[b, p - 1 : n - 1] = 1
+    seq = torch.randint(1, V, attn.shape, generator=g) * attn
+    return seq, attn, action.bool()
+
+
+def hf_reference(actor, seq, attn, action, temperature):
+    """Independent of Actor.forward: HF forward with hidden states -> per-token log-probs, logits, final hidden."""
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = actor.model(seq, attention_mask=attn, position_ids=position_ids, output_hidden_states=True)
+    logits = out.logits.float() / temperature
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, seq[:, 1:, None])[..., 0]
+    width = action.shape[1]
+    return logp[:, -width:] * action, logits, out.hidden_states[-1]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("left_pad,temperature", [(False, 1.0), (True, 0.7)], ids=["right-pad", "left-pad-tau"])
+def test_actor_forward_returns_upstream_log_probs_plus_exact_geometry(up, tiny_path, packing, left_pad, temperature):
+    actor = load_actor(up, tiny_path, packing, temperature)
+    seq, attn, action = toy_batch(1, left_pad)
+    spec = fork_hooks.GeometrySpec(features="exact", hidden=True, entropy=True)
+    with torch.no_grad():
+        plain = actor(seq, action, attn)
+        lp, out = actor(seq, action, attn, return_output=True, geometry=spec)
+    assert torch.equal(lp, plain)  # the hook does not change upstream's result
+    geo = out.geometry
+    batch, seqlen = seq.shape
+    width = action.shape[1]
+    assert geo["features"].shape == (batch, V * 32) and geo["hidden"].shape == (batch, 32)
+    assert geo["entropy"].shape == (batch,) and all(t.device.type == "cpu" for t in geo.values())
+
+    ref_lp, logits, hidden = hf_reference(actor, seq, attn, action, temperature)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    offset = seqlen - 1 - width
+    for b in range(batch):
+        cols = action[b].nonzero()[:, 0]
+        # features (exact): autograd's gradient of the response's mean action log-prob w.r.t. lm_head.weight
+        actor.model.zero_grad()
+        grad_lp, *_ = hf_reference(actor, seq[b : b + 1], attn[b : b + 1], action[b : b + 1], temperature)
+        (grad_lp[0, cols].sum() / len(cols)).backward()
+        torch.testing.assert_close(geo["features"][b], actor.model.lm_head.weight.grad.flatten(), atol=2e-5, rtol=1e-4)
+        # hidden: final hidden state at the response's last token (one right of its last producing position)
+        torch.testing.assert_close(geo["hidden"][b], hidden[b, offset + cols[-1] + 1], atol=1e-5, rtol=1e-5)
+        # entropy: sum over producing positions of H(softmax(z/tau)) / log V
+        p = torch.softmax(logits[b, offset + cols], -1)
+        entropy = -(p * p.log()).sum() / math.log(V)
+        torch.testing.assert_close(geo["entropy"][b], entropy.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_and_padded_forwards_agree_on_sketch_features(up, tiny_path):
+    seq, attn, action = toy_batch(2)
+    spec = fork_hooks.GeometrySpec(features="sketch", dim=64, seed=1, hidden=True)
+    outs = []
+    for packing in (False, True):
+        with torch.no_grad():
+            outs.append(load_actor(up, tiny_path, packing)(seq, action, attn, return_output=True, geometry=spec))
+    (lp_pad, pad), (lp_pack, pack) = outs
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=1e-5)
+    for key in ("features", "hidden"):
+        torch.testing.assert_close(pack.geometry[key], pad.geometry[key], atol=1e-5, rtol=1e-4)
+
+
+def policy_forward(up):
+    """PolicyModelActor.forward as patched (a plain function; the Ray actor wrapper is bypassed)."""
+    return up.ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.forward
+
+
+def test_policy_actor_returns_geometry_only_when_asked(up, tiny_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    actor = load_actor(up, tiny_path)
+    seq, attn, action = toy_batch(3)
+    forward = policy_forward(up)
+    plain = forward(NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=None), seq, action, attn)
+    spec = fork_hooks.GeometrySpec(hidden=True)
+    lp, geo = forward(NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=spec), seq, action, attn)
+    assert isinstance(plain, torch.Tensor) and torch.equal(lp, plain)
+    assert set(geo) == {"hidden"} and geo["hidden"].shape == (3, 32)
+
+
+def test_actor_spec_follows_the_flags(up, monkeypatch):
+    assert fork_hooks.actor_spec(parse(up, monkeypatch, ["--advantage_estimator", "group_norm"])) is None
+    spec = fork_hooks.actor_spec(
+        parse(up, monkeypatch, "--advantage_estimator salt --salt.variant entropy-alpha --salt.dim 64".split())
+    )
+    assert spec == fork_hooks.GeometrySpec(features="sketch", dim=64, seed=0, entropy=True, hidden=False)
+    spec = fork_hooks.actor_spec(parse(up, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split()))
+    assert spec == fork_hooks.GeometrySpec(hidden=True)
+
+
+# ── the experience maker (trainer/ppo_utils/experience_maker.py) ──
+
+N_PER_PROMPT = 4
+
+
+def rollouts(up, n_prompts, seed, rewards=None):
+    """Single-sample Experiences as 0.11.2's SamplesGenerator makes them (binary rewards unless given)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p in range(n_prompts):
+        prompt = torch.randint(1, V, (int(torch.randint(3, 6, (1,), generator=g)),), generator=g)
+        for j in range(N_PER_PROMPT):
+            response = torch.randint(1, V, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g)
+            seq = torch.cat([prompt, response])
+            action = torch.zeros(len(seq) - 1, dtype=torch.long)
+            action[len(prompt) - 1 :] = 1
+            k = p * N_PER_PROMPT + j
+            r = float(torch.randint(0, 2, (1,), generator=g)) if rewards is None else float(rewards[k])
+            out.append(
+                up.experience.Experience(
+                    sequences=seq[None],
+                    attention_mask=torch.ones(1, len(seq), dtype=torch.long),
+                    action_mask=action[None],
+                    rewards=torch.tensor([r]),
+                    response_length=torch.tensor([len(response)]),
+                    truncated=torch.tensor([False]),
+                    total_length=torch.tensor([float(len(seq))]),
+                    prompts=[f"prompt {p}"],
+                    labels=[""],
+                    info={"reward": torch.tensor([r])},
+                )
+            )
+    return out
+
+
+class ActorGroup:
+    """RayActorGroup stand-in: one 'rank' runs the patched PolicyModelActor.forward on every micro-batch."""
+
+    def __init__(self, up, actor, spec):
+        self.forward = policy_forward(up)
+        self.rank = NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=spec)
+
+    def async_run_method_batch(self, method_name, sequences, action_mask, attention_mask, **_):
+        return [[self.forward(self.rank, *x) for x in zip(sequences, action_mask, attention_mask)]]
+
+    def async_run_method(self, method_name, **_):
+        return [None]
+
+
+def make_maker(up, tiny_path, monkeypatch, argv, micro_batch=3):
+    """A RemoteExperienceMaker on args from upstream's parser, with the patched actor forward in-process."""
+    args = parse(up, monkeypatch, [*argv, "--rollout.micro_batch_size", str(micro_batch)])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(up.experience_maker, "ray", NS(get=lambda x: x, put=lambda x: x))
+    group = ActorGroup(up, load_actor(up, tiny_path), fork_hooks.actor_spec(args))
+    kl = up.FixedKLController(0.0)
+    return up.experience_maker.RemoteExperienceMaker(group, None, None, None, kl, NS(args=args), NS(pad_token_id=0))
+
+
+def forward_batch(maker, samples):
+    """make_experience_batch split in two, to read the per-response geometry before the advantage step."""
+    experiences = maker.make_experience(maker.split_rollout_samples(samples))
+    indices = torch.tensor([i for e in experiences for i in e.index])
+    geometry = {}
+    for key in getattr(experiences[0], fork_hooks.SIDE_ATTR, {}):
+        rows = torch.cat([getattr(e, fork_hooks.SIDE_ATTR)[key] for e in experiences])
+        geometry[key] = torch.empty_like(rows).index_copy_(0, indices, rows)  # prompt order
+    return experiences, geometry
+
+
+def row_advantages(experiences, size):
+    """(N,) prompt order: each row's advantage, checked constant over its action tokens (kl = 0, gamma = 1)."""
+    out = torch.full((size,), math.nan)
+    for e in experiences:
+        for k, i in enumerate(e.index):
+            values = e.advantages[k][e.action_mask[k]]
+            torch.testing.assert_close(values, values[:1].expand_as(values))
+            out[i] = values[0]
+    return out
+
+
+def group_norm(r):
+    r = r.view(-1, N_PER_PROMPT)
+    return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)
+
+
+@pytest.mark.parametrize("group_prompts", [0, 2])
+@pytest.mark.parametrize("variant", ["full", "rand-proj", "entropy-alpha"])
+def test_salt_advantages_equal_salt_core_on_the_same_inputs(up, tiny_path, monkeypatch, variant, group_prompts):
+    from openrlhf_geo.salt import salt_advantages
+
+    argv = f"--advantage_estimator salt --salt.variant {variant} --salt.dim 64 --salt.group_prompts {group_prompts}"
+    maker = make_maker(up, tiny_path, monkeypatch, argv.split())
+    samples = rollouts(up, 4, seed=11)
+    rewards = torch.tensor([s.rewards.item() for s in samples])
+    experiences, geometry = forward_batch(maker, samples)
+    result = maker.compute_advantages_and_returns(experiences)
+
+    generator = torch.Generator().manual_seed(7)  # --train.seed: the maker's stream
+    a, expected = group_norm(rewards), torch.empty(len(samples))
+    tokens = torch.tensor([float(s.action_mask.sum()) for s in samples])
+    step = group_prompts * N_PER_PROMPT or len(samples)
+    for start in range(0, len(samples), step):
+        part = slice(start, start + step)
+        entropy = float(geometry["entropy"][part].sum() / tokens[part].sum()) if variant == "entropy-alpha" else None
+        expected[part], _ = salt_advantages(
+            a[part], geometry["features"][part], variant, None, generator, entropy=entropy
+        )
+    assert not torch.allclose(expected, a, atol=1e-3)  # SALT changed the advantages: the check is not vacuous
+    torch.testing.assert_close(row_advantages(result, len(samples)), expected)
+    assert all(not hasattr(e, fork_hooks.SIDE_ATTR) for e in result)
+    for key in ("pr", "k", "n_eff", "alpha", "D_a", "D_g", "exp_norm", "main_norm"):
+        assert all(e.info[f"salt/{key}"].shape == e.rewards.shape for e in result)
+
+
+def stub_curate(plan_source, weight=None, calls=None):
+    """A `curate` returning a fixed plan (the wiring under test, not GeoAlign's detector)."""
+
+    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
+        n = len(rewards)
+        if calls is not None:
+            calls.append(NS(hidden=hidden, rewards=rewards.clone(), group_ids=group_ids, corrupted=corrupted))
+        source = torch.as_tensor(plan_source)
+        plan = dataclasses.replace(
+            CurationPlan.identity(n),
+            source=source,
+            weight=torch.ones(n) if weight is None else torch.as_tensor(weight, dtype=torch.float),
+            flagged=source != torch.arange(n),
+        )
+        return plan, {"pairs": 12.0, "flag_frac": float(plan.flagged.float().mean()), "proj_val_acc": 1.0}
+
+    return curate
+
+
+# prompt 0: slot 1 holds a copy of rollout 2; prompt 1: slots 4 and 6 hold copies of rollout 5
+SOURCE = [0, 2, 2, 3, 5, 5, 5, 7, 8, 9, 10, 11]
+MULTIPLICITY = torch.tensor([1, 0, 2, 1, 0, 3, 0, 1, 1, 1, 1, 1], dtype=torch.float)
+REWARDS = torch.tensor([1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.float)
+
+
+def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE, calls=calls))
+    argv = "--advantage_estimator group_norm --geoalign.enable --reward.noise.type flip --reward.noise.rate 0.5"
+    maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=5)
+    samples = rollouts(up, 3, seed=5, rewards=REWARDS)
+    experiences, geometry = forward_batch(maker, samples)
+    assert [len(e.index) for e in experiences] == [5, 5, 2]  # micro-batches mix prompts
+    result = maker.compute_advantages_and_returns(experiences)
+
+    (call,) = calls
+    torch.testing.assert_close(call.hidden, geometry["hidden"])  # prompt order, from the actor forward
+    assert torch.equal(call.group_ids, torch.arange(12) // N_PER_PROMPT)
+    noisy = call.rewards  # rewards after noise injection, which `corrupted` describes
+    assert torch.equal(noisy != REWARDS, call.corrupted) and int(call.corrupted.sum()) == 6  # 2 of 4 per prompt
+    expected = group_norm(noisy[torch.tensor(SOURCE)]) * MULTIPLICITY  # slot rewards, then multiplicities
+    torch.testing.assert_close(row_advantages(result, 12), expected)
+    for e in result:
+        assert torch.equal(e.info["noise/clean_reward"], REWARDS[e.index])
+        assert torch.equal(e.info["reward"], noisy[e.index])  # upstream logs the reward training used
+        assert torch.equal(e.info["noise/corrupted"], call.corrupted[e.index].float())
+        assert torch.equal(e.info["geo/pairs"], torch.full((len(e.index),), 12.0))
+        assert not hasattr(e, fork_hooks.SIDE_ATTR)
+
+
+def test_metrics_survive_the_replay_buffer_split_and_merge(up, tiny_path, monkeypatch):
+    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE))
+    maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)
+    result = maker.make_experience_batch(rollouts(up, 3, seed=5, rewards=REWARDS))
+    ex = up.experience
+    items = ex.remove_padding_in_sequences(list(itertools.chain.from_iterable(map(ex.split_experience_batch, result))))
+    batch = ex.make_experience_batch(items)  # NaiveReplayBuffer.append + collate_fn
+    # ActorPPOTrainer.training_step: per-sample lists become tensors, logged as sample means
+    metric = torch.tensor(batch.info["geo/flag_frac"], dtype=torch.float)
+    assert metric.shape == (12,) and metric.mean().item() == pytest.approx(3 / 12)
+    assert ex.balance_experiences(
+        result, parse(up, monkeypatch, ["--advantage_estimator", "rloo", "--actor.num_gpus_per_node", "2"])
+    )
+
+
+def loss_gradients(up, actor, batch, token_level, dual_clip=None):
+    """PolicyLoss gradients w.r.t. the model, one optimizer step over `batch` with upstream's global normalizers."""
+    actor.model.zero_grad()
+    logp = actor(batch.sequences, batch.action_mask, batch.attention_mask)
+    # old policy != current: a fixed per-token shift of the old log-probs (equal for a rollout and its copies)
+    old = batch.action_log_probs + 0.4 * torch.sin(batch.sequences[:, 1:].float() * 1.7) * batch.action_mask
+    loss_fn = up.PolicyLoss(token_level_loss=token_level, dual_clip=dual_clip)
+    mask = batch.action_mask
+    loss, *_ = loss_fn(
+        logp, old, batch.advantages, action_mask=mask, batch_num_tokens=mask.sum(), global_batch_size=len(mask)
+    )
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in actor.model.parameters()]), float(mask.sum())
+
+
+def merged(up, experiences):
+    ex = up.experience
+    items = list(itertools.chain.from_iterable(map(ex.split_experience_batch, experiences)))
+    return ex.make_experience_batch(ex.remove_padding_in_sequences(items))
+
+
+@pytest.mark.parametrize("salt", [False, True], ids=["grpo", "salt"])
+def test_replacement_gradients_equal_an_explicitly_duplicated_batch(up, tiny_path, monkeypatch, salt):
+    estimator = "--advantage_estimator " + ("salt --salt.features exact" if salt else "group_norm")
+    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE))
+    fork_maker = make_maker(up, tiny_path, monkeypatch, [*estimator.split(), "--geoalign.enable"], micro_batch=5)
+    samples = rollouts(up, 3, seed=9, rewards=REWARDS)
+    weighted = merged(up, fork_maker.make_experience_batch(samples))
+
+    dup_maker = make_maker(up, tiny_path, monkeypatch, estimator.split(), micro_batch=5)
+    duplicated = merged(up, dup_maker.make_experience_batch([copy.deepcopy(samples[s]) for s in SOURCE]))
+    actor = load_actor(up, tiny_path)
+    for dual_clip in (None, 3.0):
+        g_fork, _ = loss_gradients(up, actor, weighted, token_level=False, dual_clip=dual_clip)
+        g_dup, _ = loss_gradients(up, actor, duplicated, token_level=False, dual_clip=dual_clip)
+        torch.testing.assert_close(g_fork, g_dup, atol=1e-6, rtol=1e-4)  # seq-mean-token-mean: exact
+    g_fork, n_fork = loss_gradients(up, actor, weighted, token_level=True)
+    g_dup, n_dup = loss_gradients(up, actor, duplicated, token_level=True)
+    assert n_fork != n_dup  # token-mean: same direction, scaled by the token-count ratio
+    torch.testing.assert_close(g_fork * n_fork, g_dup * n_dup, atol=1e-6, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(2, 6),
+    width=st.integers(1, 5),
+    dual_clip=st.sampled_from([None, 2.0, 5.0]),
+    is_correction=st.sampled_from(["off", "token-clip", "token-mask"]),
+)
+def test_multiplicity_rows_equal_duplicated_rows_for_the_policy_loss(up, data, rows, width, dual_clip, is_correction):
+    seed = data.draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    keep = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows).filter(any))
+    donors = [r for r in range(rows) if keep[r]]
+    source = torch.tensor([r if keep[r] else donors[data.draw(st.integers(0, len(donors) - 1))] for r in range(rows)])
+    multiplicity = torch.bincount(source, minlength=rows).float()
+    mask = torch.rand(rows, width, generator=g) < 0.8
+    mask[:, 0] = True
+    old = torch.randn(rows, width, generator=g) * 0.3
+    rollout = old + torch.randn(rows, width, generator=g) * 0.3
+    adv = torch.randn(rows, width, generator=g)
+    level, mode = ("off", "mask") if is_correction == "off" else ("token", is_correction.split("-")[1])
+    loss_fn = up.PolicyLoss(
+        dual_clip=dual_clip, token_level_loss=False, is_correction_level=level, is_correction_mode=mode
+    )
+
+    def grad(index, advantages):
+        logp = (old + torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 0.5).requires_grad_()
+        m = mask[index]
+        loss, *_ = loss_fn(
+            logp[index], old[index], advantages, m, rollout[index], batch_num_tokens=m.sum(), global_batch_size=len(m)
+        )
+        loss.backward()
+        return logp.grad
+
+    duplicated = grad(source, adv[source])
+    weighted = grad(torch.arange(rows), adv * multiplicity[:, None])
+    torch.testing.assert_close(weighted, duplicated, atol=1e-6, rtol=1e-5)
+
+
+# ── checkpoints (trainer/ppo_trainer.py) ──
+
+
+def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeypatch):
+    argv = (
+        "--advantage_estimator group_norm --geoalign.enable --geoalign.min_scores 4 --geoalign.projector.steps 3 "
+        "--reward.noise.type flip --reward.noise.rate 0.25"
+    )
+    maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=4)
+    first = maker.make_experience_batch(rollouts(up, 4, seed=3))
+    assert maker.geometry.projector is not None  # created and trained in the first batch
+    for key in ("pairs", "flag_frac", "proj_val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "precision", "recall"):
+        assert all(e.info[f"geo/{key}"].shape == (len(e.index),) for e in first)  # real curate's metrics
+    assert first[0].info["geo/pairs"][0] > 0 and "geo/auroc" in first[0].info
+
+    trainer = up.ppo_trainer.BasePPOTrainer.__new__(up.ppo_trainer.BasePPOTrainer)
+    trainer.args = NS(logger=NS(logging_steps=1), ckpt=NS(save_steps=1))
+    trainer.actor_model_group = NS(async_run_method=lambda **kw: saved.append(kw) or [])
+    trainer.critic_model_group = trainer.wandb_logger = trainer.tensorboard_logger = None
+    trainer.best_eval_metric_key, trainer.best_eval_metric_value, trainer._latest_eval_metric_value = "", -1.0, None
+    trainer.experience_maker = maker
+    saved = []
+    monkeypatch.setattr(up.ppo_trainer, "ray", NS(get=lambda x: x))
+    trainer.save_logs_and_checkpoints(1, client_states={"global_step": 1})
+    state = saved[0]["client_states"][fork_hooks.STATE_KEY]
+
+    resumed_maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=4)
+    resumed = up.ppo_trainer.BasePPOTrainer.__new__(up.ppo_trainer.BasePPOTrainer)
+    resumed.experience_maker = resumed_maker
+    resumed.best_eval_metric_key, resumed.best_eval_metric_value = "", -1.0
+    resumed.restore_best_checkpoint_state(saved[0]["client_states"])
+    for a, b in zip(resumed_maker.geometry.projector.state_dict().values(), state["projector"].values()):
+        assert torch.equal(a, b)
+    # same state => the next batch is processed identically
+    batch = rollouts(up, 4, seed=4)
+    after = maker.make_experience_batch(copy.deepcopy(batch))
+    after_resume = resumed_maker.make_experience_batch(copy.deepcopy(batch))
+    for x, y in zip(after, after_resume):
+        assert torch.equal(x.advantages, y.advantages)
+        assert x.info["geo/proj_loss"].tolist() == pytest.approx(y.info["geo/proj_loss"].tolist(), nan_ok=True)
