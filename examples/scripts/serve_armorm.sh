@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Serve ArmoRM (RLHFlow/ArmoRM-Llama3-8B-v0.1) scores over HTTP for `--reward.remote_url`, on its own GPU.
+#
+# What        `openrlhf-geo serve-rm`: ArmoRM scored as its model card does (remote code, `.score`), concurrent
+#             requests merged into batches; speaks upstream OpenRLHF's remote-RM protocol (POST /get_reward,
+#             GET /health). The alternative to train_hh_rl.sh's default of loading ArmoRM inside every vLLM engine.
+# Hardware    one GPU with >= 24 GB that the training Ray cluster does not schedule on: a separate machine, or a
+#             GPU kept out of Ray (e.g. `CUDA_VISIBLE_DEVICES=0,...,6 ray start --head --num-gpus 7` and RM_GPU=7;
+#             the training job then has 7 GPUs: set GPUS_PER_NODE and the batch sizes to match).
+# Wall time   serves until stopped (Ctrl-C); loading takes 1-3 min.
+# Model       RLHFlow/ArmoRM-Llama3-8B-v0.1 (or a local copy: ARMORM=/path)
+#
+# Usage       bash examples/scripts/serve_armorm.sh        # then, for training:
+#             RM_URL=http://THIS_HOST:5000/get_reward bash examples/scripts/train_hh_rl.sh
+# Edit        the variables below (or set them in the environment). The server has no authentication and listens
+#             on all interfaces: keep the port inside the cluster's network.
+set -euo pipefail
+
+ARMORM=${ARMORM:-RLHFlow/ArmoRM-Llama3-8B-v0.1}
+RM_GPU=${RM_GPU:-0}
+RM_PORT=${RM_PORT:-5000}
+BATCH_SIZE=16       # sequences per forward
+MAX_LENGTH=4096     # tokens kept per conversation (HH prompts + 512-token responses fit)
+
+echo "serving $ARMORM on GPU $RM_GPU at http://$(hostname):$RM_PORT/get_reward"
+CUDA_VISIBLE_DEVICES="$RM_GPU" exec openrlhf-geo serve-rm \
+  --model "$ARMORM" --host 0.0.0.0 --port "$RM_PORT" --device cuda --dtype bf16 \
+  --batch-size "$BATCH_SIZE" --max-length "$MAX_LENGTH"
