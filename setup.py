@@ -7,9 +7,7 @@ here = Path(__file__).parent
 
 def read_requirements(path):
     return [
-        line.split("#")[0].strip()
-        for line in (here / path).read_text().splitlines()
-        if line.split("#")[0].strip()
+        line.split("#")[0].strip() for line in (here / path).read_text().splitlines() if line.split("#")[0].strip()
     ]
 
 

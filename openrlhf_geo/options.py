@@ -15,8 +15,15 @@ from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, GeoAlig
 from openrlhf_geo.salt import VARIANTS
 
 SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
-SALT_DEFAULTS = {"base": "group_norm", "variant": "full", "features": "sketch", "dim": 4096, "seed": 0,
-                 "group_prompts": 0, "alpha": None}
+SALT_DEFAULTS = {
+    "base": "group_norm",
+    "variant": "full",
+    "features": "sketch",
+    "dim": 4096,
+    "seed": 0,
+    "group_prompts": 0,
+    "alpha": None,
+}
 NOISE_TYPES = ("none", "flip", "swap")
 # flag suffix under --geoalign.projector.* -> GeoAlignConfig field
 PROJECTOR_FIELDS = ("hidden_sizes", "out_dim", "steps", "lr", "val_acc", "val_frac", "warm_start")
@@ -190,8 +197,11 @@ def validate(args) -> None:
             (cfg.lr > 0, "--geoalign.projector.lr must be > 0", cfg.lr),
             (0 < cfg.val_acc <= 1, "--geoalign.projector.val_acc must be in (0, 1]", cfg.val_acc),
             (0 < cfg.val_frac < 1, "--geoalign.projector.val_frac must be in (0, 1)", cfg.val_frac),
-            (cfg.out_dim >= 1 and all(w >= 1 for w in cfg.hidden_sizes),
-             "--geoalign.projector widths must be >= 1", (*cfg.hidden_sizes, cfg.out_dim)),
+            (
+                cfg.out_dim >= 1 and all(w >= 1 for w in cfg.hidden_sizes),
+                "--geoalign.projector widths must be >= 1",
+                (*cfg.hidden_sizes, cfg.out_dim),
+            ),
         ]
         for ok, message, value in checks:
             if not ok:
