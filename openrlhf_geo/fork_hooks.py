@@ -317,8 +317,12 @@ class GeometryBatch:
         noise = self.owner.noise
         clean = self._prompt_order(torch.cat([exp.rewards for exp in self.experiences]))
         groups = torch.arange(self.size) // self.owner.n_samples
-        corrupt = flip_binary if noise.type == "flip" else swap_to_extremes
-        noisy, self.corrupted = corrupt(clean, groups, noise.rate, self.owner.noise_generator)
+        if noise.type == "flip":
+            noisy, self.corrupted = flip_binary(
+                clean, groups, noise.rate, self.owner.noise_generator, levels=noise.levels
+            )
+        else:
+            noisy, self.corrupted = swap_to_extremes(clean, groups, noise.rate, self.owner.noise_generator)
         for exp in self.experiences:
             exp.rewards = noisy[exp.index].to(exp.rewards.dtype)
         self.metrics["noise/corrupted"] = self.corrupted.float()
@@ -334,10 +338,9 @@ class GeometryBatch:
         hidden = self._geometry("hidden")
         groups = torch.arange(self.size) // self.owner.n_samples
         projector = self.owner.projector_for(hidden.shape[1])
-        with torch.enable_grad():  # the projector trains; upstream runs this step under no_grad
-            self.plan, stats = curate(
-                hidden, rewards, groups, config, self.owner.generator, projector=projector, corrupted=self.corrupted
-            )
+        self.plan, stats = curate(
+            hidden, rewards, groups, config, self.owner.generator, projector=projector, corrupted=self.corrupted
+        )
         if not bool(self.plan.keep.all()):
             raise RuntimeError("GeoAlign dropped rollouts; the fork supports replace, zero and amplify")
         self._record("geo", stats)

@@ -235,6 +235,7 @@ def _orientation_acc(s_pos, s_neg):
     return 0.5 * ((s_pos > 0).double().mean() + (s_neg < 0).double().mean()).item()
 
 
+@torch.enable_grad()  # trains even when the caller runs under no_grad (OpenRLHF's experience maker does)
 def fit_projector(projector, hidden, winner, loser, dist, config, generator=None, *, val_mask=None):
     """Train M_psi and a fresh linear probe w with the orientation loss (Eq. 4) -> (probe (out_dim,), steps).
 

@@ -131,6 +131,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes",
     )
     noise.add_argument("--reward.noise.rate", type=float, default=0.0, help="fraction of rollouts corrupted")
+    noise.add_argument(
+        "--reward.noise.levels",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="the two reward values flip swaps: 0 1 (default; GRPO) or -1 1 (DAPO)",
+    )
     noise.add_argument("--reward.noise.seed", type=int, default=0, help="seed of the corruption draw")
     return parser
 
@@ -216,6 +224,12 @@ def validate(args) -> None:
         raise ValueError(f"--reward.noise.rate {noise.rate} needs --reward.noise.type flip or swap")
     if noise.type != "none" and not 0 < noise.rate < 1:
         raise ValueError(f"--reward.noise.rate must be in (0, 1) with --reward.noise.type {noise.type}")
+    if noise.type != "flip" and noise.levels is not None:
+        raise ValueError("--reward.noise.levels only applies with --reward.noise.type flip")
+    if noise.type == "flip":
+        noise.levels = tuple(noise.levels or (0.0, 1.0))
+        if noise.levels not in ((0.0, 1.0), (-1.0, 1.0)):
+            raise ValueError(f"--reward.noise.levels must be 0 1 or -1 1 (got {' '.join(map(str, noise.levels))})")
 
 
 def geoalign_config(args) -> GeoAlignConfig:

@@ -169,7 +169,7 @@ def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
     assert (config.min_scores, config.max_pairs_per_side, config.device) == (8, 2, "cpu")
     assert (config.hidden_sizes, config.out_dim, config.steps, config.lr) == ((16, 8), 4, 5, 0.01)
     assert (config.val_acc, config.val_frac, config.warm_start) == (0.9, 0.3, False)
-    assert (noise.type, noise.rate, noise.seed) == ("flip", 0.25, 5)
+    assert (noise.type, noise.rate, noise.seed, noise.levels) == ("flip", 0.25, 5, (0.0, 1.0))
     assert args.reward.num_nodes == 1  # upstream's --reward.* flags live beside --reward.noise.*
 
 

@@ -46,14 +46,14 @@ def test_flip_mask_marks_exactly_the_flipped_rewards_and_inputs_stay_untouched(l
     rewards = torch.tensor([low, high] * 20)
     ids = torch.arange(8).repeat_interleave(5)
     before = rewards.clone()
-    new, corrupted = flip_binary(rewards, ids, 0.4, gen(1))
+    new, corrupted = flip_binary(rewards, ids, 0.4, gen(1), levels=levels)
     assert torch.equal(rewards, before)
     assert torch.equal(new != rewards, corrupted) and corrupted.any()
     assert torch.equal(new[corrupted], low + high - rewards[corrupted])
-    assert torch.equal(flip_binary(rewards, ids, 0.4, gen(1))[0], new)  # seeded
+    assert torch.equal(flip_binary(rewards, ids, 0.4, gen(1), levels=levels)[0], new)  # seeded
 
 
-def test_flip_keeps_integer_dtype_and_needs_explicit_levels_for_all_plus_one():
+def test_flip_keeps_integer_dtype_and_takes_levels_as_given_for_an_all_plus_one_batch():
     new, corrupted = flip_binary(torch.ones(6, dtype=torch.long), torch.zeros(6, dtype=torch.long), 1.0, gen(0))
     assert new.dtype == torch.long and new.tolist() == [0] * 6 and corrupted.all()
     new, _ = flip_binary(torch.ones(6), torch.zeros(6, dtype=torch.long), 1.0, gen(0), levels=(-1, 1))
@@ -64,7 +64,8 @@ def test_flip_keeps_integer_dtype_and_needs_explicit_levels_for_all_plus_one():
     "rewards,kwargs,match",
     [
         (torch.tensor([0.0, 0.5]), {}, r"flip_binary needs rewards in \{0, 1\}"),
-        (torch.tensor([-1.0, 0.0]), {}, r"needs rewards in \{-1, 1\}"),
+        (torch.tensor([-1.0, 0.0]), {"levels": (-1, 1)}, r"needs rewards in \{-1, 1\}"),
+        (torch.tensor([-1.0, 1.0]), {}, r"needs rewards in \{0, 1\}"),
         (torch.tensor([0.0, 1.0]), {"levels": (0, 2)}, "levels must be"),
         (torch.tensor([0.0, math.nan]), {}, "NaN"),
     ],

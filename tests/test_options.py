@@ -65,6 +65,8 @@ def test_flat_alias_and_hierarchical_flag_are_the_same_option():
         (["--geoalign.enable", "--geoalign.projector.hidden_sizes", "64", "0"], "widths must be >= 1"),
         (["--reward.noise.rate", "0.1"], "needs --reward.noise.type flip or swap"),
         (["--reward.noise.type", "flip"], "--reward.noise.rate must be in (0, 1)"),
+        (["--reward.noise.type", "swap", "--reward.noise.rate", "0.1", "--reward.noise.levels", "0", "1"], "only"),
+        (["--reward.noise.type", "flip", "--reward.noise.rate", "0.1", "--reward.noise.levels", "0", "2"], "0 1 or"),
     ],
 )
 def test_invalid_combinations_name_the_flag(argv, message):
@@ -104,3 +106,9 @@ def test_unknown_preset_is_rejected():
 def test_nest_builds_attributes_from_dotted_dests():
     ns = options.nest(argparse.Namespace(**{"a.b.c": 1, "a.d": 2, "e": 3}))
     assert (ns.a.b.c, ns.a.d, ns.e) == (1, 2, 3)
+
+
+def test_flip_noise_levels_default_to_zero_one_and_accept_dapo_levels():
+    assert parse(["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]).reward.noise.levels == (0.0, 1.0)
+    args = parse(["--reward.noise.type", "flip", "--reward.noise.rate", "0.1", "--reward.noise.levels", "-1", "1"])
+    assert args.reward.noise.levels == (-1.0, 1.0)

@@ -45,15 +45,13 @@ def corruption_mask(group_ids, rate, generator=None):
     return rank < count.long()[group]
 
 
-def flip_binary(rewards, group_ids, rate, generator=None, *, levels=None):
+def flip_binary(rewards, group_ids, rate, generator=None, *, levels=(0.0, 1.0)):
     """Flip binary rewards of a fraction `rate` of each prompt's rollouts -> (new_rewards (N,), corrupted (N,) bool).
 
-    `levels` = (low, high), the two reward values: (0, 1) or (-1, 1). None infers (-1, 1) when a -1 is present,
-    else (0, 1); pass it explicitly when a batch may hold only +1 rewards. Other values raise ValueError.
+    `levels` = (low, high), the two reward values: (0, 1) (GRPO) or (-1, 1) (DAPO). Never inferred from the batch
+    (an all-correct batch would be ambiguous); a reward outside `levels` raises ValueError.
     """
     _check(rewards, group_ids, rate, generator)
-    if levels is None:
-        levels = (-1.0, 1.0) if bool((rewards == -1).any()) else (0.0, 1.0)
     low, high = (float(v) for v in levels)
     if (low, high) not in ((0.0, 1.0), (-1.0, 1.0)):
         raise ValueError(f"levels must be (0, 1) or (-1, 1) (got {levels})")
