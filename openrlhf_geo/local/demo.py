@@ -1,0 +1,275 @@
+"""`openrlhf-geo demo`: tiny SFT -> RL on CPU, GRPO vs GRPO+SALT vs GRPO+GeoAlign, with a report and plots.
+
+1. Data: two-digit addition prompts (train / held-out jsonl in <out>/data).
+2. SFT warm-up of a tiny Qwen2 until the held-out accuracy reaches --sft-target (cached in <out>/sft).
+3. Four methods x --seeds seeds, same prompts per step and the same budget, each one `openrlhf-geo train` run:
+   grpo, salt (exact LM-head features), grpo_noise and geoalign_noise (10 % flipped binary rewards).
+4. <out>/report.md, <out>/metrics.jsonl (all runs, tagged with method and seed), <out>/gdi.jsonl and PNG plots.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+METHODS = ("grpo", "salt", "grpo_noise", "geoalign_noise")
+NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
+# fmt: off
+METHOD_FLAGS = {
+    # GRPO also computes the exact features (diagnostics only) so its PR / n_eff sit next to SALT's
+    "grpo": ["--advantage_estimator", "group_norm", "--diagnostics.features", "exact"],
+    "salt": ["--advantage_estimator", "salt", "--salt.features", "exact"],
+    "grpo_noise": [*NOISE],
+    # projector sized for d=64 hidden states (the paper's 512-512-128 is for LLM widths), and the KDE fed by
+    # the 128-rollout batch (the paper's min 100 scores assumes bigger batches; here ~100-128 rollouts get pairs)
+    "geoalign_noise": [
+        *NOISE,
+        "--geoalign.enable",
+        "--geoalign.projector.hidden_sizes", "128", "128",
+        "--geoalign.projector.out_dim", "32",
+        "--geoalign.min_scores", "64",
+    ],
+}
+# fmt: on
+# workers: runs in parallel processes (one thread each); the quick run stays in-process (imports dominate it)
+FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 1500, "workers": 2}
+QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 60, "workers": 1}
+SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "seed": 0, "eval_every": 50}
+N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
+_REWARD_FNS = {}  # one memoised math-verify scorer (and its worker process) per demo process, shared by its runs
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="openrlhf-geo demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke check: 1 seed, a few steps, short SFT (<= 60 s)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 3; --quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 60; --quick 4)")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--sft-target", type=float, default=0.3, help="stop SFT at this held-out accuracy (default 0.3)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="runs in parallel processes, one CPU thread each (default 2; --quick 1)",
+    )
+    return p
+
+
+def common_flags(out, steps, eval_steps):
+    return [
+        "--actor.model_name_or_path", str(out / "sft"),
+        "--data.prompt_dataset", str(out / "data" / "train.jsonl"),
+        "--eval.dataset", str(out / "data" / "eval.jsonl"),
+        "--eval.steps", str(eval_steps),
+        "--eval.n_samples_per_prompt", str(EVAL_SAMPLES),
+        "--rollout.batch_size", "16",
+        "--rollout.n_samples_per_prompt", "8",
+        "--rollout.max_new_tokens", "8",
+        "--actor.adam.lr", "3e-4",
+        "--train.steps", str(steps),
+        "--train.device", "cpu",
+        "--train.threads", "1",
+    ]  # fmt: skip
+
+
+def prepare_data(out):
+    from openrlhf_geo.local.task import addition_problems, write_jsonl
+
+    train = addition_problems(N_TRAIN, seed=0)
+    held_out = addition_problems(N_EVAL, seed=1, exclude={r["prompt"] for r in train})
+    write_jsonl(out / "data" / "train.jsonl", train)
+    write_jsonl(out / "data" / "eval.jsonl", held_out)
+    return train, held_out
+
+
+def warm_up(out, train, held_out, target, max_steps, log=print):
+    """SFT until the held-out accuracy (T = 1) reaches `target`; cached per configuration in <out>/sft."""
+    from openrlhf_geo.local.engine import evaluate, sft
+    from openrlhf_geo.local.task import build_model, build_tokenizer, reference_response
+    from openrlhf_geo.local.train import make_reward_fn
+
+    config = {**SFT, "target": target, "max_steps": max_steps, "n_train": len(train), "torch": torch.__version__}
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    info_path = out / "sft" / "sft.json"
+    if info_path.exists():
+        info = json.loads(info_path.read_text())
+        if info.get("key") == key:
+            log(f"SFT: reusing {out / 'sft'} ({info['steps']} steps, held-out accuracy {info['accuracy']:.3f})")
+            return info
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, SFT["hidden_size"], SFT["num_layers"], seed=SFT["seed"])
+    if "math_verify" not in _REWARD_FNS:
+        _REWARD_FNS["math_verify"] = make_reward_fn("math_verify")
+    reward_fn = _REWARD_FNS["math_verify"]
+    rows = [{"prompt": r["prompt"], "response": reference_response(r["answer"])} for r in train]
+    state = {"accuracy": 0.0, "steps": 0}
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_steps, desc="SFT warm-up", unit="step")
+
+    def callback(step, loss):
+        bar.update(1)
+        state["steps"] = step
+        if step % SFT["eval_every"] and step < max_steps:
+            return False
+        state["accuracy"] = evaluate(model, tokenizer, held_out, reward_fn, EVAL_SAMPLES, max_new_tokens=8)
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{state['accuracy']:.3f}")
+        return state["accuracy"] >= target
+
+    start = time.perf_counter()
+    sft(model, tokenizer, rows, max_steps, SFT["batch_size"], SFT["lr"], seed=SFT["seed"], callback=callback)
+    bar.close()
+    model.save_pretrained(out / "sft")
+    tokenizer.save_pretrained(out / "sft")
+    info = {
+        "key": key,
+        "config": config,
+        "steps": state["steps"],
+        "accuracy": state["accuracy"],
+        "target": target,
+        "params": sum(p.numel() for p in model.parameters()),
+        "wall_s": time.perf_counter() - start,
+    }
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def run_one(job):
+    """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}."""
+    from openrlhf_geo.local.engine import Trainer
+    from openrlhf_geo.local.task import read_jsonl
+    from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args
+
+    args = parse_args(job["argv"])
+    torch.set_num_threads(args.train.threads)
+    model, tokenizer = load_model(args, torch.device("cpu"))
+    if args.reward.func not in _REWARD_FNS:
+        _REWARD_FNS[args.reward.func] = make_reward_fn(args.reward.func)
+    trainer = Trainer(
+        args,
+        model,
+        tokenizer,
+        read_jsonl(args.data.prompt_dataset),
+        _REWARD_FNS[args.reward.func],
+        read_jsonl(args.eval.dataset),
+    )
+    fit(
+        trainer,
+        args.train.steps,
+        job["out"],
+        args.eval.steps,
+        args.eval.n_samples_per_prompt,
+        tags=job["tags"],
+        progress=job.get("progress"),
+    )
+    return job["out"]
+
+
+def _count_lines(path):
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def run_all(jobs, workers, steps):
+    """Run the jobs (in `workers` processes, or in this one), with one progress bar over all steps."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(jobs) * steps, desc="RL runs", unit="step")
+    if workers <= 1:
+        for job in jobs:
+            bar.set_description(f"RL {job['tags']['method']} seed {job['tags']['seed']}")
+            run_one({**job, "progress": lambda row: bar.update(1)})
+    else:
+        import multiprocessing
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(run_one, job) for job in jobs]
+            while not all(f.done() for f in futures):
+                time.sleep(0.5)
+                # eval rows (step 0) are not RL steps
+                done = sum(max(0, _count_lines(Path(j["out"]) / "metrics.jsonl") - 1) for j in jobs)
+                bar.update(done - bar.n)
+            for f in futures:
+                f.result()  # re-raise a run's error here
+    bar.update(bar.total - bar.n)
+    bar.close()
+
+
+def _read_jsonl(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv=None):
+    from openrlhf_geo.local import report
+
+    args = build_parser().parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    seeds = range(args.seeds if args.seeds is not None else preset["seeds"])
+    steps = args.steps if args.steps is not None else preset["steps"]
+    if len(seeds) < 1 or steps < 1:
+        print("openrlhf-geo demo: --seeds and --steps must be >= 1", file=sys.stderr)
+        return 2
+    eval_steps = min(preset["eval_steps"], steps)
+    workers = args.workers if args.workers is not None else min(preset["workers"], os.cpu_count() or 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    torch.set_num_threads(1)  # a 0.13M-parameter model gains nothing from more; extra threads only contend
+
+    train, held_out = prepare_data(out)
+    sft_info = warm_up(out, train, held_out, args.sft_target, preset["sft_max_steps"])
+
+    common = common_flags(out, steps, eval_steps)
+    jobs = [
+        {
+            "argv": [*common, *METHOD_FLAGS[m], "--train.seed", str(s), "--reward.noise.seed", str(s),
+                     "--ckpt.output_dir", str(out / "runs" / m / f"seed{s}")],
+            "out": str(out / "runs" / m / f"seed{s}"),
+            "tags": {"method": m, "seed": s},
+        }
+        for s in seeds
+        for m in METHODS
+    ]  # fmt: skip
+    for job in jobs:  # stale logs of an earlier demo in the same directory would confuse the progress bar
+        for name in ("metrics.jsonl", "gdi.jsonl"):
+            (Path(job["out"]) / name).unlink(missing_ok=True)
+    rl_start = time.perf_counter()
+    run_all(jobs, workers, steps)
+    rl_wall = time.perf_counter() - rl_start
+
+    rows = [row for job in jobs for row in _read_jsonl(Path(job["out"]) / "metrics.jsonl")]
+    records = [rec for job in jobs for rec in _read_jsonl(Path(job["out"]) / "gdi.jsonl")]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "gdi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report.plot_accuracy(rows, METHODS, out / "accuracy_vs_step.png")
+    report.plot_geometry(rows, out / "pr_neff_vs_step.png")
+    report.plot_alpha(rows, out / "alpha_vs_step.png")
+    report.plot_gdi(records, rows, out / "gdi_corrupted_vs_clean.png")
+    context = {
+        "quick": args.quick,
+        "steps": steps,
+        "seeds": list(seeds),
+        "sft": sft_info,
+        "n_train": len(train),
+        "n_eval": len(held_out),
+        "eval_samples": EVAL_SAMPLES,
+        "wall_s": rl_wall,
+        "common": "openrlhf-geo train " + shlex.join(common) + " --train.seed S --reward.noise.seed S",
+        "commands": {m: shlex.join(METHOD_FLAGS[m]) for m in METHODS},
+    }
+    report.write_report(out / "report.md", rows, records, METHODS, context)
+    print(f"demo finished in {time.perf_counter() - start:.0f} s: {out / 'report.md'}")
+    return 0

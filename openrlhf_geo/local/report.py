@@ -1,0 +1,302 @@
+"""The demo's report: PNG plots and report.md from the runs' metric rows. States numbers, claims nothing else.
+
+Input: metric rows (dicts) tagged with "method" and "seed", one per step (the runs' metrics.jsonl), and GDI
+records {"method", "seed", "step", "gdi": [...], "corrupted": [...]} per curated step.
+"""
+
+import math
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from scipy import stats as scipy_stats
+
+from openrlhf_geo.eval.metrics import paired_gain
+
+LABELS = {
+    "grpo": "GRPO",
+    "salt": "GRPO+SALT",
+    "grpo_noise": "GRPO, 10% flipped rewards",
+    "geoalign_noise": "GRPO+GeoAlign, 10% flipped rewards",
+}
+
+
+def series(rows, method, key):
+    """{seed: (steps (n,), values (n,))} of a metric for one method, skipping rows without a finite value."""
+    out = defaultdict(lambda: ([], []))
+    for row in rows:
+        value = row.get(key)
+        if row.get("method") == method and isinstance(value, (int, float)) and math.isfinite(value):
+            out[row["seed"]][0].append(row["step"])
+            out[row["seed"]][1].append(value)
+    return {seed: (np.array(s), np.array(v, dtype=float)) for seed, (s, v) in sorted(out.items())}
+
+
+def per_seed_mean(rows, method, key, first_step=1):
+    """{seed: mean of the metric over steps >= first_step}."""
+    return {
+        seed: float(v[s >= first_step].mean())
+        for seed, (s, v) in series(rows, method, key).items()
+        if (s >= first_step).any()
+    }
+
+
+def final_value(rows, method, key):
+    """{seed: the metric at the last step that has it}."""
+    return {seed: float(v[np.argmax(s)]) for seed, (s, v) in series(rows, method, key).items()}
+
+
+def paired_difference(a, b, confidence=0.95):
+    """Mean of a[seed] - b[seed] over common seeds with its bootstrap CI -> (mean, low, high, n seeds).
+
+    `openrlhf_geo.eval.metrics.paired_gain` (SALT App. H: percentile bootstrap of the per-seed differences); one
+    seed gives NaN bounds.
+    """
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return math.nan, math.nan, math.nan, 0
+    gain = paired_gain([a[s] for s in seeds], [b[s] for s in seeds], confidence=confidence)
+    return gain["gain"], gain["low"], gain["high"], gain["n"]
+
+
+def pooled_auroc(records):
+    """AUROC of GDI as a score for corrupted rollouts, pooled over records (scored rollouts) -> (auroc, n+, n-)."""
+    gdi = np.concatenate([np.asarray(r["gdi"], dtype=float) for r in records]) if records else np.zeros(0)
+    bad = np.concatenate([np.asarray(r["corrupted"], dtype=bool) for r in records]) if records else np.zeros(0, bool)
+    scored = np.isfinite(gdi)
+    pos, neg = gdi[scored & bad], gdi[scored & ~bad]
+    if not len(pos) or not len(neg):
+        return math.nan, len(pos), len(neg)
+    u = scipy_stats.mannwhitneyu(pos, neg).statistic
+    return float(u / (len(pos) * len(neg))), len(pos), len(neg)
+
+
+def _band(ax, rows, method, key, label=None, color=None):
+    """Mean over seeds (line) and min-max over seeds (band) of a metric vs step."""
+    runs = series(rows, method, key)
+    if not runs:
+        return
+    steps = sorted(set().union(*(set(s.tolist()) for s, _ in runs.values())))
+    table = np.full((len(runs), len(steps)), np.nan)
+    for i, (s, v) in enumerate(runs.values()):
+        table[i, np.searchsorted(steps, s)] = v
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean, low, high = np.nanmean(table, 0), np.nanmin(table, 0), np.nanmax(table, 0)
+    (line,) = ax.plot(
+        steps, mean, label=label or LABELS.get(method, method), color=color, marker="." if len(steps) < 30 else None
+    )
+    if len(runs) > 1:
+        ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color())
+
+
+def plot_accuracy(rows, methods, path):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in methods:
+        _band(axes[0], rows, method, "accuracy")
+        _band(axes[1], rows, method, "eval/accuracy")
+    axes[0].set(title="rollout accuracy (true verdicts, before noise)", xlabel="step", ylabel="accuracy")
+    axes[1].set(title="held-out accuracy", xlabel="step", ylabel="accuracy")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_geometry(rows, path):
+    """PR of the rollout Gram and n_eff of the applied coefficients vs step, GRPO vs SALT."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in ("grpo", "salt"):
+        _band(axes[0], rows, method, "salt/pr")
+        _band(axes[1], rows, method, "salt/n_eff_out")
+    _band(axes[1], rows, "salt", "salt/n_eff", label="GRPO coefficients in the SALT run (SALT's input)")
+    axes[0].set(title="participation ratio PR of the feature Gram", xlabel="step", ylabel="PR")
+    axes[1].set(title="n_eff of the applied coefficients", xlabel="step", ylabel="n_eff")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_alpha(rows, path):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _band(ax, rows, "salt", "salt/alpha", label="alpha_t = max(0, 1 - n_eff)")
+    ax.set(title="SALT exploration weight alpha_t", xlabel="step", ylabel="alpha_t")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_gdi(records, rows, path):
+    """GDI distribution of corrupted vs clean rollouts (pooled) and the per-step AUROC."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    gdi = np.concatenate([np.asarray(r["gdi"], dtype=float) for r in records]) if records else np.zeros(0)
+    bad = np.concatenate([np.asarray(r["corrupted"], dtype=bool) for r in records]) if records else np.zeros(0, bool)
+    scored = np.isfinite(gdi)
+    if scored.any():
+        bins = np.linspace(gdi[scored].min(), gdi[scored].max(), 40)
+        for mask, label in ((~bad, "clean"), (bad, "corrupted (flipped reward)")):
+            if (scored & mask).any():
+                axes[0].hist(
+                    gdi[scored & mask],
+                    bins=bins,
+                    density=True,
+                    alpha=0.55,
+                    label=f"{label}, n={int((scored & mask).sum())}",
+                )
+        axes[0].legend(fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "no scored rollouts\n(curation skipped every step)", ha="center", va="center")
+    axes[0].set(title="GDI of rollouts (all GeoAlign steps and seeds)", xlabel="GDI (Eq. 7)", ylabel="density")
+    _band(axes[1], rows, "geoalign_noise", "geo/auroc", label="AUROC of GDI for corrupted rollouts")
+    axes[1].axhline(0.5, color="grey", lw=0.8, ls="--")
+    axes[1].set(title="per-step AUROC", xlabel="step", ylabel="AUROC", ylim=(0, 1))
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x, digits=3):
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _diff_cell(mean, low, high, n):
+    if n == 0:
+        return "n/a"
+    if n == 1:
+        return f"{mean:+.3f} (1 seed, no CI)"
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def write_report(path, rows, records, methods, context):
+    """report.md: setup, final accuracy vs GRPO (paired by seed, bootstrap 95% CI), SALT geometry, GeoAlign detection.
+
+    context: dict with "commands" {method: argv string}, "sft" {...}, "steps", "seeds", "wall_s", "quick".
+    """
+    steps, seeds = context["steps"], context["seeds"]
+    lines = ["# openrlhf-geo demo report", ""]
+    if context.get("quick"):
+        lines += [
+            "**Quick smoke run** (`--quick`): too few steps and seeds for the numbers below to mean anything.",
+            "",
+        ]
+    sft = context["sft"]
+    lines += [
+        "## Setup",
+        "",
+        f"- Task: two-digit addition `a+b=` answered as `\\boxed{{a+b}}`, reward = math-verify verdict (1/0); "
+        f"{context['n_train']} training prompts, {context['n_eval']} held-out prompts.",
+        f"- Model: Qwen2-style, {sft['params']:,} parameters, built from a config; character tokenizer built with "
+        "`tokenizers`.",
+        f"- SFT warm-up: {sft['steps']} steps ({sft['wall_s']:.0f} s), held-out accuracy {sft['accuracy']:.3f} "
+        f"(target {sft['target']}).",
+        f"- RL: {steps} steps per run, seeds {list(seeds)}, same prompts per step for every method of a seed. "
+        f"Wall time of all runs: {context['wall_s']:.0f} s.",
+        "",
+        "Each run is one `openrlhf-geo train` command (shared flags, then the method's):",
+        "",
+        "```",
+        context["common"],
+    ]
+    lines += [f"{method:>15}: {context['commands'][method]}" for method in methods]
+    lines += ["```", ""]
+
+    lines += ["## Final held-out accuracy", ""]
+    lines += [
+        f"Held-out accuracy ({context['n_eval']} prompts x {context['eval_samples']} samples, T = 1) at the last "
+        "step per seed; "
+        f"differences paired by seed with a 95% percentile-bootstrap CI over the {len(seeds)} per-seed differences "
+        "(few seeds give coarse intervals).",
+        "",
+    ]
+    lines += [
+        "| method | final accuracy (mean over seeds) | per seed | vs GRPO | vs GRPO with the same noise |",
+        "|---|---|---|---|---|",
+    ]
+    finals = {m: final_value(rows, m, "eval/accuracy") for m in methods}
+    for method in methods:
+        acc = finals[method]
+        mean = float(np.mean(list(acc.values()))) if acc else math.nan
+        vs = _diff_cell(*paired_difference(acc, finals["grpo"])) if method != "grpo" else "-"
+        vs_noise = _diff_cell(*paired_difference(acc, finals["grpo_noise"])) if method == "geoalign_noise" else "-"
+        per = ", ".join(_fmt(acc[s]) for s in sorted(acc))
+        lines.append(f"| {LABELS.get(method, method)} | {_fmt(mean)} | {per} | {vs} | {vs_noise} |")
+    lines.append("")
+
+    lines += ["## SALT geometry (GRPO vs GRPO+SALT, same exact LM-head features)", ""]
+    pr = {m: per_seed_mean(rows, m, "salt/pr") for m in ("grpo", "salt")}
+    neff = {m: per_seed_mean(rows, m, "salt/n_eff_out") for m in ("grpo", "salt")}
+    alpha = per_seed_mean(rows, "salt", "salt/alpha")
+    neff_in = per_seed_mean(rows, "salt", "salt/n_eff")
+    k = per_seed_mean(rows, "salt", "salt/k")
+    for name, table in (("PR of the feature Gram", pr), ("n_eff of the applied coefficients", neff)):
+        g, s = table["grpo"], table["salt"]
+        d = paired_difference(s, g)
+        lines.append(
+            f"- {name}, mean over steps 1-{steps}: SALT {_fmt(np.mean(list(s.values())) if s else math.nan)} vs GRPO "
+            f"{_fmt(np.mean(list(g.values())) if g else math.nan)}; paired difference {_diff_cell(*d)}."
+        )
+    steps_higher = _fraction_higher(rows, "salt/n_eff_out")
+    lines.append(f"- Steps where SALT's n_eff exceeds GRPO's at the same step and seed: {steps_higher}.")
+    lines.append(
+        f"- In the SALT runs: n_eff of the incoming GRPO coefficients {_fmt(_mean(neff_in))}, "
+        f"k_t {_fmt(_mean(k), 1)}, alpha_t {_fmt(_mean(alpha))} (alpha_t > 0 only when that n_eff < 1)."
+    )
+    lines.append("")
+
+    lines += ["## GeoAlign detection of flipped rewards", ""]
+    auroc, n_pos, n_neg = pooled_auroc(records)
+    per_step = series(rows, "geoalign_noise", "geo/auroc")
+    values = np.concatenate([v for _, v in per_step.values()]) if per_step else np.zeros(0)
+    skipped = sum(
+        1
+        for r in rows
+        if r.get("method") == "geoalign_noise"
+        and r.get("step", 0) > 0
+        and any(r.get(f"geo/skip_{why}") for why in ("no_pairs", "one_prompt", "few_scores", "degenerate"))
+    )
+    total = sum(1 for r in rows if r.get("method") == "geoalign_noise" and r.get("step", 0) > 0)
+    n_corrupted = sum(sum(bool(c) for c in r["corrupted"] or []) for r in records)
+    lines += [
+        f"- GDI AUROC for the corrupted rollouts, pooled over all GeoAlign steps and seeds: {_fmt(auroc)} "
+        f"({n_pos} corrupted vs {n_neg} clean scored rollouts; {n_corrupted - n_pos} of the {n_corrupted} corrupted "
+        "rollouts had no pair with a direction and hence no GDI).",
+        f"- Per-step AUROC: mean {_fmt(values.mean() if len(values) else math.nan)}, min "
+        f"{_fmt(values.min() if len(values) else math.nan)} over {len(values)} steps.",
+        f"- Flagging: precision {_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/precision')))}, recall "
+        f"{_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/recall')))}, flagged fraction "
+        f"{_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/flag_frac')))} (means over steps and seeds); "
+        f"projector validation accuracy {_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/proj_val_acc')))}.",
+        f"- Steps where curation stopped early (too few pairs/scores, degenerate geometry): {skipped} of {total}.",
+        "",
+        "## Plots",
+        "",
+        "![accuracy](accuracy_vs_step.png)",
+        "![geometry](pr_neff_vs_step.png)",
+        "![alpha](alpha_vs_step.png)",
+        "![gdi](gdi_corrupted_vs_clean.png)",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def _mean(per_seed):
+    return float(np.mean(list(per_seed.values()))) if per_seed else math.nan
+
+
+def _fraction_higher(rows, key):
+    salt = {(r["seed"], r["step"]): r.get(key) for r in rows if r.get("method") == "salt"}
+    grpo = {(r["seed"], r["step"]): r.get(key) for r in rows if r.get("method") == "grpo"}
+    pairs = [(salt[k], grpo[k]) for k in salt.keys() & grpo.keys() if salt[k] is not None and grpo[k] is not None]
+    if not pairs:
+        return "n/a"
+    higher = sum(s > g for s, g in pairs)
+    return f"{higher} of {len(pairs)}"
