@@ -12,7 +12,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, GeoAlignConfig
-from openrlhf_geo.salt import VARIANTS
+from openrlhf_geo.salt import GRAMS, VARIANTS
 
 SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 SALT_DEFAULTS = {
@@ -51,6 +51,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--salt.dim", type=int, default=None, help="sketch dimension D = k*k, a perfect square >= 16 (default 4096)"
     )
     salt.add_argument("--salt.seed", type=int, default=None, help="seed of the fixed sketch projections (default 0)")
+    salt.add_argument(
+        "--salt.gram",
+        choices=GRAMS,
+        default=None,
+        help="Gram estimate: shrink = noise-aware (debiased PR, SURE-thresholded off-diagonal; default with sketch "
+        "features) or raw F F^T/m (default with, and the only choice for, exact features)",
+    )
     salt.add_argument(
         "--salt.group_prompts",
         type=int,
@@ -173,6 +180,10 @@ def validate(args) -> None:
         for key, default in SALT_DEFAULTS.items():
             if getattr(salt, key) is None:
                 setattr(salt, key, default)
+        if salt.gram is None:
+            salt.gram = "shrink" if salt.features == "sketch" else "raw"
+        if salt.gram == "shrink" and salt.features != "sketch":
+            raise ValueError("--salt.gram shrink needs --salt.features sketch (exact features carry no sketch noise)")
         if salt.features == "sketch":
             side = math.isqrt(max(salt.dim, 0))
             if salt.dim < 16 or side * side != salt.dim:

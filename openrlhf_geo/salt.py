@@ -16,7 +16,7 @@ import scipy.linalg.blas
 import scipy.sparse.linalg
 import torch
 
-from openrlhf_geo import diagnostics
+from openrlhf_geo import diagnostics, sketch_gram
 
 # App. F.3 ablations; "full" is the method.
 VARIANTS = (
@@ -32,6 +32,9 @@ VARIANTS = (
     "permuted",
     "matched-rand-subspace",
 )
+# Gram estimators: "raw" K̂ = F Fᵀ/m (SALT Eq. 12); "shrink" the noise-aware estimate for Kronecker-sketched features
+# (sketch_gram: debiased PR, SURE-thresholded K̃ for the eigenspace). Never "shrink" exact features: no sketch noise.
+GRAMS = ("raw", "shrink")
 
 # Top-k eigensolver: Lanczos (ARPACK) for the top k+1 eigenpairs when k+1 <= m/8, else LAPACK MRRR on the smaller
 # side of the spectrum. Measured crossover (one core, CPU ms, lanczos vs dense): m=512 k=64: 17 vs 28, k=128: 56 vs
@@ -105,10 +108,14 @@ def _alpha_rule(variant: str, n_eff: float, pr: float, m: int, alpha, entropy) -
     return max(0.0, 1.0 - n_eff)
 
 
-def _checked(advantages, features, variant, alpha, entropy, eps) -> torch.Tensor:
+def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape) -> torch.Tensor:
     """Validate the arguments; return the advantages a (m,) as a float64 CPU tensor."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown SALT variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    if gram not in GRAMS:
+        raise ValueError(f"unknown SALT gram estimator {gram!r}; valid: {', '.join(GRAMS)}")
+    if sketch_shape is not None and gram != "shrink":
+        raise ValueError(f"sketch_shape is only used with gram='shrink' (gram={gram!r})")
     for name, x, ndim, shape in (("advantages", advantages, 1, "(m,)"), ("features", features, 2, "(m, D)")):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(
@@ -154,6 +161,8 @@ def salt_advantages(
     *,
     entropy: float | None = None,
     eps: float = 1e-8,
+    gram: str = "raw",
+    sketch_shape: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D); returns (a', stats).
 
@@ -179,13 +188,21 @@ def salt_advantages(
         entropy-alpha α_t = clip(1 − `entropy`, 0, 1); `entropy` (required) is the caller's normalized mean token
                       entropy in [0, 1]
         permuted      full SALT on K[π][:, π], π = torch.randperm(m, generator): geometry decoupled from a
+    gram (how K is estimated from F):
+        raw           K = F Fᵀ / m for everything above
+        shrink        F holds Kronecker-sketch rows (features.lm_head_features, method="sketch") in row-major
+                      sketch_shape (k1, k2) layout (default k1 = k2 = √D): PR is the noise-debiased
+                      sketch_gram.participation_ratio, P_k comes from the SURE-thresholded K̃ (sketch_gram.shrink),
+                      and n_eff, D_g, U_perp use the unbiased K̂ = F Fᵀ/m; stats gain gram_threshold, gram_kept,
+                      gram_noise. Not for exact features (they carry no sketch noise).
     Randomised variants draw from `generator` (a CPU torch.Generator; None: torch's global RNG) and are deterministic
     under a fixed one; the others ignore it.
 
     stats (python floats): pr, k, n_eff and alpha (the α_t rule of the variant, reported even when its channel is
-    zero or unused), gap (relative eigengap (λ_k − λ_{k+1}) / λ_k of K at the boundary, λ_{m+1} := 0), main_norm
-    and exp_norm (norms of the two channels as applied in a'), D_a, D_g, U_perp (diagnostics Eq. 59-61 against the
-    true K and its top-k eigenspace, for every variant), m, solve_ms (wall time from K to a': PR, eigensolver,
+    zero or unused), n_eff_out (Eq. 60 for the returned a' on K: whether SALT reduced cancellation), gap
+    (relative eigengap (λ_k − λ_{k+1}) / λ_k of K at the boundary, λ_{m+1} := 0), main_norm and exp_norm (norms
+    of the two channels as applied in a'), D_a, D_g, U_perp (diagnostics Eq. 59-61 against the true K and its
+    top-k eigenspace, for every variant), m, solve_ms (wall time from K to a': PR, eigensolver,
     projections and α; not the Gram, checks or diagnostics). For `permuted`, n_eff is that of the permuted Gram.
 
     Degenerate inputs: m = 1 or F = 0 (tr K = 0, no geometry) ⇒ a' = a for every variant, with pr = PR(K)
@@ -195,22 +212,29 @@ def salt_advantages(
     P_k is unique only when gap > 0; at a tie the eigensolver picks one of the top-k subspaces. ε is absolute (in
     units of K): a' is invariant to F → cF except through ε. Output: the dtype and device of `advantages`.
     """
-    a = _checked(advantages, features, variant, alpha, entropy, eps)
+    a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape)
     m = a.numel()
-    K = diagnostics.gram(features).cpu()  # on the features' device (a GPU makes it ~free), solved on the CPU
+    # K: the unbiased Gram for quadratic forms; K_geom: what P_k is taken from. On the features' device (a GPU makes
+    # it ~free), solved on the CPU.
+    if gram == "raw":
+        K = diagnostics.gram(features).cpu()
+        K_geom, gram_stats = K, {}
+    else:
+        K, noise = (x.cpu() for x in sketch_gram.gram_and_noise(features, sketch_shape))
+        K_geom, gram_stats = sketch_gram.shrink(K, noise)
     start = time.perf_counter()
-    pr = diagnostics.participation_ratio(K)
+    pr = diagnostics.participation_ratio(K) if gram == "raw" else sketch_gram.participation_ratio(K, noise)
 
     if m == 1 or pr == 0.0:  # no relative geometry: identity
         n_eff = diagnostics.effective_sample_size(a, K, eps)
-        stats = {"pr": pr, "k": float(m if pr > 0 else 0), "n_eff": n_eff}
+        stats = {"pr": pr, "k": float(m if pr > 0 else 0), "n_eff": n_eff, "n_eff_out": n_eff}
         stats["alpha"] = _alpha_rule(variant, n_eff, pr, m, alpha, entropy)
         stats.update(gap=1.0 if pr > 0 else 0.0, main_norm=float(a.norm()), exp_norm=0.0, D_a=0.0, D_g=0.0)
-        stats.update(U_perp=0.0, m=float(m), solve_ms=1e3 * (time.perf_counter() - start))
+        stats.update(U_perp=0.0, m=float(m), solve_ms=1e3 * (time.perf_counter() - start), **gram_stats)
         return advantages.detach().clone(), stats
 
     k = _subspace_dim(pr, m)
-    basis, is_top, gap = _top_eigenspace(K, k)
+    basis, is_top, gap = _top_eigenspace(K_geom, k)
     K_used, used_basis, used_top = K, basis, is_top
     if variant == "permuted":
         perm = torch.randperm(m, generator=generator)
@@ -219,7 +243,7 @@ def salt_advantages(
     elif variant == "rand-proj":
         used_basis, used_top = torch.linalg.qr(torch.randn(m, k, generator=generator, dtype=torch.float64)).Q, True
     elif variant == "matched-rand-subspace":
-        _, vecs = torch.linalg.eigh(K)
+        _, vecs = torch.linalg.eigh(K_geom)
         pick = torch.randperm(m, generator=generator)[:k]
         used_basis, used_top = vecs.flip(1)[:, pick], True
 
@@ -248,6 +272,7 @@ def salt_advantages(
         "k": float(k),
         "n_eff": n_eff,
         "alpha": alpha_t,
+        "n_eff_out": diagnostics.effective_sample_size(new, K, eps),
         "gap": gap,
         "main_norm": float(main.norm()),
         "exp_norm": float(explore.norm()),
@@ -256,5 +281,6 @@ def salt_advantages(
         "U_perp": min(diagnostics.energy_ratio(residual, new, K), 1.0),  # ≤ 1 exactly; rounding can exceed it
         "m": float(m),
         "solve_ms": solve_ms,
+        **gram_stats,
     }
     return new.to(device=advantages.device, dtype=advantages.dtype), stats

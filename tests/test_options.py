@@ -39,6 +39,12 @@ def test_salt_estimator_maps_to_its_base_with_defaults():
     )
 
 
+def test_salt_gram_defaults_to_shrink_for_sketch_features_and_raw_for_exact_ones():
+    assert parse(["--advantage_estimator", "salt"]).salt.gram == "shrink"
+    assert parse(["--advantage_estimator", "salt", "--salt.features", "exact"]).salt.gram == "raw"
+    assert parse(["--advantage_estimator", "salt", "--salt.gram", "raw"]).salt.gram == "raw"
+
+
 def test_flat_alias_and_hierarchical_flag_are_the_same_option():
     assert parse(["--algo.advantage.estimator", "salt"]).salt.enable
     assert parse(["--advantage_estimator", "salt"]).salt.enable
@@ -55,6 +61,10 @@ def test_flat_alias_and_hierarchical_flag_are_the_same_option():
         (["--advantage_estimator", "salt", "--salt.alpha", "0.5"], "only used with, --salt.variant fixed-alpha"),
         (["--advantage_estimator", "salt", "--salt.variant", "fixed-alpha", "--salt.alpha", "-1"], "finite"),
         (["--advantage_estimator", "salt", "--salt.group_prompts", "-2"], "--salt.group_prompts must be >= 0"),
+        (
+            ["--advantage_estimator", "salt", "--salt.features", "exact", "--salt.gram", "shrink"],
+            "needs --salt.features",
+        ),
         (["--geoalign.alpha", "0.1"], "--geoalign.alpha only applies with --geoalign.enable"),
         (["--geoalign.projector.steps", "5"], "--geoalign.projector.steps only applies"),
         (["--geoalign.enable", "--geoalign.alpha", "1.5"], "--geoalign.alpha must be in (0, 1) (got 1.5)"),

@@ -11,7 +11,10 @@ from openrlhf_geo import diagnostics
 from openrlhf_geo.salt import LANCZOS_MAX_FRACTION, VARIANTS, _top_eigenspace, salt_advantages
 
 ALPHA, ENTROPY = 0.37, 0.25
-STAT_KEYS = {"pr", "k", "n_eff", "alpha", "gap", "main_norm", "exp_norm", "D_a", "D_g", "U_perp", "m", "solve_ms"}
+STAT_KEYS = {
+    *("pr", "k", "n_eff", "alpha", "n_eff_out", "gap", "main_norm", "exp_norm", "D_a", "D_g", "U_perp", "m"),
+    "solve_ms",
+}
 PROJECTOR_VARIANTS = ("full", "only-main", "no-pos", "fixed-alpha", "pr-alpha", "entropy-alpha", "permuted")
 
 
@@ -67,6 +70,7 @@ def reference(a, F, variant, seed=0, eps=1e-8):
         "k": k,
         "n_eff": n_eff,
         "alpha": alpha,
+        "n_eff_out": new @ K @ new / (np.sum(new**2 * np.diag(K)) + eps),
         "main_norm": np.linalg.norm(main),
         "exp_norm": np.linalg.norm(alpha * explore),
         "D_a": np.linalg.norm(new - a) / np.linalg.norm(a),
