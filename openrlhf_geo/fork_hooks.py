@@ -370,7 +370,13 @@ class GeometryBatch:
             if salt.variant == "entropy-alpha":
                 mean_entropy = float(entropy[part].sum() / tokens[part].sum().clamp(min=1))
             new[part], stats = salt_advantages(
-                a[part], features[part], salt.variant, salt.alpha, self.owner.generator, entropy=mean_entropy
+                a[part],
+                features[part],
+                salt.variant,
+                salt.alpha,
+                self.owner.generator,
+                entropy=mean_entropy,
+                gram=salt.gram,
             )
             self._record("salt", stats, part)
         weight = self.plan.weight.to(new.dtype)
