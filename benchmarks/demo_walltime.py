@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_geo.local.demo import METHOD_FLAGS, METHODS
+from openrlhf_geo.local.demo import METHOD_FLAGS, METHODS, ROLLOUT_FLAGS
 from openrlhf_geo.local.engine import Trainer
 from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer
 from openrlhf_geo.local.train import make_reward_fn, parse_args
@@ -40,8 +40,7 @@ def main():
     print(f"model: {source or 'random init (no SFT found at ' + opts.model + ')'}; threads {opts.threads}")
     trainers = {}
     for method in METHODS:
-        argv = ["--data.prompt_dataset", "unused", "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8",
-                "--rollout.max_new_tokens", "8", "--actor.adam.lr", "3e-4", *METHOD_FLAGS[method]]  # fmt: skip
+        argv = ["--data.prompt_dataset", "unused", *ROLLOUT_FLAGS, *METHOD_FLAGS[method]]
         args = parse_args([*argv, "--actor.model_name_or_path", source or "unused"])
         tokenizer = build_tokenizer()
         if source:

@@ -359,7 +359,7 @@ def test_dynamic_filtering_refills_the_batch_with_mixed_groups(tokenizer):
         text = tokenizer.decode(batch.sequences[i][batch.attention_mask[i].bool()], skip_special_tokens=True)
         assert text.startswith(batch.prompts[i]) and batch.responses[i] in text[len(batch.prompts[i]) :]
         assert batch.attention_mask[i, batch.prompt_width - 1] == 1  # prompts end at the same column
-    assert set(stats) == {"accuracy", "filter/pass_rate"}
+    assert set(stats) == {"accuracy", "distinct_responses", "filter/pass_rate"}
 
 
 def test_dapo_step_with_clip_higher_runs_and_logs(tokenizer):
@@ -398,3 +398,22 @@ def test_engine_salt_equals_salt_advantages_per_prompt_partition(tokenizer, grou
         expected[rows] = salt.salt_advantages(advantages[rows], batch.features[rows])[0]
     assert_close(got, expected)
     assert stats["n_eff_out"] > 0 and "alpha" in stats
+
+
+# ---------------------------------------------------------------- SFT warm-up
+
+
+def test_sft_loss_is_cross_entropy_of_response_tokens_and_eos_only(tokenizer):
+    """The first SFT loss (before any update) equals the hand-computed mean -log p over response tokens + EOS."""
+    model = tiny_model(tokenizer)
+    prompt, response = "37+48=", "7+8=15 carry 1, 3+4+1=8 so \\boxed{85}"
+    with torch.no_grad():
+        expected = -unpadded_logprobs(model, tokenizer, prompt, response).mean().item()
+    losses = engine.sft(model, tokenizer, [{"prompt": prompt, "response": response}], steps=2, batch_size=1)
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[1] < losses[0]  # one AdamW step on the same row lowers its loss
+
+
+def test_sft_rejects_an_empty_corpus(tokenizer):
+    with pytest.raises(ValueError, match="at least one"):
+        engine.sft(tiny_model(tokenizer), tokenizer, [], steps=1)

@@ -1,7 +1,8 @@
 """`openrlhf-geo demo`: tiny SFT -> RL on CPU, GRPO vs GRPO+SALT vs GRPO+GeoAlign, with a report and plots.
 
 1. Data: two-digit addition prompts (train / held-out jsonl in <out>/data).
-2. SFT warm-up of a tiny Qwen2 until the held-out accuracy reaches --sft-target (cached in <out>/sft).
+2. SFT warm-up of a tiny Qwen2 on randomly drawn worked solutions (`task.worked_solution`, so that sampled correct
+   responses differ, as an LLM's do) until the held-out accuracy reaches --sft-target (cached in <out>/sft).
 3. Four methods x --seeds seeds, same prompts per step and the same budget, each one `openrlhf-geo train` run:
    grpo, salt (exact LM-head features), grpo_noise and geoalign_noise (10 % flipped binary rewards).
 4. <out>/report.md, <out>/metrics.jsonl (all runs, tagged with method and seed), <out>/gdi.jsonl and PNG plots.
@@ -40,9 +41,12 @@ METHOD_FLAGS = {
 # fmt: on
 # workers: runs in parallel processes (one thread each); the quick run stays in-process (imports dominate it)
 FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 1500, "workers": 2}
-QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 60, "workers": 1}
-SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "seed": 0, "eval_every": 50}
+QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 30, "workers": 1}
+# per_prompt: worked solutions drawn per training prompt; task: bump when the SFT targets change (invalidates caches)
+SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "seed": 0, "eval_every": 50,
+       "per_prompt": 8, "task": "worked-solutions-v1"}  # fmt: skip
 N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
+MAX_NEW_TOKENS = 48  # the longest worked solution is 40 tokens + EOS
 _REWARD_FNS = {}  # one memoised math-verify scorer (and its worker process) per demo process, shared by its runs
 
 
@@ -62,6 +66,15 @@ def build_parser():
     return p
 
 
+# 128 rollouts per step as 8 prompts x G = 16: more within-prompt pairs per rollout for GeoAlign's GDI than 16 x 8
+ROLLOUT_FLAGS = [
+    "--rollout.batch_size", "8",
+    "--rollout.n_samples_per_prompt", "16",
+    "--rollout.max_new_tokens", str(MAX_NEW_TOKENS),
+    "--actor.adam.lr", "3e-4",
+]  # fmt: skip
+
+
 def common_flags(out, steps, eval_steps):
     return [
         "--actor.model_name_or_path", str(out / "sft"),
@@ -69,10 +82,7 @@ def common_flags(out, steps, eval_steps):
         "--eval.dataset", str(out / "data" / "eval.jsonl"),
         "--eval.steps", str(eval_steps),
         "--eval.n_samples_per_prompt", str(EVAL_SAMPLES),
-        "--rollout.batch_size", "16",
-        "--rollout.n_samples_per_prompt", "8",
-        "--rollout.max_new_tokens", "8",
-        "--actor.adam.lr", "3e-4",
+        *ROLLOUT_FLAGS,
         "--train.steps", str(steps),
         "--train.device", "cpu",
         "--train.threads", "1",
@@ -92,7 +102,7 @@ def prepare_data(out):
 def warm_up(out, train, held_out, target, max_steps, log=print):
     """SFT until the held-out accuracy (T = 1) reaches `target`; cached per configuration in <out>/sft."""
     from openrlhf_geo.local.engine import evaluate, sft
-    from openrlhf_geo.local.task import build_model, build_tokenizer, reference_response
+    from openrlhf_geo.local.task import build_model, build_tokenizer, sft_rows
     from openrlhf_geo.local.train import make_reward_fn
 
     config = {**SFT, "target": target, "max_steps": max_steps, "n_train": len(train), "torch": torch.__version__}
@@ -108,7 +118,7 @@ def warm_up(out, train, held_out, target, max_steps, log=print):
     if "math_verify" not in _REWARD_FNS:
         _REWARD_FNS["math_verify"] = make_reward_fn("math_verify")
     reward_fn = _REWARD_FNS["math_verify"]
-    rows = [{"prompt": r["prompt"], "response": reference_response(r["answer"])} for r in train]
+    rows = sft_rows(train, SFT["per_prompt"], seed=SFT["seed"])
     state = {"accuracy": 0.0, "steps": 0}
 
     from tqdm.auto import tqdm
@@ -120,7 +130,7 @@ def warm_up(out, train, held_out, target, max_steps, log=print):
         state["steps"] = step
         if step % SFT["eval_every"] and step < max_steps:
             return False
-        state["accuracy"] = evaluate(model, tokenizer, held_out, reward_fn, EVAL_SAMPLES, max_new_tokens=8)
+        state["accuracy"] = evaluate(model, tokenizer, held_out, reward_fn, EVAL_SAMPLES, MAX_NEW_TOKENS)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{state['accuracy']:.3f}")
         return state["accuracy"] >= target
 

@@ -113,6 +113,17 @@ def response_mask(responses, eos_token_id):
     return (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
 
 
+def distinct_fraction(responses, group_ids):
+    """Mean over prompts of (distinct response strings) / (responses): 1 = no two rollouts of a prompt are equal.
+
+    responses: N texts, group_ids (N,) prompt ids.
+    """
+    groups = {}
+    for text, g in zip(responses, group_ids.tolist()):
+        groups.setdefault(g, []).append(text)
+    return sum(len(set(texts)) / len(texts) for texts in groups.values()) / max(len(groups), 1)
+
+
 def position_ids(attention_mask):
     """(N, S) positions counting only attended tokens, as HF `generate` assigns them with left padding."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
@@ -269,13 +280,11 @@ def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [
-        (
-            tokenizer(row["prompt"])["input_ids"],
-            tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-        )
-        for row in rows
-    ]
+    if not rows:
+        raise ValueError("sft needs at least one {prompt, response} row (got none)")
+    prompts = tokenizer([row["prompt"] for row in rows])["input_ids"]
+    responses = tokenizer([row["response"] for row in rows], add_special_tokens=False)["input_ids"]
+    encoded = [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompts, responses)]
     losses = []
     model.train()
     for step in range(steps):
@@ -387,7 +396,7 @@ class Trainer:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.geo_config = geoalign_config(args) if args.geoalign.enable else None
         self.projector = None  # created on the first curation (needs the hidden size)
-        self.last_curation = None  # per-rollout GDI, corruption and flags of the last curated batch (for reports)
+        self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
 
     # ---------------------------------------------------------------- one RL step
@@ -414,7 +423,13 @@ class Trainer:
         # 5. GeoAlign: replace anomalous rollouts by stable ones of their prompt (physical duplication)
         if args.geoalign.enable:
             plan, stats = self._curate(batch)
-            self.last_curation = {"gdi": plan.gdi.cpu(), "corrupted": batch.corrupted, "flagged": plan.flagged.cpu()}
+            self.last_curation = {
+                "gdi": plan.gdi.cpu(),
+                "corrupted": batch.corrupted,
+                "flagged": plan.flagged.cpu(),
+                "rewards": batch.rewards.cpu(),  # the rewards GeoAlign saw, for the report's pair-count baseline
+                "group_ids": batch.group_ids.cpu(),
+            }
             batch = batch.select(plan.source[plan.keep])
             batch.weights = plan.weight[plan.keep].to(self.device)
             metrics.update({f"geo/{k}": v for k, v in stats.items()})
@@ -439,7 +454,7 @@ class Trainer:
         """Generate, score and corrupt rollouts -> (batch, stats). With DAPO dynamic filtering, prompts whose rollouts
         all got the same reward are dropped and replaced by fresh ones, for at most MAX_FILTER_ROUNDS rounds."""
         args = self.args
-        need, kept, correct, generated = args.rollout.batch_size, [], [], 0
+        need, kept, correct, distinct, generated = args.rollout.batch_size, [], [], [], 0
         for _ in range(MAX_FILTER_ROUNDS if args.algo.dynamic_filtering_enable else 1):
             rows = self.sampler.next(need)
             batch = generate_rollouts(
@@ -455,6 +470,7 @@ class Trainer:
             self._score(batch)
             generated += len(rows)
             correct.append(batch.correct)
+            distinct.append(distinct_fraction(batch.responses, batch.group_ids) * len(rows))
             if args.algo.dynamic_filtering_enable:
                 batch = batch.select(torch.nonzero(dynamic_filter(batch.rewards, batch.group_ids))[:, 0])
             need -= len(batch) // args.rollout.n_samples_per_prompt
@@ -469,7 +485,8 @@ class Trainer:
             )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = Rollouts.concat(kept, pad)
-        stats = {"accuracy": torch.cat(correct).mean().item()}  # over everything generated, before filtering
+        # over everything generated, before filtering
+        stats = {"accuracy": torch.cat(correct).mean().item(), "distinct_responses": sum(distinct) / generated}
         if args.algo.dynamic_filtering_enable:
             stats["filter/pass_rate"] = (len(batch) // args.rollout.n_samples_per_prompt) / generated
         return batch, stats
@@ -706,6 +723,7 @@ __all__ = [
     "aggregate",
     "approx_kl",
     "clipped_surrogate",
+    "distinct_fraction",
     "dynamic_filter",
     "evaluate",
     "generate_rollouts",

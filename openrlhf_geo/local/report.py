@@ -74,6 +74,33 @@ def pooled_auroc(records):
     return float(u / (len(pos) * len(neg))), len(pos), len(neg)
 
 
+def pair_count_auroc(records):
+    """AUROC for the corrupted rollouts of a score that uses rewards only: the number of rollouts of the same prompt
+    with a different reward (= the rollout's pairs under GeoAlign Eq. 3), on the rollouts that have a GDI.
+
+    Cumulative GDI (Eq. 7) sums one deviation per pair, so a rollout with many pairs scores high whatever the hidden
+    states say; GDI beats this baseline only by the geometry. Records need "rewards" and "group_ids" (else skipped).
+    -> (auroc, n+, n-).
+    """
+    counts, gdis, bads = [], [], []
+    for r in records:
+        if r.get("rewards") is None or r.get("group_ids") is None:
+            continue
+        rewards, groups = np.asarray(r["rewards"], dtype=float), np.asarray(r["group_ids"])
+        same_prompt = groups[:, None] == groups[None, :]
+        counts.append((same_prompt & (rewards[:, None] != rewards[None, :])).sum(1))
+        gdis.append(np.asarray(r["gdi"], dtype=float))
+        bads.append(np.asarray(r["corrupted"], dtype=bool))
+    if not counts:
+        return math.nan, 0, 0
+    count, gdi, bad = np.concatenate(counts), np.concatenate(gdis), np.concatenate(bads)
+    scored = np.isfinite(gdi)
+    pos, neg = count[scored & bad], count[scored & ~bad]
+    if not len(pos) or not len(neg):
+        return math.nan, len(pos), len(neg)
+    return float(scipy_stats.mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg))), len(pos), len(neg)
+
+
 def _band(ax, rows, method, key, label=None, color=None):
     """Mean over seeds (line) and min-max over seeds (band) of a metric vs step."""
     runs = series(rows, method, key)
@@ -192,7 +219,8 @@ def write_report(path, rows, records, methods, context):
     lines += [
         "## Setup",
         "",
-        f"- Task: two-digit addition `a+b=` answered as `\\boxed{{a+b}}`, reward = math-verify verdict (1/0); "
+        "- Task: two-digit addition `a+b=`; SFT targets are worked solutions drawn at random (4 strategies, operand "
+        "order, connectives) ending in `\\boxed{a+b}`; reward = math-verify verdict of the last box (1/0); "
         f"{context['n_train']} training prompts, {context['n_eval']} held-out prompts.",
         f"- Model: Qwen2-style, {sft['params']:,} parameters, built from a config; character tokenizer built with "
         "`tokenizers`.",
@@ -200,6 +228,9 @@ def write_report(path, rows, records, methods, context):
         f"(target {sft['target']}).",
         f"- RL: {steps} steps per run, seeds {list(seeds)}, same prompts per step for every method of a seed. "
         f"Wall time of all runs: {context['wall_s']:.0f} s.",
+        f"- Rollouts: distinct responses per prompt / G, mean over steps, runs and seeds: "
+        f"{_fmt(_mean_over(rows, methods, 'distinct_responses'))}; mean response length "
+        f"{_fmt(_mean_over(rows, methods, 'response_length'), 1)} tokens.",
         "",
         "Each run is one `openrlhf-geo train` command (shared flags, then the method's):",
         "",
@@ -246,9 +277,12 @@ def write_report(path, rows, records, methods, context):
         )
     steps_higher = _fraction_higher(rows, "salt/n_eff_out")
     lines.append(f"- Steps where SALT's n_eff exceeds GRPO's at the same step and seed: {steps_higher}.")
+    alpha_steps = [r["salt/alpha"] for r in rows if r.get("method") == "salt" and r.get("salt/alpha") is not None]
     lines.append(
         f"- In the SALT runs: n_eff of the incoming GRPO coefficients {_fmt(_mean(neff_in))}, "
-        f"k_t {_fmt(_mean(k), 1)}, alpha_t {_fmt(_mean(alpha))} (alpha_t > 0 only when that n_eff < 1)."
+        f"k_t {_fmt(_mean(k), 1)} of m = {_fmt(_mean_over(rows, ['salt'], 'salt/m'), 0)}, alpha_t "
+        f"{_fmt(_mean(alpha))} (alpha_t = max(0, 1 - n_eff) > 0 on {sum(a > 0 for a in alpha_steps)} of "
+        f"{len(alpha_steps)} steps)."
     )
     lines.append("")
 
@@ -265,10 +299,14 @@ def write_report(path, rows, records, methods, context):
     )
     total = sum(1 for r in rows if r.get("method") == "geoalign_noise" and r.get("step", 0) > 0)
     n_corrupted = sum(sum(bool(c) for c in r["corrupted"] or []) for r in records)
+    count_auroc, _, _ = pair_count_auroc(records)
     lines += [
         f"- GDI AUROC for the corrupted rollouts, pooled over all GeoAlign steps and seeds: {_fmt(auroc)} "
         f"({n_pos} corrupted vs {n_neg} clean scored rollouts; {n_corrupted - n_pos} of the {n_corrupted} corrupted "
         "rollouts had no pair with a direction and hence no GDI).",
+        f"- Reward-only baseline on the same rollouts: AUROC {_fmt(count_auroc)} for the number of pairs a rollout "
+        "is in (cumulative GDI sums one deviation per pair, so this part needs no hidden states); GDI minus "
+        f"baseline: {_fmt(auroc - count_auroc)}.",
         f"- Per-step AUROC: mean {_fmt(values.mean() if len(values) else math.nan)}, min "
         f"{_fmt(values.min() if len(values) else math.nan)} over {len(values)} steps.",
         f"- Flagging: precision {_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/precision')))}, recall "
@@ -277,6 +315,9 @@ def write_report(path, rows, records, methods, context):
         f"projector validation accuracy {_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/proj_val_acc')))}.",
         f"- Steps where curation stopped early (too few pairs/scores, degenerate geometry): {skipped} of {total}.",
         "",
+    ]
+    lines += _targets(rows, records, steps, alpha_steps, auroc, count_auroc, finals, len(seeds))
+    lines += [
         "## Plots",
         "",
         "![accuracy](accuracy_vs_step.png)",
@@ -286,6 +327,60 @@ def write_report(path, rows, records, methods, context):
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+def _targets(rows, records, steps, alpha_steps, auroc, count_auroc, finals, n_seeds):
+    """The issue-5 acceptance checks, each stated as met / not met with the numbers above it."""
+    neff_grpo = _mean(per_seed_mean(rows, "grpo", "salt/n_eff"))
+    val_acc = _mean(per_seed_mean(rows, "geoalign_noise", "geo/proj_val_acc"))
+
+    def verdict(ok):
+        return "n/a" if ok is None else "met" if ok else "**not met**"
+
+    def compare(a, b):
+        return None if not (math.isfinite(a) and math.isfinite(b)) else a > b
+
+    def higher(key, digits):  # SALT vs GRPO on the mean over steps and seeds, with the paired-by-seed difference
+        salt, grpo = _mean(per_seed_mean(rows, "salt", key)), _mean(per_seed_mean(rows, "grpo", key))
+        diff = paired_difference(per_seed_mean(rows, "salt", key), per_seed_mean(rows, "grpo", key))
+        text = verdict(compare(salt, grpo))
+        if text == "met" and diff[3] > 1 and diff[1] <= 0:
+            text = "met on the means; the paired CI includes 0"
+        return f"{text} ({_fmt(salt, digits)} vs {_fmt(grpo, digits)}, paired difference {_diff_cell(*diff)})"
+
+    lines = ["## Acceptance targets (issue 5)", ""]
+    lines.append(
+        f"- SALT's mean n_eff higher than GRPO's: {higher('salt/n_eff_out', 3)}; "
+        f"mean PR higher: {higher('salt/pr', 2)}."
+    )
+    if alpha_steps and not any(a > 0 for a in alpha_steps):
+        lines.append(
+            f"  SALT's exploration channel never acted (alpha_t = 0 on every step): GRPO's n_eff here is "
+            f"{_fmt(neff_grpo)} >= 1, so SALT reduced to P_k a."
+        )
+    ok = None if not math.isfinite(auroc) else auroc >= 0.8
+    lines.append(f"- GDI AUROC >= 0.8 for the corrupted rollouts: {verdict(ok)} ({_fmt(auroc)}).")
+    if math.isfinite(auroc) and math.isfinite(count_auroc) and auroc - count_auroc < 0.05:
+        lines.append(
+            f"  Most likely reason: GDI is within 0.05 of the reward-only pair-count score ({_fmt(count_auroc)}) "
+            f"and the projector's validation accuracy is {_fmt(val_acc)}, so the last-token hidden states carry "
+            "little correctness direction for the projector to find."
+        )
+    accuracy_ok = n_seeds >= 3 and all(len(finals[m]) >= 3 for m in finals)
+    lines.append(
+        f"- Final accuracy vs GRPO with CIs over >= 3 seeds: {verdict(accuracy_ok)} ({n_seeds} seeds, table above)."
+    )
+    return [*lines, ""]
+
+
+def _mean_over(rows, methods, key):
+    """Mean of a metric over every step row (step >= 1) of the given methods; NaN when absent."""
+    values = [
+        r[key]
+        for r in rows
+        if r.get("method") in methods and r.get("step", 0) >= 1 and isinstance(r.get(key), (int, float))
+    ]
+    return float(np.mean(values)) if values else math.nan
 
 
 def _mean(per_seed):

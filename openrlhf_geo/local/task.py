@@ -1,28 +1,48 @@
-"""The demo's task: two-digit addition answered in `\\boxed{}`, a character tokenizer and a tiny Qwen2.
+"""The demo's task: two-digit addition with a worked solution ending in `\\boxed{}`, a tokenizer and a tiny Qwen2.
 
 Everything is built locally (nothing is downloaded): the tokenizer with the `tokenizers` library, the model from a
-`Qwen2Config`. A problem is a prompt such as ``"37+48="`` and an answer ``"85"``; the reference response is
-``"\\boxed{85}"`` followed by EOS, so a rollout is a handful of tokens and the reward is the shipped math-verify
-check of the boxed answer.
+`Qwen2Config`. A problem is a prompt such as ``"37+48="`` and an answer ``"85"``; the reward is the shipped
+math-verify check of the last boxed answer.
+
+The SFT targets are worked solutions drawn at random among many valid ones (`worked_solution`): one of four
+strategies, each addition's operands in either order, varied connectives, e.g.
+``"30+40=70, 8+7=15 then 70+15=85 so \\boxed{85}"`` or ``"7+8=15 carry 1; 3+4+1=8 \\boxed{85}"``. Sampling the
+warmed-up model at T = 1 then gives different correct responses to one prompt, as an LLM's reasoning does; with a
+single target string (`reference_response`) every correct rollout of a prompt is the same token sequence, with the
+same LM-head gradient and the same last hidden state, which is not the regime SALT and GeoAlign are built for.
 """
 
 import json
 import random
+import re
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-# one token per character, plus `\boxed{` as a single token so a response is ~5 tokens
-VOCAB = (*SPECIAL_TOKENS, *"0123456789", "+", "-", "*", "=", " ", "\\boxed{", "}")
+WORDS = ("so", "then", "and", "carry")
+# one token per character, `\boxed{` and the connective words as single tokens (new tokens go last: ids stay stable)
+VOCAB = (*SPECIAL_TOKENS, *"0123456789", "+", "-", "*", "=", " ", "\\boxed{", "}", ",", ";", *WORDS)
+
+# worked-solution strategies for a+b (a = 10·a1 + a0, b = 10·b1 + b0), shown for 37+48:
+STRATEGIES = (
+    "tens",  # 30+40=70, 7+8=15, 70+15=85 (tens and ones sums in either order)
+    "split_b",  # 37+40=77, 77+8=85
+    "split_a",  # 48+30=78, 78+7=85
+    "digits",  # 7+8=15 carry 1, 3+4+1=8 (digit-wise with the carry)
+)
+SEPARATORS = (" ", ", ", "; ", " then ", " and ")  # between steps
+ENDINGS = (" so ", ", so ", " ")  # before the box
+_PROMPT = re.compile(r"(\d+)\+(\d+)=")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level WordLevel tokenizer over VOCAB that prepends <bos>; left padding (as for generation)."""
+    """WordLevel tokenizer over VOCAB (characters, `\\boxed{`, WORDS) that prepends <bos>; left padding."""
     vocab = {token: i for i, token in enumerate(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|."), behavior="isolated")
+    pattern = "|".join(re.escape(t) for t in ("\\boxed{", *WORDS)) + "|."
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # concatenate tokens without separators
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -38,8 +58,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-style causal LM sized for CPU (default 2 x 64: ~0.13M parameters)."""
+def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0, max_positions=128) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-style causal LM sized for CPU (default 2 x 64: ~0.1M parameters)."""
     import torch
 
     config = Qwen2Config(
@@ -49,7 +69,7 @@ def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0) ->
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -72,8 +92,56 @@ def addition_problems(n, seed, max_operand=99, exclude=()):
 
 
 def reference_response(answer: str) -> str:
-    """The SFT target for an answer: `\\boxed{answer}` (EOS is appended by the engine)."""
+    """The shortest valid response, `\\boxed{answer}` (EOS is appended by the engine); `worked_solution` for SFT."""
     return f"\\boxed{{{answer}}}"
+
+
+def worked_solution(prompt: str, rng: random.Random, strategy: str | None = None) -> str:
+    """A worked solution of the problem `prompt` ("a+b=", a, b >= 0) ending in `\\boxed{a+b}`.
+
+    The strategy (STRATEGIES; None = uniform), each step's operand order, the separators and the ending are drawn
+    from `rng`; every step is a true equation. ValueError for a prompt that is not "a+b=" or an unknown strategy.
+    """
+    match = _PROMPT.fullmatch(prompt)
+    if match is None:
+        raise ValueError(f"worked_solution needs a prompt of the form 'a+b=' with a, b >= 0 (got {prompt!r})")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    a, b = int(match[1]), int(match[2])
+    strategy = strategy or rng.choice(STRATEGIES)
+
+    def add(*terms):  # one step; two-term sums in a random order (the carry step keeps its order)
+        if len(terms) == 2 and rng.random() < 0.5:
+            terms = terms[::-1]
+        return "+".join(map(str, terms)) + f"={sum(terms)}"
+
+    tens_a, ones_a, tens_b, ones_b = a - a % 10, a % 10, b - b % 10, b % 10
+    if strategy == "tens":
+        steps = [add(tens_a, tens_b), add(ones_a, ones_b)]
+        if rng.random() < 0.5:
+            steps.reverse()
+        steps.append(add(tens_a + tens_b, ones_a + ones_b))
+    elif strategy == "split_b":
+        steps = [add(a, tens_b), add(a + tens_b, ones_b)]
+    elif strategy == "split_a":
+        steps = [add(b, tens_a), add(b + tens_a, ones_a)]
+    else:  # digits: the ones digits, the carry, then the tens digits plus the carry (the hundreds come with them)
+        carry = (ones_a + ones_b) // 10
+        steps = [add(ones_a, ones_b), f"carry {carry}", add(a // 10, b // 10, carry)]
+    body = steps[0] + "".join(rng.choice(SEPARATORS) + step for step in steps[1:])
+    return f"{body}{rng.choice(ENDINGS)}\\boxed{{{a + b}}}"
+
+
+def sft_rows(problems, per_prompt: int, seed: int) -> list:
+    """SFT rows {"prompt", "response"}: `per_prompt` independently drawn worked solutions for each problem."""
+    if per_prompt < 1:
+        raise ValueError(f"per_prompt must be >= 1 (got {per_prompt})")
+    rng = random.Random(seed)
+    return [
+        {"prompt": p["prompt"], "response": worked_solution(p["prompt"], rng)}
+        for p in problems
+        for _ in range(per_prompt)
+    ]
 
 
 def write_jsonl(path, rows):

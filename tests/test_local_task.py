@@ -1,0 +1,130 @@
+"""The demo's task: worked solutions are true, rewarded, diverse and tokenize losslessly; SFT rows; the tokenizer."""
+
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_geo.local.engine import distinct_fraction
+from openrlhf_geo.local.task import (
+    STRATEGIES,
+    addition_problems,
+    build_tokenizer,
+    reference_response,
+    sft_rows,
+    worked_solution,
+)
+from openrlhf_geo.rewards.math_verify import extract_last_boxed
+
+STEP = re.compile(r"(\d+(?:\+\d+)+)=(\d+)")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def check_solution(text, a, b):
+    """Independent reading of a worked solution: every equation true, the carry right, the box = a + b."""
+    equations = STEP.findall(text)
+    assert equations, text
+    for lhs, rhs in equations:
+        assert sum(int(x) for x in lhs.split("+")) == int(rhs), (lhs, rhs, text)
+    carry = re.search(r"carry (\d)", text)
+    if carry:
+        assert int(carry[1]) == (a % 10 + b % 10) // 10, text
+    assert extract_last_boxed(text) == str(a + b), text
+    assert text.endswith(f"\\boxed{{{a + b}}}")
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 99), st.integers(0, 99), st.integers(0, 2**32 - 1), st.sampled_from([None, *STRATEGIES]))
+def test_worked_solution_steps_are_true_and_box_the_sum(a, b, seed, strategy):
+    check_solution(worked_solution(f"{a}+{b}=", random.Random(seed), strategy), a, b)
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 99), st.integers(0, 99), st.integers(0, 2**32 - 1))
+def test_worked_solution_round_trips_through_the_tokenizer_without_unknowns(tokenizer, a, b, seed):
+    text = worked_solution(f"{a}+{b}=", random.Random(seed))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    assert len(ids) + 1 <= 48  # + EOS fits the demo's --rollout.max_new_tokens
+
+
+def test_worked_solutions_of_one_prompt_are_diverse():
+    rng = random.Random(0)
+    texts = [worked_solution("37+48=", rng) for _ in range(64)]
+    assert len(set(texts)) >= 48  # most draws differ, as sampled LLM solutions do
+    # the first equation's operands (either order) reveal the strategy: all four are drawn
+    firsts = {tuple(sorted(map(int, t.split("=")[0].split("+")))) for t in texts}
+    assert firsts == {(30, 40), (7, 8), (37, 40), (30, 48)}
+
+
+def test_every_strategy_is_drawn_and_named_ones_follow_their_recipe():
+    rng = random.Random(1)
+    assert re.fullmatch(r"(37\+40|40\+37)=77.*(77\+8|8\+77)=85.*", worked_solution("37+48=", rng, "split_b"))
+    assert re.fullmatch(r"(48\+30|30\+48)=78.*(78\+7|7\+78)=85.*", worked_solution("37+48=", rng, "split_a"))
+    assert re.fullmatch(r"(7\+8|8\+7)=15.*carry 1.*3\+4\+1=8.*\\boxed\{85\}", worked_solution("37+48=", rng, "digits"))
+    tens = worked_solution("37+48=", rng, "tens")
+    assert "70" in tens and "15" in tens and re.search(r"(70\+15|15\+70)=85", tens)
+
+
+def test_worked_solution_handles_one_digit_operands_and_three_digit_sums():
+    rng = random.Random(2)
+    for prompt, (a, b) in (("0+0=", (0, 0)), ("5+9=", (5, 9)), ("99+99=", (99, 99)), ("9+91=", (9, 91))):
+        for strategy in STRATEGIES:
+            check_solution(worked_solution(prompt, rng, strategy), a, b)
+
+
+@pytest.mark.parametrize("prompt", ["37-48=", "37+48", "a+b=", "-3+4=", "1+2+3="])
+def test_worked_solution_rejects_prompts_that_are_not_a_plus_b(prompt):
+    with pytest.raises(ValueError, match="a\\+b="):
+        worked_solution(prompt, random.Random(0))
+
+
+def test_worked_solution_rejects_unknown_strategy_listing_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown strategy 'carry'.*tens"):
+        worked_solution("1+2=", random.Random(0), "carry")
+
+
+def test_sft_rows_draw_per_prompt_solutions_reproducibly():
+    problems = addition_problems(5, seed=0)
+    rows = sft_rows(problems, per_prompt=3, seed=7)
+    assert [r["prompt"] for r in rows] == [p["prompt"] for p in problems for _ in range(3)]
+    for row, problem in zip(rows, [p for p in problems for _ in range(3)]):
+        a, b = map(int, problem["prompt"][:-1].split("+"))
+        check_solution(row["response"], a, b)
+    assert rows == sft_rows(problems, per_prompt=3, seed=7)
+    assert rows != sft_rows(problems, per_prompt=3, seed=8)
+    with pytest.raises(ValueError, match="per_prompt must be >= 1"):
+        sft_rows(problems, per_prompt=0, seed=0)
+
+
+def test_tokenizer_keeps_old_token_ids_and_isolates_words(tokenizer):
+    # the original character vocabulary keeps its ids (saved models / fixtures stay valid)
+    assert tokenizer.convert_tokens_to_ids(["<pad>", "<bos>", "<eos>", "<unk>", "0", "\\boxed{", "}"]) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        19,
+        20,
+    ]
+    ids = tokenizer("7+8=15 carry 1, so \\boxed{85}", add_special_tokens=False)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert "carry" in tokens and "so" in tokens and "\\boxed{" in tokens
+    assert tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id
+    assert reference_response("85") == "\\boxed{85}"
+
+
+def test_distinct_fraction_counts_unique_responses_per_prompt():
+    import torch
+
+    responses = ["a", "a", "b", "c", "c", "c"]
+    group_ids = torch.tensor([0, 0, 0, 5, 5, 5])
+    assert distinct_fraction(responses, group_ids) == pytest.approx((2 / 3 + 1 / 3) / 2)
