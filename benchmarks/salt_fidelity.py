@@ -107,20 +107,26 @@ def demo_model(demo_dir):
 
     out = Path(demo_dir)
     train, held_out = demo.prepare_data(out)
-    demo.warm_up(out, train, held_out, 0.3, demo.FULL["sft_max_steps"])  # the demo's defaults: same cache key
+    demo.warm_up(out, train, held_out, None, demo.FULL["sft_max_steps"])  # the demo's defaults: same cache key
     model = AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(out / "sft"), train
 
 
 def demo_rollouts(model, tokenizer, train, n_prompts, seed):
     """GROUP rollouts for n_prompts train prompts -> (logits, hidden, tokens, mask, rewards (m,)) from ONE forward."""
+    from openrlhf_geo.local import demo
     from openrlhf_geo.local.engine import generate_rollouts, response_forward
     from openrlhf_geo.rewards.math_verify import score_answer
 
     rows = random.Random(seed).sample(train, n_prompts)
     torch.manual_seed(seed)
     batch = generate_rollouts(
-        model, tokenizer, [r["prompt"] for r in rows], [r["answer"] for r in rows], GROUP, max_new_tokens=8
+        model,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        [r["answer"] for r in rows],
+        GROUP,
+        max_new_tokens=demo.MAX_NEW_TOKENS,
     )
     with torch.no_grad():
         _, logits, hidden = response_forward(

@@ -62,6 +62,7 @@ def test_train_writes_metrics_checkpoint_and_model_then_resumes(setup):
     rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0 = evaluation before training
     assert {"accuracy", "reward", "loss", "salt/pr", "salt/n_eff", "salt/alpha", "eval/accuracy"} <= rows[-1].keys()
+    assert "salt/gram_noise" in rows[-1]  # sketch features: --salt.gram defaults to shrink and reaches SALT
     assert (out / "checkpoint.pt").exists() and (out / "model" / "config.json").exists()
     assert (out / "model" / "tokenizer.json").exists()
 

@@ -346,7 +346,15 @@ def test_dynamic_filtering_refills_the_batch_with_mixed_groups(tokenizer):
     rows = addition_problems(40, seed=1)
     args = make_args("--algo.dynamic_filtering_enable", "--reward.pm1", "--rollout.batch_size", "6",
                      "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "5")  # fmt: skip
-    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, rows, even_first_operand_always_right)
+    seen = []
+
+    def count_rollouts(prompts, responses, correct):  # a rollout_stats hook: called once per generation round
+        seen.append(len(responses))
+        return {"count/rollouts": len(responses), "count/correct": float(sum(correct))}
+
+    trainer = Trainer(
+        args, tiny_model(tokenizer), tokenizer, rows, even_first_operand_always_right, rollout_stats=count_rollouts
+    )
     batch, stats = trainer._collect()
     assert set(batch.rewards.tolist()) <= {-1.0, 1.0}  # DAPO's ±1 rewards
     assert 0 < stats["filter/pass_rate"] < 1
@@ -359,7 +367,11 @@ def test_dynamic_filtering_refills_the_batch_with_mixed_groups(tokenizer):
         text = tokenizer.decode(batch.sequences[i][batch.attention_mask[i].bool()], skip_special_tokens=True)
         assert text.startswith(batch.prompts[i]) and batch.responses[i] in text[len(batch.prompts[i]) :]
         assert batch.attention_mask[i, batch.prompt_width - 1] == 1  # prompts end at the same column
-    assert set(stats) == {"accuracy", "distinct_responses", "filter/pass_rate"}
+    assert set(stats) == {"accuracy", "distinct_responses", "filter/pass_rate", "count/rollouts", "count/correct"}
+    # the hook's counts are summed over every generation round, like `accuracy` (over everything generated)
+    generated_prompts = round(len(groups) / stats["filter/pass_rate"])
+    assert stats["count/rollouts"] == sum(seen) == 4 * generated_prompts
+    assert stats["count/correct"] == pytest.approx(stats["accuracy"] * sum(seen))
 
 
 def test_dapo_step_with_clip_higher_runs_and_logs(tokenizer):
@@ -398,6 +410,75 @@ def test_engine_salt_equals_salt_advantages_per_prompt_partition(tokenizer, grou
         expected[rows] = salt.salt_advantages(advantages[rows], batch.features[rows])[0]
     assert_close(got, expected)
     assert stats["n_eff_out"] > 0 and "alpha" in stats
+    if group_prompts == "0":  # the weight diagnostics are those of the partition's own a, a', K and lengths
+        from openrlhf_geo import diagnostics
+
+        k = int(stats["k"])
+        weights = engine.salt_weight_stats(
+            advantages, expected, diagnostics.gram(batch.features), k, batch.mask.sum(1)
+        )
+        for key, value in weights.items():
+            assert stats[key] == pytest.approx(value, nan_ok=True), key
+
+
+def brute_weight_stats(a, new, K, k, lengths):
+    """numpy float64 reading of salt_weight_stats: eigenvectors, ranks and shares computed directly."""
+    from scipy.stats import rankdata
+
+    _, vecs = np.linalg.eigh(K)
+    top_vecs = vecs[:, ::-1][:, :k]
+    diag_p = np.array([sum(top_vecs[i, j] ** 2 for j in range(k)) for i in range(len(a))])
+
+    def spearman(x, y):
+        return np.corrcoef(rankdata(x), rankdata(y))[0, 1]
+
+    order = sorted(range(len(a)), key=lambda i: -K[i, i])[:k]
+    moving = [i for i in range(len(a)) if a[i] != 0]
+    return {
+        "pk_rho_norm": spearman(diag_p, np.diag(K)),
+        "pk_rho_inv_len": spearman(diag_p, 1 / lengths),
+        "topnorm_share": sum(new[i] ** 2 for i in order) / sum(x**2 for x in new),
+        "kept": sum(x**2 for x in new) / sum(x**2 for x in a),
+        "sign_flip": sum(np.sign(new[i]) != np.sign(a[i]) for i in moving) / len(moving),
+    }
+
+
+@settings(max_examples=60)
+@given(st.integers(3, 12), st.integers(0, 2**31 - 1), st.data())
+def test_salt_weight_stats_match_a_numpy_reading(m, seed, data):
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((m, 2 * m)) * rng.uniform(0.2, 3.0, size=(m, 1))  # distinct norms
+    K = features @ features.T / m
+    a = rng.standard_normal(m)
+    a[rng.random(m) < 0.2] = 0.0
+    a[0] = 1.0  # at least one nonzero advantage
+    new = a + rng.standard_normal(m)
+    k = data.draw(st.integers(1, m - 1))
+    lengths = rng.integers(1, 40, size=m).astype(float)
+    got = engine.salt_weight_stats(torch.tensor(a), torch.tensor(new), torch.tensor(K), k, torch.tensor(lengths))
+    expected = brute_weight_stats(a, new, K, k, lengths)
+    for key, value in expected.items():
+        if key == "pk_rho_inv_len" and np.ptp(lengths) == 0:
+            assert math.isnan(got[key])
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+def test_diagonal_gram_puts_all_of_p_k_a_on_the_largest_norm_rollouts():
+    """Near-orthogonal features (diagonal K): the top-k eigenvectors are the k largest-norm coordinates, so P_k a is a
+    restricted to those rollouts; diag(P_k) ranks with the norms."""
+    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0], dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5], dtype=torch.float64)
+    top = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # the 3 largest norms
+    stats = engine.salt_weight_stats(a, top * a, torch.diag(norms), 3, torch.tensor([4, 20, 8, 16, 12]))
+    assert stats["topnorm_share"] == pytest.approx(1.0)
+    assert stats["kept"] == pytest.approx((1 + 0.25 + 0.25) / (1 + 1 + 0.25 + 4 + 0.25))
+    assert stats["sign_flip"] == pytest.approx(2 / 5)  # the two dropped advantages become 0
+    # diag(P_k) = [1, 0, 1, 0, 1]: ranks [4, 1.5, 4, 1.5, 4] against the norms' [5, 1, 4, 2, 3] (and 1/T's, the same)
+    assert stats["pk_rho_norm"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
+    assert stats["pk_rho_inv_len"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
+    with pytest.raises(ValueError, match="k must be in"):
+        engine.salt_weight_stats(a, a, torch.diag(norms), 0, torch.ones(5))
 
 
 # ---------------------------------------------------------------- SFT warm-up
@@ -417,3 +498,28 @@ def test_sft_loss_is_cross_entropy_of_response_tokens_and_eos_only(tokenizer):
 def test_sft_rejects_an_empty_corpus(tokenizer):
     with pytest.raises(ValueError, match="at least one"):
         engine.sft(tiny_model(tokenizer), tokenizer, [], steps=1)
+
+
+@pytest.mark.parametrize("final_lr_ratio", [None, 0.05])
+def test_sft_learning_rate_warms_up_then_stays_or_decays_to_the_final_ratio(tokenizer, monkeypatch, final_lr_ratio):
+    recorded = []
+    adamw_step = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        recorded.append(self.param_groups[0]["lr"])
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    rows = [{"prompt": "1+2=", "response": "\\boxed{3}"}]
+    lr, warmup, steps = 1e-3, 4, 11
+    engine.sft(tiny_model(tokenizer), tokenizer, rows, steps, 1, lr, warmup, final_lr_ratio=final_lr_ratio)
+    ramp = np.minimum(1.0, (np.arange(steps) + 1) / warmup)
+    if final_lr_ratio is None:
+        expected = lr * ramp
+    else:  # cos from 0 to pi over steps 0..10: 1 at the first step, the final ratio at the last
+        angles = np.linspace(0.0, np.pi, steps)
+        expected = lr * ramp * (final_lr_ratio + (1 - final_lr_ratio) * (1 + np.cos(angles)) / 2)
+        assert recorded[-1] == pytest.approx(lr * final_lr_ratio)
+    assert recorded == pytest.approx(expected.tolist(), rel=1e-12)
+    with pytest.raises(ValueError, match="final_lr_ratio must be in"):
+        engine.sft(tiny_model(tokenizer), tokenizer, rows, 1, final_lr_ratio=1.5)

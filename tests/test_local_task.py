@@ -1,4 +1,5 @@
-"""The demo's task: worked solutions are true, rewarded, diverse and tokenize losslessly; SFT rows; the tokenizer."""
+"""The demo's task: worked solutions are true, rewarded, diverse and tokenize losslessly; the carry-dropping shortcut
+is wrong exactly when a carry is needed; carry-only problems; SFT rows mixing both; the tokenizer."""
 
 import random
 import re
@@ -12,8 +13,12 @@ from openrlhf_geo.local.task import (
     STRATEGIES,
     addition_problems,
     build_tokenizer,
+    needs_carry,
     reference_response,
     sft_rows,
+    shortcut_solution,
+    shortcut_stats,
+    uses_shortcut,
     worked_solution,
 )
 from openrlhf_geo.rewards.math_verify import extract_last_boxed
@@ -46,13 +51,46 @@ def test_worked_solution_steps_are_true_and_box_the_sum(a, b, seed, strategy):
 
 
 @settings(max_examples=100)
-@given(st.integers(0, 99), st.integers(0, 99), st.integers(0, 2**32 - 1))
-def test_worked_solution_round_trips_through_the_tokenizer_without_unknowns(tokenizer, a, b, seed):
-    text = worked_solution(f"{a}+{b}=", random.Random(seed))
+@given(st.integers(0, 99), st.integers(0, 99), st.integers(0, 2**32 - 1), st.booleans())
+def test_solutions_round_trip_through_the_tokenizer_without_unknowns(tokenizer, a, b, seed, flawed):
+    draw = shortcut_solution if flawed else worked_solution
+    text = draw(f"{a}+{b}=", random.Random(seed))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == text
     assert len(ids) + 1 <= 48  # + EOS fits the demo's --rollout.max_new_tokens
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 99), st.integers(0, 99), st.integers(0, 2**32 - 1))
+def test_shortcut_is_wrong_exactly_when_a_carry_is_needed(a, b, seed):
+    """The quick procedure writes the tens-digit sum, then the last digit of the ones sum (string concatenation here),
+    so its box is a + b exactly when the ones digits sum to less than 10."""
+    text = shortcut_solution(f"{a}+{b}=", random.Random(seed))
+    assert uses_shortcut(text) and text.startswith("quick ")
+    equations = STEP.findall(text)
+    assert len(equations) == 2
+    for lhs, rhs in equations:  # each written step is a true equation; the flaw is the dropped carry
+        assert sum(int(x) for x in lhs.split("+")) == int(rhs), text
+    ones, tens = a % 10 + b % 10, a // 10 + b // 10
+    boxed = extract_last_boxed(text)
+    assert boxed == str(int(str(tens) + str(ones)[-1]))
+    carry = ones >= 10
+    assert needs_carry(f"{a}+{b}=") == carry
+    assert (boxed == str(a + b)) == (not carry)
+    assert not uses_shortcut(worked_solution(f"{a}+{b}=", random.Random(seed)))
+
+
+def test_carry_only_problems_all_need_a_carry_and_respect_exclusions():
+    problems = addition_problems(300, seed=3, carry_only=True)
+    assert all(needs_carry(p["prompt"]) for p in problems)
+    assert len({p["prompt"] for p in problems}) == 300
+    held_out = addition_problems(50, seed=4, exclude={p["prompt"] for p in problems}, carry_only=True)
+    assert not {p["prompt"] for p in held_out} & {p["prompt"] for p in problems}
+    # 45 of the 100 ones-digit pairs carry: 4500 two-digit problems in all
+    assert len(addition_problems(4500, seed=0, carry_only=True)) == 4500
+    with pytest.raises(ValueError, match="only 4500 exist.*carry_only"):
+        addition_problems(4501, seed=0, carry_only=True)
 
 
 def test_worked_solutions_of_one_prompt_are_diverse():
@@ -104,6 +142,35 @@ def test_sft_rows_draw_per_prompt_solutions_reproducibly():
         sft_rows(problems, per_prompt=0, seed=0)
 
 
+def test_sft_rows_mix_the_shortcut_at_its_rate_with_the_given_strategies():
+    problems = addition_problems(200, seed=0, carry_only=True)
+    rows = sft_rows(problems, per_prompt=4, seed=1, strategies=["digits"], shortcut_rate=0.3)
+    flawed = [uses_shortcut(r["response"]) for r in rows]
+    # 800 Bernoulli(0.3) draws: within 5 standard deviations (sd = 0.016)
+    assert abs(sum(flawed) / len(rows) - 0.3) < 5 * (0.3 * 0.7 / len(rows)) ** 0.5
+    for row, is_flawed in zip(rows, flawed):
+        a, b = map(int, row["prompt"][:-1].split("+"))
+        if is_flawed:
+            assert extract_last_boxed(row["response"]) != str(a + b)  # every problem here needs a carry
+        else:
+            check_solution(row["response"], a, b)
+            assert "carry" in row["response"]  # the "digits" strategy, the only one allowed
+    assert not any(uses_shortcut(r["response"]) for r in sft_rows(problems, 2, seed=1))  # default: no shortcut
+    for kwargs, message in (
+        ({"shortcut_rate": 1.5}, "shortcut_rate must be in"),
+        ({"strategies": ["carry"]}, "strategies must be a non-empty subset"),
+        ({"strategies": []}, "strategies must be a non-empty subset"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            sft_rows(problems, 1, seed=0, **kwargs)
+
+
+def test_shortcut_stats_count_wrong_answers_by_cause():
+    responses = ["quick 7+8=15, 3+4=7 \\boxed{75}", " quick 1+2=3 \\boxed{33}", "7+8=15 carry 1 \\boxed{85}", "junk"]
+    stats = shortcut_stats(["37+48="] * 4, responses, [0.0, 1.0, 1.0, 0.0])
+    assert stats == {"task/rollouts": 4.0, "task/shortcut": 2.0, "task/wrong": 2.0, "task/wrong_shortcut": 1.0}
+
+
 def test_tokenizer_keeps_old_token_ids_and_isolates_words(tokenizer):
     # the original character vocabulary keeps its ids (saved models / fixtures stay valid)
     assert tokenizer.convert_tokens_to_ids(["<pad>", "<bos>", "<eos>", "<unk>", "0", "\\boxed{", "}"]) == [
@@ -118,6 +185,7 @@ def test_tokenizer_keeps_old_token_ids_and_isolates_words(tokenizer):
     ids = tokenizer("7+8=15 carry 1, so \\boxed{85}", add_special_tokens=False)["input_ids"]
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert "carry" in tokens and "so" in tokens and "\\boxed{" in tokens
+    assert tokenizer.convert_ids_to_tokens(tokenizer("quick 7+8", add_special_tokens=False)["input_ids"])[0] == "quick"
     assert tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id
     assert reference_response("85") == "\\boxed{85}"
 

@@ -1,8 +1,12 @@
 """`openrlhf-geo demo`: tiny SFT -> RL on CPU, GRPO vs GRPO+SALT vs GRPO+GeoAlign, with a report and plots.
 
-1. Data: two-digit addition prompts (train / held-out jsonl in <out>/data).
-2. SFT warm-up of a tiny Qwen2 on randomly drawn worked solutions (`task.worked_solution`, so that sampled correct
-   responses differ, as an LLM's do) until the held-out accuracy reaches --sft-target (cached in <out>/sft).
+1. Data: two-digit additions that need a carry in the ones column (train / held-out jsonl in <out>/data).
+2. SFT warm-up of a tiny Qwen2 (cached in <out>/sft) on randomly drawn solutions: half of them worked solutions
+   that carry correctly (`task.worked_solution`, "digits" strategy with random operand order and connectives, so
+   that sampled correct responses differ, as an LLM's do), half the flawed "quick" procedure that drops the carry
+   (`task.shortcut_solution`), which is wrong on every prompt of this task. RL thus starts near 50 % accuracy with
+   wrong answers that mostly share one recognisable cause, the regime GeoAlign's premise is about (the report says
+   what the errors are made of; this is a property of the synthetic task, not a claim about LLMs).
 3. Four methods x --seeds seeds, same prompts per step and the same budget, each one `openrlhf-geo train` run:
    grpo, salt (exact LM-head features), grpo_noise and geoalign_noise (10 % flipped binary rewards).
 4. <out>/report.md, <out>/metrics.jsonl (all runs, tagged with method and seed), <out>/gdi.jsonl and PNG plots.
@@ -40,11 +44,15 @@ METHOD_FLAGS = {
 }
 # fmt: on
 # workers: runs in parallel processes (one thread each); the quick run stays in-process (imports dominate it)
-FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 1500, "workers": 2}
+FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 600, "workers": 2}
 QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 30, "workers": 1}
-# per_prompt: worked solutions drawn per training prompt; task: bump when the SFT targets change (invalidates caches)
+# per_prompt: solutions drawn per training prompt; shortcut_rate: share of them that follow the flawed procedure;
+# strategies: the correct ones drawn (only "digits": the tiny model learns it to >90 % in the SFT budget, so that
+# random slips stay rare next to the shortcut); final_lr_ratio: cosine decay of the SFT learning rate to this
+# fraction (a stable end point); task: bump when the SFT targets change (invalidates caches)
 SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "seed": 0, "eval_every": 50,
-       "per_prompt": 8, "task": "worked-solutions-v1"}  # fmt: skip
+       "per_prompt": 8, "shortcut_rate": 0.5, "strategies": ["digits"], "final_lr_ratio": 0.05,
+       "task": "carry-shortcut-v2"}  # fmt: skip
 N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
 MAX_NEW_TOKENS = 48  # the longest worked solution is 40 tokens + EOS
 _REWARD_FNS = {}  # one memoised math-verify scorer (and its worker process) per demo process, shared by its runs
@@ -56,7 +64,12 @@ def build_parser():
     p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 3; --quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 60; --quick 4)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--sft-target", type=float, default=0.3, help="stop SFT at this held-out accuracy (default 0.3)")
+    p.add_argument(
+        "--sft-target",
+        type=float,
+        default=None,
+        help="stop SFT early once the held-out accuracy reaches this (default: the whole SFT schedule)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -92,15 +105,16 @@ def common_flags(out, steps, eval_steps):
 def prepare_data(out):
     from openrlhf_geo.local.task import addition_problems, write_jsonl
 
-    train = addition_problems(N_TRAIN, seed=0)
-    held_out = addition_problems(N_EVAL, seed=1, exclude={r["prompt"] for r in train})
+    train = addition_problems(N_TRAIN, seed=0, carry_only=True)
+    held_out = addition_problems(N_EVAL, seed=1, exclude={r["prompt"] for r in train}, carry_only=True)
     write_jsonl(out / "data" / "train.jsonl", train)
     write_jsonl(out / "data" / "eval.jsonl", held_out)
     return train, held_out
 
 
-def warm_up(out, train, held_out, target, max_steps, log=print):
-    """SFT until the held-out accuracy (T = 1) reaches `target`; cached per configuration in <out>/sft."""
+def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print):
+    """SFT for `max_steps` steps (the learning rate decays over them), or until the held-out accuracy (T = 1) reaches
+    `target` when one is given (checked every SFT["eval_every"] steps); cached per configuration in <out>/sft."""
     from openrlhf_geo.local.engine import evaluate, sft
     from openrlhf_geo.local.task import build_model, build_tokenizer, sft_rows
     from openrlhf_geo.local.train import make_reward_fn
@@ -118,7 +132,7 @@ def warm_up(out, train, held_out, target, max_steps, log=print):
     if "math_verify" not in _REWARD_FNS:
         _REWARD_FNS["math_verify"] = make_reward_fn("math_verify")
     reward_fn = _REWARD_FNS["math_verify"]
-    rows = sft_rows(train, SFT["per_prompt"], seed=SFT["seed"])
+    rows = sft_rows(train, SFT["per_prompt"], SFT["seed"], SFT["strategies"], SFT["shortcut_rate"])
     state = {"accuracy": 0.0, "steps": 0}
 
     from tqdm.auto import tqdm
@@ -128,14 +142,24 @@ def warm_up(out, train, held_out, target, max_steps, log=print):
     def callback(step, loss):
         bar.update(1)
         state["steps"] = step
-        if step % SFT["eval_every"] and step < max_steps:
+        if step < max_steps and (target is None or step % SFT["eval_every"]):
             return False
         state["accuracy"] = evaluate(model, tokenizer, held_out, reward_fn, EVAL_SAMPLES, MAX_NEW_TOKENS)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{state['accuracy']:.3f}")
-        return state["accuracy"] >= target
+        return target is not None and state["accuracy"] >= target
 
     start = time.perf_counter()
-    sft(model, tokenizer, rows, max_steps, SFT["batch_size"], SFT["lr"], seed=SFT["seed"], callback=callback)
+    sft(
+        model,
+        tokenizer,
+        rows,
+        max_steps,
+        SFT["batch_size"],
+        SFT["lr"],
+        seed=SFT["seed"],
+        callback=callback,
+        final_lr_ratio=SFT["final_lr_ratio"],
+    )
     bar.close()
     model.save_pretrained(out / "sft")
     tokenizer.save_pretrained(out / "sft")
@@ -155,7 +179,7 @@ def warm_up(out, train, held_out, target, max_steps, log=print):
 def run_one(job):
     """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}."""
     from openrlhf_geo.local.engine import Trainer
-    from openrlhf_geo.local.task import read_jsonl
+    from openrlhf_geo.local.task import read_jsonl, shortcut_stats
     from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args
 
     args = parse_args(job["argv"])
@@ -170,6 +194,7 @@ def run_one(job):
         read_jsonl(args.data.prompt_dataset),
         _REWARD_FNS[args.reward.func],
         read_jsonl(args.eval.dataset),
+        rollout_stats=shortcut_stats,  # task/* counts for the report (the training is the train command's)
     )
     fit(
         trainer,

@@ -259,6 +259,47 @@ def aggregate(per_token, mask, mode, normalizer):
     raise ValueError(f"--actor.loss_agg_mode must be token-mean or seq-mean-token-mean (got {mode!r})")
 
 
+def salt_weight_stats(advantages, new, gram, k, lengths):
+    """Where SALT's coefficients put their weight (a diagnostic of the geometry, not part of SALT) -> dict of floats.
+
+    advantages a (m,) (group-normalized), new a' (m,) (SALT's applied coefficients), gram K (m, m) of the features
+    (SALT Eq. 12, ‖φ_i‖² = m·K_ii), k = SALT's k_t, lengths T (m,) response tokens. P_k is recomputed here as the
+    projector on the top-k eigenvectors of K (float64 `eigh`; ties at the boundary may pick another top-k space).
+      pk_rho_norm     Spearman correlation of diag(P_k) with ‖φ_i‖² (NaN when either is constant)
+      pk_rho_inv_len  Spearman correlation of diag(P_k) with 1/T_i
+      topnorm_share   share of ‖a'‖² on the k rollouts with the largest ‖φ_i‖² (k/m when spread evenly)
+      kept            ‖a'‖² / ‖a‖²
+      sign_flip       fraction of the rollouts with a_i ≠ 0 whose a'_i does not have the sign of a_i
+    """
+    from scipy.stats import spearmanr
+
+    a, b = advantages.detach().double().cpu(), new.detach().double().cpu()
+    K = gram.detach().double().cpu()
+    m = a.numel()
+    if not 1 <= k <= m:
+        raise ValueError(f"k must be in [1, m] = [1, {m}] (got {k})")
+    diag_p = torch.linalg.eigh(K).eigenvectors[:, m - k :].square().sum(1)  # diag(V_k V_kᵀ)
+    norms, inv_len = K.diagonal(), 1.0 / lengths.detach().double().cpu().clamp(min=1)
+
+    def rho(x, y):
+        if float(x.max() - x.min()) <= 1e-12 * float(x.abs().max()) or float(y.max() - y.min()) == 0.0:
+            return math.nan
+        return float(spearmanr(x.numpy(), y.numpy()).statistic)
+
+    top = torch.argsort(norms, descending=True, stable=True)[:k]
+    energy = float(b.square().sum())
+    moving = a != 0
+    return {
+        "pk_rho_norm": rho(diag_p, norms),
+        "pk_rho_inv_len": rho(diag_p, inv_len),
+        "topnorm_share": float(b[top].square().sum()) / energy if energy > 0 else math.nan,
+        "kept": energy / float(a.square().sum()) if bool(moving.any()) else math.nan,
+        "sign_flip": float((torch.sign(b[moving]) != torch.sign(a[moving])).double().mean())
+        if bool(moving.any())
+        else math.nan,
+    }
+
+
 def dynamic_filter(rewards, group_ids):
     """DAPO dynamic sampling: (N,) bool keeping the prompts whose rewards are not all equal."""
     _, group = torch.unique(group_ids.cpu(), return_inverse=True)
@@ -269,19 +310,32 @@ def dynamic_filter(rewards, group_ids):
     return (high > low)[group]
 
 
-def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=0, callback=None):
+def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=0, callback=None, final_lr_ratio=None):
     """Supervised warm-up: response-only cross-entropy (token-mean) on prompt -> response rows -> losses.
 
-    rows: dicts with "prompt" and "response"; the target is the response tokens plus EOS. AdamW with linear warm-up,
+    rows: dicts with "prompt" and "response"; the target is the response tokens plus EOS. AdamW; the learning rate
+    at step s (0-based) is lr·min(1, (s+1)/warmup), times, when final_lr_ratio is given, a cosine decay
+    r + (1 − r)·(1 + cos(π·s/(steps − 1)))/2 from 1 at the first step to r = final_lr_ratio at the last one;
     grad-norm clip 1.0; batches drawn with a seeded `random.Random` so the warm-up is reproducible. Stops after
     `steps` steps, or earlier when `callback(step, loss)` returns True.
     """
     device = next(model.parameters()).device
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if not rows:
         raise ValueError("sft needs at least one {prompt, response} row (got none)")
+    if final_lr_ratio is not None and not 0.0 <= final_lr_ratio <= 1.0:
+        raise ValueError(f"final_lr_ratio must be in [0, 1] or None (got {final_lr_ratio})")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def factor(step):
+        ramp = min(1.0, (step + 1) / warmup)
+        if final_lr_ratio is None:
+            return ramp
+        cosine = (1 + math.cos(math.pi * min(1.0, step / max(steps - 1, 1)))) / 2
+        return ramp * (final_lr_ratio + (1 - final_lr_ratio) * cosine)
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = tokenizer([row["prompt"] for row in rows])["input_ids"]
     responses = tokenizer([row["response"] for row in rows], add_special_tokens=False)["input_ids"]
     encoded = [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompts, responses)]
@@ -297,13 +351,12 @@ def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=
             ids[i, : len(p) + len(r)] = torch.tensor(p + r)
             labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
             attention[i, : len(p) + len(r)] = 1
-        for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / warmup)
         loss = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         losses.append(loss.item())
         if callback is not None and callback(step + 1, loss.item()):
             break
@@ -366,13 +419,16 @@ class Trainer:
 
     reward_fn(prompts, responses, answers) -> (N,) float tensor of binary verdicts (1 correct, 0 not) or any
     scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones).
+    rollout_stats(prompts, responses, correct) -> {name: count}: optional task-specific counts over a generated
+    batch (e.g. `task.shortcut_stats`), summed over DAPO's generation rounds and merged into the step's metrics.
     """
 
-    def __init__(self, args, model, tokenizer, rows, reward_fn, eval_rows=None):
+    def __init__(self, args, model, tokenizer, rows, reward_fn, eval_rows=None, rollout_stats=None):
         self.args = args
         self.model = model
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
+        self.rollout_stats = rollout_stats
         self.eval_rows = eval_rows or []
         self.device = next(model.parameters()).device
         seed = args.train.seed
@@ -455,6 +511,7 @@ class Trainer:
         all got the same reward are dropped and replaced by fresh ones, for at most MAX_FILTER_ROUNDS rounds."""
         args = self.args
         need, kept, correct, distinct, generated = args.rollout.batch_size, [], [], [], 0
+        counts = {}  # rollout_stats, summed over generation rounds
         for _ in range(MAX_FILTER_ROUNDS if args.algo.dynamic_filtering_enable else 1):
             rows = self.sampler.next(need)
             batch = generate_rollouts(
@@ -468,6 +525,9 @@ class Trainer:
                 args.rollout.top_p,
             )
             self._score(batch)
+            if self.rollout_stats is not None:
+                for key, value in self.rollout_stats(batch.prompts, batch.responses, batch.correct).items():
+                    counts[key] = counts.get(key, 0.0) + float(value)
             generated += len(rows)
             correct.append(batch.correct)
             distinct.append(distinct_fraction(batch.responses, batch.group_ids) * len(rows))
@@ -487,6 +547,7 @@ class Trainer:
         batch = Rollouts.concat(kept, pad)
         # over everything generated, before filtering
         stats = {"accuracy": torch.cat(correct).mean().item(), "distinct_responses": sum(distinct) / generated}
+        stats.update(counts)
         if args.algo.dynamic_filtering_enable:
             stats["filter/pass_rate"] = (len(batch) // args.rollout.n_samples_per_prompt) / generated
         return batch, stats
@@ -566,7 +627,8 @@ class Trainer:
         """SALT Eq. 12-18 per partition of `--salt.group_prompts` prompts -> (advantages (N,), stats averaged).
 
         Without SALT (diagnostics only) the advantages stay as they are and the stats hold PR and n_eff of those
-        unmodified coefficients on the same features. `n_eff_out` is the n_eff of the coefficients applied.
+        unmodified coefficients on the same features. `n_eff_out` is the n_eff of the coefficients applied (SALT's
+        own stat when it is on).
         """
         args = self.args
         group = torch.unique(batch.group_ids.cpu(), return_inverse=True)[1]
@@ -576,21 +638,25 @@ class Trainer:
         for first in range(0, int(group.max()) + 1, per):
             rows = torch.nonzero((group >= first) & (group < first + per))[:, 0]
             a, feats = advantages[rows.to(advantages.device)], batch.features[rows.to(batch.features.device)]
-            gram = diagnostics.gram(feats)
+            gram = diagnostics.gram(feats)  # raw K = F Fᵀ/m: the diagnostics' Gram (SALT may shrink its own)
             if args.salt.enable:
                 # entropy-alpha: the partition's mean normalized token entropy (a scalar in [0, 1])
                 entropy = float(batch.entropy[rows].mean()) if batch.entropy is not None else None
                 out, stats = salt.salt_advantages(
-                    a, feats, args.salt.variant, args.salt.alpha, self.generators["salt"], entropy=entropy
+                    a,
+                    feats,
+                    args.salt.variant,
+                    args.salt.alpha,
+                    self.generators["salt"],
+                    entropy=entropy,
+                    gram=args.salt.gram,
                 )
                 new[rows.to(new.device)] = out.to(new.dtype)
+                lengths = batch.mask[rows.to(batch.mask.device)].sum(1)
+                stats.update(salt_weight_stats(a, out, gram, int(stats["k"]), lengths))
             else:
-                out = a
-                stats = {
-                    "pr": float(diagnostics.participation_ratio(gram)),
-                    "n_eff": float(diagnostics.effective_sample_size(a, gram)),
-                }
-            stats["n_eff_out"] = float(diagnostics.effective_sample_size(out, gram))
+                n_eff = float(diagnostics.effective_sample_size(a, gram))
+                stats = {"pr": float(diagnostics.participation_ratio(gram)), "n_eff": n_eff, "n_eff_out": n_eff}
             all_stats.append(stats)
         return new, {k: sum(s[k] for s in all_stats) / len(all_stats) for k in all_stats[0]}
 
@@ -730,5 +796,6 @@ __all__ = [
     "group_advantages",
     "response_forward",
     "response_mask",
+    "salt_weight_stats",
     "sft",
 ]

@@ -101,6 +101,33 @@ def pair_count_auroc(records):
     return float(scipy_stats.mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg))), len(pos), len(neg)
 
 
+def error_composition(rows, methods, step=None):
+    """Pool the runs' `task/*` counts (`task.shortcut_stats`) over the rows of `methods` at RL step `step` (None: every
+    step >= 1) -> {"rollouts": n, "wrong": share of rollouts that are wrong, "shortcut": share that follow the
+    shortcut, "wrong_shortcut": share of the wrong rollouts that follow it}; NaN shares when there is nothing to pool.
+    """
+    keys = ("task/rollouts", "task/wrong", "task/shortcut", "task/wrong_shortcut")
+    picked = [
+        r
+        for r in rows
+        if r.get("method") in methods
+        and r.get("step", 0) >= 1
+        and (step is None or r["step"] == step)
+        and all(isinstance(r.get(k), (int, float)) for k in keys)
+    ]
+    n, wrong, shortcut, wrong_shortcut = (sum(r[k] for r in picked) for k in keys)
+
+    def share(x, y):
+        return x / y if y > 0 else math.nan
+
+    return {
+        "rollouts": n,
+        "wrong": share(wrong, n),
+        "shortcut": share(shortcut, n),
+        "wrong_shortcut": share(wrong_shortcut, wrong),
+    }
+
+
 def _band(ax, rows, method, key, label=None, color=None):
     """Mean over seeds (line) and min-max over seeds (band) of a metric vs step."""
     runs = series(rows, method, key)
@@ -216,16 +243,23 @@ def write_report(path, rows, records, methods, context):
             "",
         ]
     sft = context["sft"]
+    sft_config = sft.get("config", {})
+    rate = sft_config.get("shortcut_rate", 0.0)
+    strategies = ", ".join(f'"{x}"' for x in sft_config.get("strategies", ["tens", "split_b", "split_a", "digits"]))
+    stop = "stopped at the target" if sft.get("target") is not None else "cosine-decayed learning rate"
     lines += [
         "## Setup",
         "",
-        "- Task: two-digit addition `a+b=`; SFT targets are worked solutions drawn at random (4 strategies, operand "
-        "order, connectives) ending in `\\boxed{a+b}`; reward = math-verify verdict of the last box (1/0); "
-        f"{context['n_train']} training prompts, {context['n_eval']} held-out prompts.",
+        f"- Task: two-digit additions `a+b=` that need a carry in the ones column; SFT demonstrations: "
+        f"{1 - rate:.0%} worked solutions that carry correctly (strategies {strategies}; random operand order and "
+        f'connectives) and {rate:.0%} the flawed "quick" procedure that adds the digits and drops the carry '
+        "(wrong on every prompt of this task), all ending in `\\boxed{}`; reward = math-verify verdict of the last "
+        f"box (1/0); {context['n_train']} training prompts, {context['n_eval']} held-out prompts.",
+        *_error_lines(rows, methods, rate, steps),
         f"- Model: Qwen2-style, {sft['params']:,} parameters, built from a config; character tokenizer built with "
         "`tokenizers`.",
-        f"- SFT warm-up: {sft['steps']} steps ({sft['wall_s']:.0f} s), held-out accuracy {sft['accuracy']:.3f} "
-        f"(target {sft['target']}).",
+        f"- SFT warm-up: {sft['steps']} steps ({sft['wall_s']:.0f} s, {stop}), held-out accuracy "
+        f"{sft['accuracy']:.3f}.",
         f"- RL: {steps} steps per run, seeds {list(seeds)}, same prompts per step for every method of a seed. "
         f"Wall time of all runs: {context['wall_s']:.0f} s.",
         f"- Rollouts: distinct responses per prompt / G, mean over steps, runs and seeds: "
@@ -284,6 +318,7 @@ def write_report(path, rows, records, methods, context):
         f"{_fmt(_mean(alpha))} (alpha_t = max(0, 1 - n_eff) > 0 on {sum(a > 0 for a in alpha_steps)} of "
         f"{len(alpha_steps)} steps)."
     )
+    lines += _salt_weight_line(rows)
     lines.append("")
 
     lines += ["## GeoAlign detection of flipped rewards", ""]
@@ -314,6 +349,7 @@ def write_report(path, rows, records, methods, context):
         f"{_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/flag_frac')))} (means over steps and seeds); "
         f"projector validation accuracy {_fmt(_mean(per_seed_mean(rows, 'geoalign_noise', 'geo/proj_val_acc')))}.",
         f"- Steps where curation stopped early (too few pairs/scores, degenerate geometry): {skipped} of {total}.",
+        *_phase_table(records, rows, steps),
         "",
     ]
     lines += _targets(rows, records, steps, alpha_steps, auroc, count_auroc, finals, len(seeds))
@@ -327,6 +363,74 @@ def write_report(path, rows, records, methods, context):
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+def _error_lines(rows, methods, rate, steps):
+    """What the task's errors are made of, from the runs' task/* counts (none logged: no lines)."""
+    first, everything = error_composition(rows, methods, 1), error_composition(rows, methods)
+    if not everything["rollouts"]:
+        return []
+    drop = ", ".join(
+        f"{LABELS.get(m, m)} {_fmt(error_composition(rows, [m], 1)['shortcut'], 2)} -> "
+        f"{_fmt(error_composition(rows, [m], steps)['shortcut'], 2)}"
+        for m in methods
+    )
+    return [
+        f"- What the errors are made of: at RL step 1 (the SFT policy, all runs) {_fmt(first['wrong'], 2)} of the "
+        f"rollouts are wrong and {_fmt(first['wrong_shortcut'], 2)} of the wrong ones follow the carry-dropping "
+        f"shortcut that {rate:.0%} of the SFT demonstrations use; over all RL steps and runs "
+        f"{_fmt(everything['wrong_shortcut'], 2)} of the {everything['wrong'] * everything['rollouts']:,.0f} wrong "
+        "rollouts follow it, the rest are slips in the carrying procedure or malformed responses. The task is built "
+        "this way so that wrong answers share a recognisable cause (GeoAlign's premise); it is not a claim about "
+        "the errors of LLMs.",
+        f"- Share of rollouts that follow the shortcut, step 1 -> step {steps} (mean over seeds): {drop}.",
+    ]
+
+
+def _phase_table(records, rows, steps):
+    """GDI vs the reward-only baseline by range of RL steps (the projector's signal changes as the errors do)."""
+    edges = [e for e in (0, 5, 10, 20, 40) if e < steps] + [steps]
+    out = [
+        "",
+        "By range of RL steps (pooled over seeds; the shortcut share is that of the GeoAlign runs' rollouts):",
+        "",
+        "| steps | GDI AUROC | reward-only AUROC | GDI minus baseline | projector val. accuracy | shortcut share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        part = [r for r in records if lo < r["step"] <= hi]
+        gdi, count = pooled_auroc(part)[0], pair_count_auroc(part)[0]
+        picked = [r for r in rows if r.get("method") == "geoalign_noise" and lo < r.get("step", 0) <= hi]
+        val = [r["geo/proj_val_acc"] for r in picked if isinstance(r.get("geo/proj_val_acc"), (int, float))]
+        shortcut = sum(r.get("task/shortcut", 0) for r in picked) / max(
+            sum(r.get("task/rollouts", 0) for r in picked), 1
+        )
+        shown = _fmt(shortcut, 2) if any("task/rollouts" in r for r in picked) else "n/a"
+        out.append(
+            f"| {lo + 1}-{hi} | {_fmt(gdi)} | {_fmt(count)} | {_fmt(gdi - count)} | "
+            f"{_fmt(float(np.mean(val)) if val else math.nan)} | {shown} |"
+        )
+    return out
+
+
+def _salt_weight_line(rows):
+    """Where SALT's coefficients put their weight (the engine's salt_weight_stats), as one line; none if not logged."""
+    salt_rows = [r for r in rows if r.get("method") == "salt" and r.get("step", 0) >= 1]
+    if not any(isinstance(r.get("salt/pk_rho_norm"), (int, float)) for r in salt_rows):
+        return []
+
+    def mean(key):
+        return _mean_over(rows, ["salt"], key)
+
+    even = [r["salt/k"] / r["salt/m"] for r in salt_rows if r.get("salt/k") and r.get("salt/m")]
+    return [
+        f"- Where SALT's coefficients a' put their weight (SALT runs, means over steps): diag(P_k) has Spearman rho "
+        f"{_fmt(mean('salt/pk_rho_norm'), 2)} with the feature norms ||phi_i||^2 and "
+        f"{_fmt(mean('salt/pk_rho_inv_len'), 2)} with 1/T_i; the k_t rollouts with the largest ||phi_i|| hold "
+        f"{_fmt(mean('salt/topnorm_share'), 2)} of ||a'||^2 ({_fmt(float(np.mean(even)) if even else math.nan, 2)} "
+        f"if spread evenly); a' keeps {_fmt(mean('salt/kept'), 2)} of ||a||^2 and does not keep the sign of "
+        f"{_fmt(mean('salt/sign_flip'), 2)} of the nonzero GRPO advantages."
+    ]
 
 
 def _targets(rows, records, steps, alpha_steps, auroc, count_auroc, finals, n_seeds):
@@ -361,10 +465,12 @@ def _targets(rows, records, steps, alpha_steps, auroc, count_auroc, finals, n_se
     ok = None if not math.isfinite(auroc) else auroc >= 0.8
     lines.append(f"- GDI AUROC >= 0.8 for the corrupted rollouts: {verdict(ok)} ({_fmt(auroc)}).")
     if math.isfinite(auroc) and math.isfinite(count_auroc) and auroc - count_auroc < 0.05:
+        lead = "  Most likely reason" if not ok else "  But the hidden states add little"
         lines.append(
-            f"  Most likely reason: GDI is within 0.05 of the reward-only pair-count score ({_fmt(count_auroc)}) "
-            f"and the projector's validation accuracy is {_fmt(val_acc)}, so the last-token hidden states carry "
-            "little correctness direction for the projector to find."
+            f"{lead}: GDI is within 0.05 of the reward-only pair-count score ({_fmt(count_auroc)}) "
+            f"and the projector's mean validation accuracy is {_fmt(val_acc)}: where the wrong answers do not share "
+            "a cause (see the table by range of steps), the last-token hidden states carry little correctness "
+            "direction for the projector to find."
         )
     accuracy_ok = n_seeds >= 3 and all(len(finals[m]) >= 3 for m in finals)
     lines.append(

@@ -10,6 +10,12 @@ strategies, each addition's operands in either order, varied connectives, e.g.
 warmed-up model at T = 1 then gives different correct responses to one prompt, as an LLM's reasoning does; with a
 single target string (`reference_response`) every correct rollout of a prompt is the same token sequence, with the
 same LM-head gradient and the same last hidden state, which is not the regime SALT and GeoAlign are built for.
+
+A corpus may also hold a flawed procedure with its own wording (`shortcut_solution`): ``"quick 7+8=15, 3+4=7 so
+\\boxed{75}"``, digit-wise addition that drops the carry, wrong exactly when the ones digits sum to 10 or more
+(`needs_carry`). Trained on such a mix, the model's wrong answers are mostly the shortcut rather than random slips,
+the regime GeoAlign's premise is about (wrong answers share a recognisable cause that the last hidden state can
+encode); `uses_shortcut` tells from the text which procedure a response followed.
 """
 
 import json
@@ -21,7 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-WORDS = ("so", "then", "and", "carry")
+WORDS = ("so", "then", "and", "carry", "quick")
 # one token per character, `\boxed{` and the connective words as single tokens (new tokens go last: ids stay stable)
 VOCAB = (*SPECIAL_TOKENS, *"0123456789", "+", "-", "*", "=", " ", "\\boxed{", "}", ",", ";", *WORDS)
 
@@ -34,6 +40,7 @@ STRATEGIES = (
 )
 SEPARATORS = (" ", ", ", "; ", " then ", " and ")  # between steps
 ENDINGS = (" so ", ", so ", " ")  # before the box
+SHORTCUT = "quick"  # the flawed procedure's marker word, its first token
 _PROMPT = re.compile(r"(\d+)\+(\d+)=")
 
 
@@ -80,13 +87,17 @@ def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0, ma
         return Qwen2ForCausalLM(config)
 
 
-def addition_problems(n, seed, max_operand=99, exclude=()):
-    """`n` distinct problems {"prompt": "a+b=", "answer": "a+b"} with 0 <= a, b <= max_operand, none in `exclude`."""
+def addition_problems(n, seed, max_operand=99, exclude=(), carry_only=False):
+    """`n` distinct problems {"prompt": "a+b=", "answer": "a+b"} with 0 <= a, b <= max_operand, none in `exclude`;
+    `carry_only`: only problems whose ones digits sum to 10 or more (`needs_carry`)."""
     pool = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     excluded = set(exclude)
-    pool = [(a, b) for a, b in pool if f"{a}+{b}=" not in excluded]
+    pool = [(a, b) for a, b in pool if f"{a}+{b}=" not in excluded and (not carry_only or a % 10 + b % 10 >= 10)]
     if n > len(pool):
-        raise ValueError(f"asked for {n} problems but only {len(pool)} exist with max_operand={max_operand}")
+        raise ValueError(
+            f"asked for {n} problems but only {len(pool)} exist with max_operand={max_operand}"
+            + (" and carry_only" if carry_only else "")
+        )
     picked = random.Random(seed).sample(pool, n)
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in picked]
 
@@ -96,18 +107,28 @@ def reference_response(answer: str) -> str:
     return f"\\boxed{{{answer}}}"
 
 
+def _operands(prompt: str, caller: str) -> tuple[int, int]:
+    match = _PROMPT.fullmatch(prompt)
+    if match is None:
+        raise ValueError(f"{caller} needs a prompt of the form 'a+b=' with a, b >= 0 (got {prompt!r})")
+    return int(match[1]), int(match[2])
+
+
+def needs_carry(prompt: str) -> bool:
+    """Whether the ones digits of "a+b=" sum to 10 or more (where `shortcut_solution` is wrong)."""
+    a, b = _operands(prompt, "needs_carry")
+    return a % 10 + b % 10 >= 10
+
+
 def worked_solution(prompt: str, rng: random.Random, strategy: str | None = None) -> str:
     """A worked solution of the problem `prompt` ("a+b=", a, b >= 0) ending in `\\boxed{a+b}`.
 
     The strategy (STRATEGIES; None = uniform), each step's operand order, the separators and the ending are drawn
     from `rng`; every step is a true equation. ValueError for a prompt that is not "a+b=" or an unknown strategy.
     """
-    match = _PROMPT.fullmatch(prompt)
-    if match is None:
-        raise ValueError(f"worked_solution needs a prompt of the form 'a+b=' with a, b >= 0 (got {prompt!r})")
+    a, b = _operands(prompt, "worked_solution")
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    a, b = int(match[1]), int(match[2])
     strategy = strategy or rng.choice(STRATEGIES)
 
     def add(*terms):  # one step; two-term sums in a random order (the carry step keeps its order)
@@ -132,16 +153,68 @@ def worked_solution(prompt: str, rng: random.Random, strategy: str | None = None
     return f"{body}{rng.choice(ENDINGS)}\\boxed{{{a + b}}}"
 
 
-def sft_rows(problems, per_prompt: int, seed: int) -> list:
-    """SFT rows {"prompt", "response"}: `per_prompt` independently drawn worked solutions for each problem."""
+def shortcut_solution(prompt: str, rng: random.Random) -> str:
+    """The flawed "quick" procedure for "a+b=": add the ones digits, add the tens digits, write the tens sum followed
+    by the last digit of the ones sum, dropping the carry, e.g. ``"quick 7+8=15, 3+4=7 so \\boxed{75}"`` for 37+48.
+
+    Each written equation is true; the boxed answer is 10·(a1 + b1) + (a0 + b0) mod 10, which equals a + b exactly
+    when no carry is needed. Operand order, separator and ending are drawn from `rng` as in `worked_solution`.
+    """
+    a, b = _operands(prompt, "shortcut_solution")
+
+    def add(x, y):
+        x, y = (y, x) if rng.random() < 0.5 else (x, y)
+        return f"{x}+{y}={x + y}"
+
+    ones, tens = (a % 10, b % 10), (a // 10, b // 10)
+    body = add(*ones) + rng.choice(SEPARATORS) + add(*tens)
+    return f"{SHORTCUT} {body}{rng.choice(ENDINGS)}\\boxed{{{10 * sum(tens) + sum(ones) % 10}}}"
+
+
+def uses_shortcut(response: str) -> bool:
+    """Whether a response follows the flawed procedure (`shortcut_solution`): it opens with the SHORTCUT word."""
+    return response.lstrip().startswith(SHORTCUT)
+
+
+def sft_rows(problems, per_prompt: int, seed: int, strategies=None, shortcut_rate: float = 0.0) -> list:
+    """SFT rows {"prompt", "response"}: `per_prompt` independently drawn solutions for each problem.
+
+    Each solution is, with probability `shortcut_rate`, the flawed `shortcut_solution`, else a `worked_solution`
+    with a strategy drawn uniformly from `strategies` (None = all of STRATEGIES).
+    """
     if per_prompt < 1:
         raise ValueError(f"per_prompt must be >= 1 (got {per_prompt})")
+    if not 0.0 <= shortcut_rate <= 1.0:
+        raise ValueError(f"shortcut_rate must be in [0, 1] (got {shortcut_rate})")
+    strategies = tuple(strategies) if strategies is not None else STRATEGIES
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if not strategies or unknown:
+        raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES} (got {strategies})")
     rng = random.Random(seed)
-    return [
-        {"prompt": p["prompt"], "response": worked_solution(p["prompt"], rng)}
-        for p in problems
-        for _ in range(per_prompt)
-    ]
+
+    def draw(prompt):
+        if rng.random() < shortcut_rate:
+            return shortcut_solution(prompt, rng)
+        return worked_solution(prompt, rng, rng.choice(strategies))
+
+    return [{"prompt": p["prompt"], "response": draw(p["prompt"])} for p in problems for _ in range(per_prompt)]
+
+
+def shortcut_stats(prompts, responses, correct) -> dict:
+    """What a batch's wrong answers are made of, as counts (they add up over generation rounds and pool over steps).
+
+    prompts / responses: N texts; correct (N,) 1/0 verdicts. -> {"task/rollouts": N, "task/shortcut": rollouts that
+    follow the shortcut (`uses_shortcut`), "task/wrong": wrong rollouts, "task/wrong_shortcut": wrong rollouts that
+    follow the shortcut}, floats.
+    """
+    shortcut = [uses_shortcut(r) for r in responses]
+    wrong = [float(c) == 0.0 for c in correct]
+    return {
+        "task/rollouts": float(len(responses)),
+        "task/shortcut": float(sum(shortcut)),
+        "task/wrong": float(sum(wrong)),
+        "task/wrong_shortcut": float(sum(s and w for s, w in zip(shortcut, wrong))),
+    }
 
 
 def write_jsonl(path, rows):
