@@ -98,19 +98,20 @@ def bench_salt(reps, sizes=(256, 1024, 4096), dim=4096, group=8):
         print(f"\n[2] skipped: openrlhf_geo.salt.salt_advantages is not available ({err})")
         return
     print(f"\n[2] SALT on power-law features (m, D={dim}) float32, groups of {group}, variant full; ms: min / median")
-    print("    Gram f64 = diagnostics.gram (what salt_advantages forms), Gram f32 = F @ F.T / m for comparison;")
+    print("    Gram = diagnostics.gram (float32 product, float64 result: what salt_advantages forms),")
+    print("    f32 matmul = the bare F @ F.T / m for comparison;")
     print("    solve = stats['solve_ms'] (K -> a': PR, top-k eigvecs, alpha, a'); total = the whole call")
-    print(f"{'m':>5} {'k=PR':>5} {'Gram f64':>15} {'Gram f32':>15} {'solve':>15} {'total':>15}")
+    print(f"{'m':>5} {'k=PR':>5} {'Gram':>15} {'f32 matmul':>15} {'solve':>15} {'total':>15}")
     gen = torch.Generator().manual_seed(1)
     for m in sizes:
         features = powerlaw_features(m, dim, gen)
         rewards = (torch.rand(m // group, group, generator=gen) < 0.4).float()
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(-1)
         salt_advantages(adv, features)  # warm-up
-        times = {"Gram f64": [], "Gram f32": [], "solve": [], "total": []}
+        times = {"Gram": [], "f32 matmul": [], "solve": [], "total": []}
         for _ in range(reps if m < 4096 else min(reps, 3)):
-            times["Gram f64"].append(timed(lambda features=features: gram(features)))
-            times["Gram f32"].append(timed(lambda features=features: features @ features.T / features.shape[0]))
+            times["Gram"].append(timed(lambda features=features: gram(features)))
+            times["f32 matmul"].append(timed(lambda features=features: features @ features.T / features.shape[0]))
             start = time.perf_counter()
             _, stats = salt_advantages(adv, features)
             times["total"].append(time.perf_counter() - start)
