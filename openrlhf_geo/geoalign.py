@@ -225,6 +225,18 @@ def pair_distances(hidden, winner, loser, group_ids):
     return d2.sqrt()
 
 
+def detection_auroc(score, bad, scored):
+    """AUROC of `score` for the `bad` items among the `scored` ones (arrays of one length) -> (auroc, n+, n-).
+
+    Mann-Whitney U / (n+ n-): P(a bad item outscores a clean one) + 1/2 P(tie); NaN without both classes.
+    """
+    score, bad, scored = np.asarray(score, dtype=float), np.asarray(bad, dtype=bool), np.asarray(scored, dtype=bool)
+    pos, neg = score[scored & bad], score[scored & ~bad]
+    if not len(pos) or not len(neg):
+        return math.nan, len(pos), len(neg)
+    return float(mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg))), len(pos), len(neg)
+
+
 def orientation_loss(s_pos, s_neg):
     """GeoAlign Eq. 4: mean softplus(-w^T M(u)) + mean softplus(w^T M(-u)); s_pos, s_neg (P,) probe scores of +-u."""
     return F.softplus(-s_pos).mean() + F.softplus(s_neg).mean()
@@ -478,10 +490,7 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
             hits = float((flagged & bad).sum())
             stats["precision"] = hits / float(flagged.sum()) if flagged.any() else math.nan
             stats["recall"] = hits / float(bad.sum()) if bad.any() else math.nan
-            scored = ~torch.isnan(scores)
-            pos, neg = scores[scored & bad].numpy(), scores[scored & ~bad].numpy()
-            u = mannwhitneyu(pos, neg).statistic if len(pos) and len(neg) else math.nan
-            stats["auroc"] = float(u) / (len(pos) * len(neg)) if len(pos) and len(neg) else math.nan
+            stats["auroc"] = detection_auroc(scores.numpy(), bad.numpy(), ~torch.isnan(scores).numpy())[0]
         stats["time_s"] = time.perf_counter() - start
         return plan, stats
 

@@ -12,9 +12,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from scipy import stats as scipy_stats
 
 from openrlhf_geo.eval.metrics import paired_gain
+from openrlhf_geo.geoalign import detection_auroc
 
 LABELS = {
     "grpo": "GRPO",
@@ -66,12 +66,7 @@ def pooled_auroc(records):
     """AUROC of GDI as a score for corrupted rollouts, pooled over records (scored rollouts) -> (auroc, n+, n-)."""
     gdi = np.concatenate([np.asarray(r["gdi"], dtype=float) for r in records]) if records else np.zeros(0)
     bad = np.concatenate([np.asarray(r["corrupted"], dtype=bool) for r in records]) if records else np.zeros(0, bool)
-    scored = np.isfinite(gdi)
-    pos, neg = gdi[scored & bad], gdi[scored & ~bad]
-    if not len(pos) or not len(neg):
-        return math.nan, len(pos), len(neg)
-    u = scipy_stats.mannwhitneyu(pos, neg).statistic
-    return float(u / (len(pos) * len(neg))), len(pos), len(neg)
+    return detection_auroc(gdi, bad, np.isfinite(gdi))
 
 
 def pair_count_auroc(records):
@@ -94,11 +89,7 @@ def pair_count_auroc(records):
     if not counts:
         return math.nan, 0, 0
     count, gdi, bad = np.concatenate(counts), np.concatenate(gdis), np.concatenate(bads)
-    scored = np.isfinite(gdi)
-    pos, neg = count[scored & bad], count[scored & ~bad]
-    if not len(pos) or not len(neg):
-        return math.nan, len(pos), len(neg)
-    return float(scipy_stats.mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg))), len(pos), len(neg)
+    return detection_auroc(count, bad, np.isfinite(gdi))
 
 
 def error_composition(rows, methods, step=None):
