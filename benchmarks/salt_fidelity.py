@@ -1,4 +1,4 @@
-"""SALT fidelity of sketched features (issue 7): exact vs raw sketch vs noise-aware (`shrink`) vs diagonal-only.
+"""SALT fidelity of sketched features: exact vs raw sketch vs noise-aware (`shrink`) vs diagonal-only.
 
 Each regime gives exact LM-head-gradient features (SALT Eq. 19) and Kronecker sketches (D = --dim, --seeds sketch
 seeds) of the SAME responses, both from `lm_head_features` on one set of (logits, hidden, tokens, mask). SALT
@@ -13,7 +13,7 @@ Columns: Spearman of the off-diagonal Gram cosines vs exact (all pairs / within 
 0), PR relative error (signed: < 0 is the raw sketch's k-too-small bias), k (mean over sketch seeds; exact k in the
 header) and the share of seeds with k = exact k, a'-cosine vs exact (mean and worst over draws × seeds).
 
-Regimes: (a) synthetic rollouts re-implementing ../shared/notes/salt_gram.py at a CPU-sized V = 1024, d = 128,
+Regimes: (a) synthetic rollouts at a CPU-sized V = 1024, d = 128,
 T ∈ [16, 128] (the notes: V = 4096, d = 256, T ∈ [32, 256]): on-policy sampling and a shared prompt prefix (8-32
 tokens sampled once per group), m ∈ {64, 256}; (b) real rollouts of the local engine's demo model (the demo's SFT
 warm-up, cached in <demo-dir>/sft and reused by `openrlhf-geo demo`), G = 8 samples for 16 / 32 prompts.
@@ -213,7 +213,7 @@ def evaluate(name, exact, sketches, advantages):
     within, between = C[iu[0], iu[1]][same].mean(), C[iu[0], iu[1]][~same].mean()
     print(
         f"\n{name}: m={m}, exact PR {pr_exact:.1f} -> k {k_exact:.0f}, mean exact cosine within groups "
-        f"{within:.3f} / between {between:.3f}, n_eff(a) {statistics.mean(s['n_eff'] for _, s in reference):.2f}"
+        f"{within:.3f} / between {between:.3f}, n_eff(a) {statistics.mean(s['n_eff_in'] for _, s in reference):.2f}"
     )
     noise_share, threshold, kept = (np.mean([g[key] for g in gram_stats]) for key in SHRINK_STATS)
     print(

@@ -1,14 +1,17 @@
-"""SALT: subspace-adaptive reweighting of group-relative advantages (arXiv 2606.05800, Eq. 12-18, App. F.3).
+"""SALT: subspace-adaptive reweighting of group-relative advantages (arXiv 2606.05800 §3.1, Eq. 12-18, App. F.3).
 
 `salt_advantages(a, F)` maps the group-normalized advantages a (m,) of m responses with proxy gradient features
-F (m, D) to a' = P_k a + α_t P_k^⊥ [a]₊: the update restricted to the k dominant directions of the response
+F (m, D) to a' = P_k a + α_t P_k^⊥ [a]₊: the update restricted to the k_t dominant directions of the response
 geometry, plus, when the signed coefficients cancel (n_eff < 1), a push of the positive advantages into the
-residual subspace. Stateless: the Gram on the features' device (diagnostics.gram), the solve in float64 on the CPU;
-the engines log `stats` as `salt/<key>`.
+residual subspace. `VARIANTS` holds the App. F.3 ablations and nulls as data; `SaltConfig` the validated --salt.*
+settings of a run. Stateless: the Gram on the features' device (diagnostics.gram), the solve in float64 on the CPU.
 """
 
+import math
+import numbers
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg
@@ -17,24 +20,162 @@ import scipy.sparse.linalg
 import torch
 
 from openrlhf_geo import diagnostics, sketch_gram
+from openrlhf_geo.features import METHODS as FEATURE_METHODS
 
-# App. F.3 ablations; "full" is the method.
-VARIANTS = (
-    "full",
-    "only-main",
-    "only-exp",
-    "no-pos",
-    "no-proj",
-    "rand-proj",
-    "fixed-alpha",
-    "pr-alpha",
-    "entropy-alpha",
-    "permuted",
-    "matched-rand-subspace",
-)
-# Gram estimators: "raw" K̂ = F Fᵀ/m (SALT Eq. 12); "shrink" the noise-aware estimate for Kronecker-sketched features
+PROJECTORS = ("top-k", "random", "none")
+ALPHA_RULES = ("n_eff", "fixed", "pr", "entropy")
+ASSIGNMENTS = ("none", "permute", "matched-random-subspace")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one App. F.3 row forms a' from a, P_k and α_t; every default is full SALT (Eq. 18).
+
+    projector    "top-k": P_k on the top-k_t eigenvectors of K (Eq. 13-15); "random": on a uniformly random
+                 k_t-dimensional subspace of R^m (F.3.1 rand-proj, "a random orthonormal basis Ṽ_k ∈ R^{m×k_t}");
+                 "none": no decomposition, P_k = I in the main channel and P_k^⊥ = I in the exploration channel
+                 (F.3.1 no-proj: a' = a + α_t [a]₊)
+    alpha_rule   "n_eff": Eq. 17; "fixed": a constant α ∈ [0, 1] (F.3.1 fixed-α); "pr": clip(PR_total/(m − 1), 0, 1)
+                 (F.3.1 PR-α); "entropy": clip((H_t − H_min)/(H_max − H_min), 0, 1) (F.3.1 Entropy-α, entropy_alpha)
+    main         the main channel P_k a is in a' (F.3.1 only-exp: no)
+    explore      the exploration channel α_t P_k^⊥ [a]₊ is in a' (F.3.1 only-main: no)
+    positive     the exploration channel takes [a]₊ (F.3.1 no-Positive: a, "allowing signed residuals")
+    assign       F.3.2 matched-coefficient nulls, applied to the a'_SALT the fields above give: "none"; "permute"
+                 (Permuted-SALT); "matched-random-subspace" (Matched-RandSubspace, see salt_advantages)
+    """
+
+    projector: str = "top-k"
+    alpha_rule: str = "n_eff"
+    main: bool = True
+    explore: bool = True
+    positive: bool = True
+    assign: str = "none"
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("projector", self.projector, PROJECTORS),
+            ("alpha_rule", self.alpha_rule, ALPHA_RULES),
+            ("assign", self.assign, ASSIGNMENTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"Variant.{name} must be one of {', '.join(allowed)} (got {value!r})")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The caller must pass α_t from the run's policy entropy (entropy_alpha)."""
+        return self.alpha_rule == "entropy"
+
+    @property
+    def random(self) -> bool:
+        """a' depends on the generator's draws."""
+        return self.projector == "random" or self.assign != "none"
+
+
+# App. F.3.1 component ablations and mixing rules, App. F.3.2 matched nulls; "full" is the method.
+VARIANTS = {
+    "full": Variant(),
+    "only-main": Variant(explore=False),
+    "only-exp": Variant(main=False),
+    "no-pos": Variant(positive=False),
+    "no-proj": Variant(projector="none"),
+    "rand-proj": Variant(projector="random"),
+    "fixed-alpha": Variant(alpha_rule="fixed"),
+    "pr-alpha": Variant(alpha_rule="pr"),
+    "entropy-alpha": Variant(alpha_rule="entropy"),
+    "permuted": Variant(assign="permute"),
+    "matched-rand-subspace": Variant(assign="matched-random-subspace"),
+}
+# Gram estimators: "raw" K̂ = F Fᵀ/m (SALT Eq. 4); "shrink" the noise-aware estimate for Kronecker-sketched features
 # (sketch_gram: debiased PR, SURE-thresholded K̃ for the eigenspace). Never "shrink" exact features: no sketch noise.
 GRAMS = ("raw", "shrink")
+
+
+def _check_alpha(variant: str, alpha, name: str) -> None:
+    """The fixed α of F.3.1 ("a constant α ∈ [0, 1]"): required by, and only with, a "fixed" alpha rule."""
+    fixed = VARIANTS[variant].alpha_rule == "fixed"
+    if fixed != (alpha is not None):
+        raise ValueError(
+            f"{name} is required by, and only used with, variant fixed-alpha (variant {variant!r}, {name} {alpha!r})"
+        )
+    if alpha is not None and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and 0 <= alpha <= 1):
+        raise ValueError(f"{name} must be a number in [0, 1] (got {alpha!r})")
+
+
+@dataclass(frozen=True)
+class SaltConfig:
+    """The --salt.* settings of a run, validated here on construction (each error names its flag).
+
+    variant        a key of VARIANTS
+    features       "sketch" (Kronecker sketch of Eq. 19's LM-head gradient, `dim` columns) or "exact"
+    dim            sketch dimension D = k·k, a perfect square >= 16
+    seed           seed of the fixed sketch projections, >= 0
+    gram           "raw" (K = F Fᵀ/m, Eq. 4) or "shrink" (noise-aware, sketch_gram; only with sketch features)
+    group_prompts  prompts per SALT partition: None = the optimizer mini-batch's prompts (§3.1: "the current
+                   mini-batch", m = BG; resolved by the engine), 0 = the whole rollout batch, n > 0 = n prompts
+    alpha          the fixed α of variant fixed-alpha, in [0, 1] (required by it and only allowed with it)
+    apply          False: diagnostics only, the geometry is computed and logged and the advantages stay unchanged
+    """
+
+    variant: str = "full"
+    features: str = "sketch"
+    dim: int = 4096
+    seed: int = 0
+    gram: str = "raw"
+    group_prompts: int | None = None
+    alpha: float | None = None
+    apply: bool = True
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"--salt.variant must be one of {', '.join(VARIANTS)} (got {self.variant!r})")
+        if self.features not in FEATURE_METHODS:
+            raise ValueError(f"--salt.features must be one of {', '.join(FEATURE_METHODS)} (got {self.features!r})")
+        if not _is_int(self.dim) or self.dim < 16 or math.isqrt(self.dim) ** 2 != self.dim:
+            raise ValueError(f"--salt.dim must be a perfect square >= 16 (got {self.dim!r})")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"--salt.seed must be an integer >= 0 (got {self.seed!r})")
+        if self.gram not in GRAMS:
+            raise ValueError(f"--salt.gram must be one of {', '.join(GRAMS)} (got {self.gram!r})")
+        if self.gram == "shrink" and self.features != "sketch":
+            raise ValueError("--salt.gram shrink needs --salt.features sketch (exact features carry no sketch noise)")
+        if self.group_prompts is not None and (not _is_int(self.group_prompts) or self.group_prompts < 0):
+            raise ValueError(
+                "--salt.group_prompts must be an integer >= 0 (0: the whole rollout batch; unset: the optimizer "
+                f"mini-batch's prompts) (got {self.group_prompts!r})"
+            )
+        _check_alpha(self.variant, self.alpha, "--salt.alpha")
+        if not isinstance(self.apply, bool):
+            raise ValueError(f"--salt.apply must be True or False (got {self.apply!r})")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The engine must track the policy entropy and pass entropy_alpha(H_t, H_min, H_max) (VARIANTS table)."""
+        return VARIANTS[self.variant].needs_entropy
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def entropy_alpha(h_t: float, h_min: float, h_max: float) -> float:
+    """SALT App. F.3.1 Entropy-α: α_t = clip((H_t − H_min) / (H_max − H_min), 0, 1).
+
+    H_t: the policy entropy at step t; H_min, H_max: its extremes "computed over the same training run" (the caller
+    keeps them, and defines H_t). The text leaves H_max = H_min open (the first step under running extremes): the
+    clip settles it for H_t above (1) or below (0) the single value, and at H_t = H_min = H_max (0/0) α_t = 0, the
+    rule's value at H_t = H_min: the main channel only until the run has seen an entropy range to place H_t in.
+    Raises ValueError for non-finite arguments or H_max < H_min.
+    """
+    values = {"h_t": h_t, "h_min": h_min, "h_max": h_max}
+    for name, value in values.items():
+        if not (isinstance(value, numbers.Real) and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number (got {value!r})")
+    if h_max < h_min:
+        raise ValueError(f"h_max must be >= h_min (got h_min={h_min}, h_max={h_max})")
+    if h_max == h_min:
+        return 1.0 if h_t > h_max else 0.0
+    return min(max((h_t - h_min) / (h_max - h_min), 0.0), 1.0)
+
 
 # Top-k eigensolver: Lanczos (ARPACK) for the top k+1 eigenpairs when k+1 <= m/8, else LAPACK MRRR on the smaller
 # side of the spectrum. Measured crossover (one core, CPU ms, lanczos vs dense): m=512 k=64: 17 vs 28, k=128: 56 vs
@@ -43,12 +184,12 @@ LANCZOS_MAX_FRACTION = 1 / 8
 
 
 def _subspace_dim(pr: float, m: int) -> int:
-    """SALT Eq. 13/14: k_t = clip(round_half_up(PR), 1, m)."""
+    """SALT Eq. 14: k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up."""
     return min(max(int(np.floor(pr + 0.5)), 1), m)
 
 
 def _top_eigenspace(K: torch.Tensor, k: int, method: str | None = None) -> tuple[torch.Tensor, bool, float]:
-    """SALT Eq. 14: the span of the top-k eigenvectors of K (m, m) as (basis (m, r), is_top, gap).
+    """SALT Eq. 13/15: the span of the top-k eigenvectors of K (m, m) as (basis (m, r), is_top, gap).
 
     P_k = B Bᵀ when is_top, else B spans the complement and P_k = I − B Bᵀ (k = m: r = 0, P_k = I).
     gap = (λ_k − λ_{k+1}) / λ_k with λ_{m+1} := 0: how well K determines P_k (ties at the boundary make it 0).
@@ -97,15 +238,31 @@ def _project(x: torch.Tensor, basis: torch.Tensor, is_top: bool) -> torch.Tensor
     return inside if is_top else x - inside
 
 
-def _alpha_rule(variant: str, n_eff: float, pr: float, m: int, alpha, entropy) -> float:
-    """SALT Eq. 17: α_t = max(0, 1 − n_eff), unless an App. F.3 variant replaces the rule (our reading)."""
-    if variant == "fixed-alpha":
+def _project(x: torch.Tensor, basis: torch.Tensor, is_top: bool) -> torch.Tensor:
+    """P_k x (m,) for P_k = B Bᵀ (is_top) or I − B Bᵀ (B spans the complement)."""
+    inside = basis @ (basis.T @ x)
+    return inside if is_top else x - inside
+
+
+def _random_subspace(m: int, k: int, generator) -> tuple[torch.Tensor, bool]:
+    """A uniformly distributed k-dimensional subspace of R^m as (basis, is_top): the span of an m×k Gaussian
+    (rotation-invariant, so its span is uniform whatever QR's sign convention); k = m is R^m itself, with no draw."""
+    if k == m:
+        return torch.zeros(m, 0, dtype=torch.float64), False
+    return torch.linalg.qr(torch.randn(m, k, generator=generator, dtype=torch.float64)).Q, True
+
+
+def _alpha_t(spec: Variant, a: torch.Tensor, K: torch.Tensor, pr: float, alpha, entropy) -> float:
+    """α_t by the variant's rule (Variant.alpha_rule)."""
+    if spec.alpha_rule == "fixed":
         return float(alpha)
-    if variant == "pr-alpha":
-        return max(0.0, 1.0 - pr / m)
-    if variant == "entropy-alpha":
-        return min(max(1.0 - float(entropy), 0.0), 1.0)
-    return max(0.0, 1.0 - n_eff)
+    if spec.alpha_rule == "entropy":
+        return float(entropy)  # the caller's entropy_alpha(H_t, H_min, H_max)
+    if spec.alpha_rule == "pr":
+        m = a.numel()
+        return min(pr / (m - 1), 1.0) if m > 1 else float(pr > 0)  # PR ≥ 0; m = 1: the clip of PR/0
+    # Eq. 17 takes n_eff of Eq. 6, which has no ε: scale-free (F → cF), 0/0 := 0 (no update at all: α_t = 1).
+    return max(0.0, 1.0 - diagnostics.effective_sample_size(a, K, eps=0.0))
 
 
 def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape) -> torch.Tensor:
@@ -124,7 +281,7 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
             )
         if x.ndim != ndim:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-        if not torch.isfinite(x.sum(dtype=torch.float64)) and not torch.isfinite(x).all():  # see diagnostics._float64
+        if not torch.isfinite(x.sum(dtype=torch.float64)) and not torch.isfinite(x).all():  # see diagnostics._checked
             raise ValueError(f"{name} contains NaN or inf; SALT needs finite inputs")
     if advantages.numel() == 0:
         raise ValueError("advantages is empty (m = 0); SALT needs m >= 1 responses")
@@ -133,21 +290,16 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
             f"features must have one row per advantage: got {features.shape[0]} rows for "
             f"{advantages.shape[0]} advantages"
         )
-    if (variant == "fixed-alpha") != (alpha is not None):
+    _check_alpha(variant, alpha, "alpha")
+    if VARIANTS[variant].needs_entropy != (entropy is not None):
         raise ValueError(
-            f"alpha is required by, and only used with, variant='fixed-alpha' (variant={variant!r}, alpha={alpha!r})"
+            f"entropy is required by, and only used with, variant entropy-alpha (variant={variant!r}, "
+            f"entropy={entropy!r})"
         )
-    if alpha is not None and not (np.isfinite(alpha) and alpha >= 0):
-        raise ValueError(f"alpha must be a finite number >= 0 (got {alpha})")
-    if (variant == "entropy-alpha") != (entropy is not None):
-        raise ValueError(
-            f"entropy is required by, and only used with, variant='entropy-alpha' "
-            f"(variant={variant!r}, entropy={entropy!r})"
-        )
-    if entropy is not None and not 0 <= float(entropy) <= 1:
-        raise ValueError(f"entropy must be the normalized mean token entropy in [0, 1] (got {float(entropy)})")
-    if not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0 (got {eps})")
+    if entropy is not None and not (isinstance(entropy, numbers.Real) and 0 <= entropy <= 1):
+        raise ValueError(f"entropy must be entropy_alpha(H_t, H_min, H_max), a number in [0, 1] (got {entropy!r})")
+    if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0 (got {eps!r})")
     return advantages.detach().to(device="cpu", dtype=torch.float64)
 
 
@@ -163,124 +315,138 @@ def salt_advantages(
     eps: float = 1e-8,
     gram: str = "raw",
     sketch_shape: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D); returns (a', stats).
+    return_basis: bool = False,
+):
+    """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D) -> (a', stats) [+ basis].
 
-    SALT Eq. 12    K = F Fᵀ / m                                       (diagnostics.gram)
-    SALT Eq. 5/13  PR = tr(K)² / ‖K‖_F²                                 (diagnostics.participation_ratio)
-    SALT Eq. 13/14 k_t = clip(round_half_up(PR), 1, m)                  (_subspace_dim)
-    SALT Eq. 14    P_k = projector onto the top-k eigenvectors of K     (_top_eigenspace)
-    SALT Eq. 15    a_main = P_k a
-    SALT Eq. 16    a_exp = P_k^⊥ [a]₊
-    SALT Eq. 17    n_eff = aᵀKa / (Σ_i a_i² K_ii + ε), α_t = max(0, 1 − n_eff)   (diagnostics.effective_sample_size)
+    One call is one SALT partition: §3.1 takes the m = BG responses of "the current mini-batch" (Eq. 12).
+
+    SALT Eq. 4     K = F Fᵀ / m                                        (diagnostics.gram)
+    SALT Eq. 5     PR = tr(K)² / ‖K‖_F²                                (diagnostics.participation_ratio)
+    SALT Eq. 14    k_t = clip(⌊PR⌉, 1, m), ⌊·⌉ rounding half up         (_subspace_dim)
+    SALT Eq. 13/15 P_k = V_k V_kᵀ on the top-k_t eigenvectors of K     (_top_eigenspace)
+    SALT Eq. 16    a_main = P_k a,  a_exp = P_k^⊥ [a]₊
+    SALT Eq. 17    α_t = max(0, 1 − n_eff), n_eff = aᵀKa / Σ_i a_i² K_ii (Eq. 6 on u_i = a_i g_i: no ε; 0/0 := 0)
     SALT Eq. 18    a' = a_main + α_t a_exp
 
-    variant (App. F.3, our reading; "full" is the method above):
-        only-main     a' = P_k a
-        only-exp      a' = α_t P_k^⊥ [a]₊
-        no-pos        a' = P_k a + α_t P_k^⊥ a                       (no positive part)
-        no-proj       a' = a + α_t [a]₊                              (no projector at all)
-        rand-proj     P_k spans k Haar-random directions of R^m: QR of torch.randn(m, k, generator)
-        matched-rand-subspace  P_k spans k eigenvectors of K drawn uniformly (torch.randperm(m, generator)[:k]
-                      indexes them in descending-eigenvalue order): same dimension, not the dominant ones
-        fixed-alpha   α_t = `alpha` (required, >= 0)
-        pr-alpha      α_t = max(0, 1 − PR / m)
-        entropy-alpha α_t = clip(1 − `entropy`, 0, 1); `entropy` (required) is the caller's normalized mean token
-                      entropy in [0, 1]
-        permuted      full SALT on K[π][:, π], π = torch.randperm(m, generator): geometry decoupled from a
+    variant: a key of VARIANTS (its Variant fields drive every branch below). The F.3.1 rows follow the text's
+    formulas; "All variants use the same k_t and α_t computation when applicable". The F.3.2 nulls keep the step's
+    a and α_t, compute a'_SALT as above and reassign its values to samples:
+        permute                  a'_i = a'_SALT[π(i)], π = torch.randperm(m, generator)
+        matched-random-subspace  a random k_t-dimensional subspace P̃ (as rand-proj draws it); each sample's residual
+                                 score s = P̃^⊥ [a]₊ (the exploration channel Eq. 16 would give with P̃ for P_k); the
+                                 sorted values of a'_SALT go to the samples in score order, largest to largest (ties
+                                 in a uniformly random order: torch.randperm(m, generator) after the subspace draw).
+                                 The text says "the induced residual scores" without naming the vector: we score the
+                                 residual of [a]₊, the only vector SALT sends through P_k^⊥; a score from the subspace
+                                 alone (e.g. the leverage ‖P̃^⊥e_i‖²) would rank samples uniformly at random, i.e.
+                                 Permuted-SALT again, which Table 9 reports separately.
+    Both nulls return exactly a permutation of a'_SALT (same marginal, norm and positive mass).
+    alpha: the fixed α ∈ [0, 1] of fixed-alpha (required by it, only allowed with it). entropy: α_t of entropy-alpha,
+    already normalised by the caller with entropy_alpha(H_t, H_min, H_max) (required by it, only allowed with it).
+    Randomised variants (Variant.random) draw from `generator` (a CPU torch.Generator; None: torch's global RNG) and
+    are deterministic under a fixed one; the others draw nothing.
     gram (how K is estimated from F):
-        raw           K = F Fᵀ / m for everything above
-        shrink        F holds Kronecker-sketch rows (features.lm_head_features, method="sketch") in row-major
-                      sketch_shape (k1, k2) layout (default k1 = k2 = √D): PR is the noise-debiased
-                      sketch_gram.participation_ratio, P_k comes from the SURE-thresholded K̃ (sketch_gram.shrink),
-                      and n_eff, D_g, U_perp use the unbiased K̂ = F Fᵀ/m; stats gain gram_threshold, gram_kept,
-                      gram_noise. Not for exact features (they carry no sketch noise).
-    Randomised variants draw from `generator` (a CPU torch.Generator; None: torch's global RNG) and are deterministic
-    under a fixed one; the others ignore it.
+        raw     K = F Fᵀ / m for everything above
+        shrink  F holds Kronecker-sketch rows (features.lm_head_features, method="sketch") in row-major
+                sketch_shape (k1, k2) layout (default k1 = k2 = √D): PR is the noise-debiased
+                sketch_gram.participation_ratio, P_k comes from the SURE-thresholded K̃ (sketch_gram.shrink), and α_t
+                and the stats use the unbiased K̂ = F Fᵀ/m; stats gain gram_threshold, gram_kept, gram_noise.
+                Not for exact features (they carry no sketch noise).
 
-    stats (python floats): pr, k, n_eff and alpha (the α_t rule of the variant, reported even when its channel is
-    zero or unused), n_eff_out (Eq. 60 for the returned a' on K: whether SALT reduced cancellation), gap
-    (relative eigengap (λ_k − λ_{k+1}) / λ_k of K at the boundary, λ_{m+1} := 0), main_norm and exp_norm (norms
-    of the two channels as applied in a'), D_a, D_g, U_perp (diagnostics Eq. 59-61 against the true K and its
-    top-k eigenspace, for every variant), m, solve_ms (wall time from K to a': PR, eigensolver,
-    projections and α; not the Gram, checks or diagnostics). For `permuted`, n_eff is that of the permuted Gram.
+    stats (python floats), on the K above and its top-k_t eigenspace P_k for every variant (F.5: "computed from the
+    same Gram statistics already used by SALT"):
+        pr, k            PR and k_t
+        alpha            α_t of the variant's rule (reported even where its channel is off)
+        n_eff_in         n_eff(a) by Eq. 60 (with ε): the cancellation α_t reacts to (Eq. 17 uses it without ε)
+        n_eff_out        n_eff(a') by Eq. 60: Table 9/10's n_eff column for the returned coefficients
+        gap              (λ_k − λ_{k+1}) / λ_k of the Gram P_k comes from, λ_{m+1} := 0 (0: P_k not unique)
+        main_norm, exp_norm   ‖a_main‖, ‖α_t a_exp‖ as applied (for the F.3.2 nulls: a'_SALT's channels)
+        D_a, D_g         Eq. 59, with ε
+        U_perp           U_⊥(a') = √((1/m) (P_k^⊥a')ᵀ K (P_k^⊥a')), Eq. 61
+        U_perp_gain      U_⊥(a') / U_⊥(a) on the same K and P_k (Table 9/10's "U_⊥ Gain"; 0/0 := 1, x/0 := inf)
+        m, solve_ms      m; wall time from K to a' (PR, eigensolver, α_t, channels), not the Gram, checks or stats
+    return_basis: also return (B (m, r) float64, is_top), the top-k_t eigenbasis SALT took P_k from (K̃'s under
+    shrink; P_k = B Bᵀ if is_top else I − B Bᵀ), for every variant (rand-proj's random subspace is not returned).
 
-    Degenerate inputs: m = 1 or F = 0 (tr K = 0, no geometry) ⇒ a' = a for every variant, with pr = PR(K)
-    (0 when F = 0), k = m·[F ≠ 0], n_eff and alpha by their formulas, main_norm = ‖a‖, gap = 1 (m = 1) or 0
-    (F = 0) and the rest 0. All-zero advantages ⇒ a' = 0 = a with alpha reported (1 by Eq. 17). Identical rows of F
-    ⇒ rank-1 K, k = 1 (no special case). NaN/inf, wrong shapes or misused arguments ⇒ ValueError naming them.
-    P_k is unique only when gap > 0; at a tie the eigensolver picks one of the top-k subspaces. ε is absolute (in
-    units of K): a' is invariant to F → cF except through ε. Output: the dtype and device of `advantages`.
+    eps: the ε of Eq. 59-60, for which the text gives no value (absolute, in the units of K and ‖ĝ‖).
+    Scale: a', pr, k, alpha, gap, D_a and U_perp_gain are invariant to F → cF (Eq. 5, 6, 14-18 are scale-free; the
+    solve runs on F / diagnostics.unit_scale(F), so no square overflows or underflows, e.g. float32 features of
+    1e-30 or 1e20); U_perp scales by |c|, and n_eff_in/out and D_g change only through ε.
+    Degenerate inputs: m = 1 or F = 0 (tr K = 0, no geometry) ⇒ a' = a for every variant, with k = m·[F ≠ 0],
+    alpha by its rule, gap = 1 (m = 1) or 0 (F = 0), main_norm = ‖a‖, exp_norm = D_a = D_g = U_perp = 0,
+    U_perp_gain = 1, and basis (m, 0) with is_top = (F = 0) (P_k = I, or 0 without geometry). All-zero advantages ⇒
+    a' = 0 with α_t = 1 under Eq. 17 (n_eff = 0/0 := 0). Identical rows of F ⇒ rank-1 K, k = 1 (no special case).
+    NaN/inf, wrong shapes or misused arguments ⇒ ValueError naming them. P_k is unique only when gap > 0; at a tie
+    the eigensolver picks one of the top-k subspaces. Output: the dtype and device of `advantages`.
     """
     a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape)
+    spec = VARIANTS[variant]
     m = a.numel()
-    # K: the unbiased Gram for quadratic forms; K_geom: what P_k is taken from. On the features' device (a GPU makes
-    # it ~free), solved on the CPU.
+    scale = diagnostics.unit_scale(features)
+    F = features.detach() / scale if scale != 1.0 else features.detach()
+    # K: the unbiased Gram of F / scale for α_t and the stats; K_geom: what P_k is taken from. On the features' device
+    # (a GPU makes it ~free), solved on the CPU.
     if gram == "raw":
-        K = diagnostics.gram(features).cpu()
+        K = diagnostics.gram(F).cpu()
         K_geom, gram_stats = K, {}
     else:
-        K, noise = (x.cpu() for x in sketch_gram.gram_and_noise(features, sketch_shape))
+        K, noise = (x.cpu() for x in sketch_gram.gram_and_noise(F, sketch_shape))
         K_geom, gram_stats = sketch_gram.shrink(K, noise)
     start = time.perf_counter()
     pr = diagnostics.participation_ratio(K) if gram == "raw" else sketch_gram.participation_ratio(K, noise)
+    alpha_t = _alpha_t(spec, a, K, pr, alpha, entropy)
+    zero = torch.zeros_like(a)
 
     if m == 1 or pr == 0.0:  # no relative geometry: identity
-        n_eff = diagnostics.effective_sample_size(a, K, eps)
-        stats = {"pr": pr, "k": float(m if pr > 0 else 0), "n_eff": n_eff, "n_eff_out": n_eff}
-        stats["alpha"] = _alpha_rule(variant, n_eff, pr, m, alpha, entropy)
-        stats.update(gap=1.0 if pr > 0 else 0.0, main_norm=float(a.norm()), exp_norm=0.0, D_a=0.0, D_g=0.0)
-        stats.update(U_perp=0.0, m=float(m), solve_ms=1e3 * (time.perf_counter() - start), **gram_stats)
-        return advantages.detach().clone(), stats
-
-    k = _subspace_dim(pr, m)
-    basis, is_top, gap = _top_eigenspace(K_geom, k)
-    K_used, used_basis, used_top = K, basis, is_top
-    if variant == "permuted":
-        perm = torch.randperm(m, generator=generator)
-        K_used = K[perm][:, perm]
-        used_basis = basis[perm]  # the eigenvectors of K[π][:, π] are those of K with rows permuted
-    elif variant == "rand-proj":
-        used_basis, used_top = torch.linalg.qr(torch.randn(m, k, generator=generator, dtype=torch.float64)).Q, True
-    elif variant == "matched-rand-subspace":
-        _, vecs = torch.linalg.eigh(K_geom)
-        pick = torch.randperm(m, generator=generator)[:k]
-        used_basis, used_top = vecs.flip(1)[:, pick], True
-
-    n_eff = diagnostics.effective_sample_size(a, K_used, eps)
-    alpha_t = _alpha_rule(variant, n_eff, pr, m, alpha, entropy)
-    if variant == "no-proj":
-        main, explore = a, a.clamp_min(0)
-    elif variant == "no-pos":
-        main = _project(a, used_basis, used_top)
-        explore = a - main
+        k = m if pr > 0 else 0
+        basis, is_top, gap = torch.zeros(m, 0, dtype=torch.float64), pr == 0.0, 1.0 if pr > 0 else 0.0
+        new, main, explore = a.clone(), a, zero
     else:
-        main = _project(a, used_basis, used_top)  # Eq. 15
-        positive = a.clamp_min(0)
-        explore = positive - _project(positive, used_basis, used_top)  # Eq. 16
-    if variant == "only-main":
-        explore = torch.zeros_like(a)
-    elif variant == "only-exp":
-        main = torch.zeros_like(a)
-    explore = alpha_t * explore
-    new = main + explore  # Eq. 18
+        k = _subspace_dim(pr, m)
+        basis, is_top, gap = _top_eigenspace(K_geom, k)
+        source = a.clamp_min(0) if spec.positive else a
+        if spec.projector == "none":  # no-proj: P_k = I in the main channel, P_k^⊥ = I in the exploration channel
+            main, explore = a, source
+        else:
+            used = (basis, is_top) if spec.projector == "top-k" else _random_subspace(m, k, generator)
+            main, explore = _project(a, *used), source - _project(source, *used)  # Eq. 16
+        main = main if spec.main else zero
+        explore = alpha_t * explore if spec.explore else zero
+        new = main + explore  # Eq. 18
+        if spec.assign == "permute":
+            new = new[torch.randperm(m, generator=generator)]
+        elif spec.assign == "matched-random-subspace":
+            random_basis, random_top = _random_subspace(m, k, generator)
+            positive = a.clamp_min(0)
+            score = positive - _project(positive, random_basis, random_top)
+            ties = torch.randperm(m, generator=generator)
+            order = ties[torch.argsort(score[ties], descending=True, stable=True)]
+            matched = torch.empty_like(new)
+            matched[order] = torch.sort(new, descending=True).values
+            new = matched
     solve_ms = 1e3 * (time.perf_counter() - start)
 
-    residual = new - _project(new, basis, is_top)  # P_k^⊥ a' for U_⊥ (= diagnostics.residual_share)
+    # Stats in the units of the given F: K = scale² · K(F / scale), so ‖ĝ‖ and U_⊥ scale by `scale`, n_eff's
+    # denominator by scale². (Python floats: eps / scale / scale is inf or 0, never an error, at the extremes.)
+    u_in = diagnostics.residual_strength(a, K, basis, is_top)
+    u_out = diagnostics.residual_strength(new, K, basis, is_top)
     stats = {
         "pr": pr,
         "k": float(k),
-        "n_eff": n_eff,
         "alpha": alpha_t,
-        "n_eff_out": diagnostics.effective_sample_size(new, K, eps),
+        "n_eff_in": diagnostics.effective_sample_size(a, K, eps / scale / scale),
+        "n_eff_out": diagnostics.effective_sample_size(new, K, eps / scale / scale),
         "gap": gap,
         "main_norm": float(main.norm()),
         "exp_norm": float(explore.norm()),
-        "D_a": diagnostics.coefficient_change(a, new),
-        "D_g": diagnostics.update_change(a, new, K),
-        "U_perp": min(diagnostics.energy_ratio(residual, new, K), 1.0),  # ≤ 1 exactly; rounding can exceed it
+        "D_a": diagnostics.coefficient_change(a, new, eps),
+        "D_g": diagnostics.update_change(a, new, K, eps / scale),
+        "U_perp": scale * u_out,
+        "U_perp_gain": u_out / u_in if u_in > 0 else 1.0 if u_out == 0 else math.inf,
         "m": float(m),
         "solve_ms": solve_ms,
         **gram_stats,
     }
-    return new.to(device=advantages.device, dtype=advantages.dtype), stats
+    out = new.to(device=advantages.device, dtype=advantages.dtype)
+    return (out, stats, (basis, is_top)) if return_basis else (out, stats)

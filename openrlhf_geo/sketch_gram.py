@@ -1,9 +1,9 @@
-"""Noise-aware Gram of Kronecker-sketched features (issue 7): per-entry sketch-noise variance, SURE soft-thresholding.
+"""Noise-aware Gram of Kronecker-sketched features: per-entry sketch-noise variance, SURE soft-thresholding.
 
 The sketch (features.py) gives φ_i = vec(S_e G_i S_hᵀ), row-major (k1, k2), with S_e (k1, V) and S_h (k2, d) of i.i.d.
-rows u_a/√k1, v_b/√k2 (Rademacher: E[u uᵀ] = I). Its Gram K̂ = Φ Φᵀ/m (SALT Eq. 12) is unbiased for the exact
+rows u_a/√k1, v_b/√k2 (Rademacher: E[u uᵀ] = I). Its Gram K̂ = Φ Φᵀ/m (SALT Eq. 4) is unbiased for the exact
 K = ⟨G_i, G_j⟩/m, but when the G_i are near-orthogonal its off-diagonal noise (≈ 1.3/√D per cosine) dominates, inflates
-‖K̂‖_F and so biases PR low and scrambles the top-k eigenvectors (DESIGN.md §4). Three steps, all from Φ alone:
+‖K̂‖_F and so biases PR low and scrambles the top-k eigenvectors. Three steps, all from Φ alone:
 
 1. Noise variance (`gram_and_noise`). Cell (a, b) of the k1 × k2 grid is an independent-row sub-sketch with Gram
    Y_ab = (D/m) φ_i[a, b] φ_j[a, b] = (u_aᵀG_i v_b)(u_aᵀG_j v_b)/m, and K̂_ij = mean_ab Y_ab. Rows u_a and columns v_b
@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from openrlhf_geo import diagnostics
+
 # Elements of one (rows, m) block held at a time: 2^21 float64 = 16 MB (m = 4096: 512 rows, 8 chunks).
 CHUNK_ELEMENTS = 2**21
 # SURE is evaluated exactly at this many thresholds, evenly spaced on [0, √(2 ln N)].
@@ -67,13 +69,14 @@ def _sketch_shape(num_features: int, sketch_shape) -> tuple[int, int]:
 
 @torch.no_grad()
 def gram_and_noise(features: torch.Tensor, sketch_shape=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SALT Eq. 12 Gram K̂ = Φ Φᵀ/m (m, m) and the two-way ANOVA estimate V̂ (m, m) of Var(K̂_ij) over sketch draws.
+    """SALT Eq. 4 Gram K̂ = Φ Φᵀ/m (m, m) and the two-way ANOVA estimate V̂ (m, m) of Var(K̂_ij) over sketch draws.
 
     features Φ (m, D): Kronecker-sketch rows vec(S_e G_i S_hᵀ) in row-major (k1, k2) layout; sketch_shape (k1, k2),
     default k1 = k2 = √D. Both outputs float64 on Φ's device, exactly symmetric. The k1 + k2 sub-sketch Grams and
     their sums of squares run in Φ's precision (at least float32; ~1e-6 relative, far below the noise it measures),
     the ANOVA combination in float64. Work: the upper row blocks only, ≈ 3× the FLOPs of the raw Gram's F Fᵀ in all.
-    Memory: one copy of Φ, a few (rows, m) buffers of at most CHUNK_ELEMENTS, and K̂, V̂.
+    Memory: one copy of Φ, a few (rows, m) buffers of at most CHUNK_ELEMENTS, and K̂, V̂. Computed on
+    Φ / diagnostics.unit_scale(Φ) and scaled back, so float32 Φ of 1e-30 or 1e20 neither underflows nor overflows.
     Degenerate: Φ = 0 ⇒ K̂ = V̂ = 0; identical cells (no sketch noise) ⇒ V̂ = 0. Raises ValueError for an empty,
     non-finite or non-2-D Φ, or a D that cannot be split into k1, k2 >= 2 (see `_sketch_shape`).
     """
@@ -89,6 +92,9 @@ def gram_and_noise(features: torch.Tensor, sketch_shape=None) -> tuple[torch.Ten
     if m == 0:
         raise ValueError("features is empty (m = 0)")
     k1, k2 = _sketch_shape(D, sketch_shape)
+    scale = diagnostics.unit_scale(F)  # Φ/scale (exact): no square or fourth power leaves the float range
+    if scale != 1.0:
+        F = F / scale
     phi = F.reshape(m, k1, k2)  # phi[:, a, :] (m, k2): the sub-sketch of S_e row a; phi[:, :, b] that of S_h row b
     squared = F.square()
     K = torch.empty(m, m, dtype=torch.float64, device=F.device)
@@ -119,7 +125,9 @@ def gram_and_noise(features: torch.Tensor, sketch_shape=None) -> tuple[torch.Ten
         gram = total / m
         K[rows, s:], K[s:, rows] = gram, gram.T
         V[rows, s:], V[s:, rows] = var, var.T
-    return K, V
+    # The diagonal blocks came out of one product each, symmetric only up to rounding: average them exactly.
+    K, V = (K + K.T) / 2, (V + V.T) / 2
+    return K * scale * scale, V * scale * scale * scale * scale
 
 
 def _checked_pair(gram, noise_var) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,13 @@
-"""SALT diagnostics (Eq. 5, 6/49, 7, 12, 39-53, 59-61, 60, App. B) against brute-force numpy float64."""
+"""SALT diagnostics (Eq. 4-7, 38-53, 58-61, App. B) against brute-force numpy float64 on explicit vectors."""
 
-import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import rankdata
 
 from openrlhf_geo import diagnostics as dg
 
@@ -17,7 +18,7 @@ def vectors(draw, min_m=1, max_m=16, max_d=24):
     m = draw(st.integers(min_m, max_m))
     D = draw(st.integers(1, max_d))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    kind = draw(st.sampled_from(["gaussian", "low-rank", "duplicates", "zero-rows"]))
+    kind = draw(st.sampled_from(["gaussian", "low-rank", "duplicates", "zero-rows", "shared"]))
     F = rng.standard_normal((m, D)) * 10.0 ** rng.uniform(-2, 2, (m, 1))
     if kind == "low-rank":
         F = rng.standard_normal((m, min(2, D))) @ rng.standard_normal((min(2, D), D))
@@ -25,6 +26,8 @@ def vectors(draw, min_m=1, max_m=16, max_d=24):
         F = F[rng.integers(0, max(1, m // 2), m)]
     elif kind == "zero-rows":
         F[rng.random(m) < 0.3] = 0.0
+    elif kind == "shared":  # a common direction: positive and negative cosines both occur
+        F = 0.5 * F / np.linalg.norm(F, axis=1, keepdims=True).clip(1e-300) + rng.standard_normal(D)
     c = rng.standard_normal(m) * (rng.random(m) < 0.8)
     return c, F
 
@@ -33,10 +36,29 @@ def brute_gram(F):
     return F @ F.T / F.shape[0]
 
 
-def brute_top_projector(K, k):
-    lam, Q = np.linalg.eigh(K)
-    Q = Q[:, ::-1][:, :k]
-    return Q @ Q.T
+def top_basis(K, k):
+    return np.linalg.eigh(K)[1][:, ::-1][:, :k].copy()
+
+
+def brute_positive_alignment(F):
+    rows = [f for f in F if np.linalg.norm(f) > 0]
+    n = len(rows)
+    pairs = [
+        max(rows[i] @ rows[j] / np.linalg.norm(rows[i]) / np.linalg.norm(rows[j]), 0.0)
+        for i in range(n)
+        for j in range(i + 1, n)
+    ]
+    return 2 / (n * (n - 1)) * sum(pairs) if pairs else 0.0  # Eq. 7 over the nonzero rows
+
+
+def brute_n_eff(u):
+    """Eq. 6/49 on explicit update vectors u (n, D) (0/0 := 0)."""
+    den = sum(x @ x for x in u)
+    total = u.sum(0)
+    return total @ total / den if den > 0 else 0.0
+
+
+# ---- Gram, PR, n_eff ----
 
 
 def test_gram_is_feature_inner_products_over_m():
@@ -48,32 +70,53 @@ def test_gram_is_feature_inner_products_over_m():
     assert torch.equal(K, K.T)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e20, 1e30])
+def test_gram_of_tiny_or_huge_float32_features_neither_underflows_nor_overflows(scale):
+    F = np.random.default_rng(1).standard_normal((6, 9))
+    F32 = torch.tensor(F * scale, dtype=torch.float32)
+    K = dg.gram(F32)
+    expected = brute_gram(F32.double().numpy())
+    assert torch.isfinite(K).all() and float(K.diagonal().min()) > 0
+    torch.testing.assert_close(K, torch.tensor(expected), rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+
+def test_gram_beyond_float64_raises_naming_the_features():
+    with pytest.raises(ValueError, match="features: the Gram F Fᵀ/m overflows float64"):
+        dg.gram(torch.full((2, 3), 1e200, dtype=torch.float64))
+
+
 @settings(max_examples=40)
-@given(vectors())
-def test_participation_ratio_is_eigenvalue_ratio_within_one_and_rank(data):
+@given(st.floats(1e-300, 1e300))
+def test_unit_scale_is_a_power_of_two_just_below_the_peak(peak):
+    s = dg.unit_scale(torch.tensor([0.0, -peak, peak / 3], dtype=torch.float64))
+    assert math.frexp(s)[0] == 0.5  # a power of two
+    assert s <= peak < 2 * s
+    assert dg.unit_scale(torch.zeros(3)) == 1.0
+
+
+@settings(max_examples=40)
+@given(vectors(), st.sampled_from([1e-150, 1.0, 1e150]))
+def test_participation_ratio_is_eigenvalue_ratio_within_one_and_rank(data, scale):
     _, F = data
     K = brute_gram(F)
-    pr = dg.participation_ratio(torch.tensor(K))
-    lam = np.clip(np.linalg.eigvalsh(K), 0, None)
+    pr = dg.participation_ratio(torch.tensor(K) * scale)
+    lam = np.clip(np.linalg.eigvalsh(K), 0, None)  # Eq. 43 clamps
     if lam.sum() == 0:
         assert pr == 0.0
         return
     assert pr == pytest.approx(lam.sum() ** 2 / (lam**2).sum(), rel=1e-9)
-    rank = np.linalg.matrix_rank(F)
-    assert 1 - 1e-9 <= pr <= rank + 1e-9
+    assert 1 - 1e-9 <= pr <= np.linalg.matrix_rank(F) + 1e-9
 
 
 @settings(max_examples=40)
 @given(vectors())
 def test_effective_sample_size_gram_form_equals_explicit_vector_form(data):
     c, F = data
-    update = sum(c[i] * F[i] for i in range(len(c)))  # explicit Σ_i c_i g_i
-    den = sum(c[i] ** 2 * F[i] @ F[i] for i in range(len(c)))
-    brute = update @ update / den if den > 0 else 0.0
+    brute = brute_n_eff(c[:, None] * F)  # Eq. 6 with u_i = c_i g_i
     by_vectors = dg.effective_sample_size_vectors(torch.tensor(c), torch.tensor(F))
     by_gram = dg.effective_sample_size(torch.tensor(c), dg.gram(torch.tensor(F)), eps=0.0)
     assert by_vectors == pytest.approx(brute, rel=1e-9, abs=1e-12)
-    assert by_gram == pytest.approx(brute, rel=1e-9, abs=1e-12)
+    assert by_gram == pytest.approx(brute, rel=1e-9, abs=1e-9)
 
 
 def test_effective_sample_size_is_one_for_orthogonal_and_zero_for_cancelling_gradients():
@@ -81,9 +124,10 @@ def test_effective_sample_size_is_one_for_orthogonal_and_zero_for_cancelling_gra
     assert dg.effective_sample_size_vectors(c, torch.eye(3)) == pytest.approx(1.0)
     same = torch.ones(3, 4)
     assert dg.effective_sample_size_vectors(torch.tensor([1.0, -1.5, 0.5]), same) == pytest.approx(0.0, abs=1e-15)
+    assert dg.effective_sample_size(torch.tensor([1.0, -1.5, 0.5]), dg.gram(same), eps=0.0) == 0.0
 
 
-def test_effective_sample_size_epsilon_guards_zero_coefficients():
+def test_effective_sample_size_epsilon_is_eq_60s():
     K = dg.gram(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
     c = torch.zeros(4)
     assert dg.effective_sample_size(c, K) == 0.0  # 0 / (0 + ε)
@@ -92,138 +136,230 @@ def test_effective_sample_size_epsilon_guards_zero_coefficients():
     assert dg.effective_sample_size(torch.ones(4), K, eps=0.5) == pytest.approx(num / (float(K.trace()) + 0.5))
 
 
-@settings(max_examples=30)
-@given(vectors(min_m=2), st.integers(1, 4), st.integers(0, 1000))
-def test_within_group_split_matches_group_blocks_and_adds_up_to_batch(data, n_groups, seed):
-    c, F = data
-    m = len(c)
-    groups = np.random.default_rng(seed).integers(0, n_groups, m) * 7  # arbitrary integer labels
-    K = brute_gram(F)
-    eps = 1e-8
-    per_group, stats = dg.effective_sample_size_within(torch.tensor(c), torch.tensor(K), torch.tensor(groups), eps)
-    labels = np.unique(groups)
-    assert per_group.shape == (len(labels),)
-    num_within = 0.0
-    for g, label in enumerate(labels):
-        idx = np.flatnonzero(groups == label)
-        Kg, cg = K[np.ix_(idx, idx)], c[idx]
-        num_within += cg @ Kg @ cg
-        expected = cg @ Kg @ cg / (np.sum(cg**2 * np.diag(Kg)) + eps)
-        assert float(per_group[g]) == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    den = np.sum(c**2 * np.diag(K)) + eps
-    assert stats["n_eff_within"] == pytest.approx(num_within / den, rel=1e-9, abs=1e-12)
-    assert stats["n_eff_batch"] == pytest.approx(dg.effective_sample_size(torch.tensor(c), torch.tensor(K), eps))
-    # cross-group part = Σ_{g≠h} c_gᵀ K_gh c_h over the same denominator
-    cross = sum(c[i] * K[i, j] * c[j] for i, j in itertools.product(range(m), repeat=2) if groups[i] != groups[j])
-    assert stats["n_eff_cross"] == pytest.approx(cross / den, rel=1e-7, abs=1e-9)
+# ---- Eq. 7 ----
 
 
-@settings(max_examples=25)
-@given(vectors(min_m=2), st.integers(1, 4), st.integers(0, 1000))
-def test_within_group_participation_ratio_is_pr_of_each_block(data, n_groups, seed):
-    _, F = data
-    groups = np.random.default_rng(seed).integers(0, n_groups, len(F))
-    K = brute_gram(F)
-    per_group, stats = dg.participation_ratio_within(torch.tensor(K), torch.tensor(groups))
-    expected = []
-    for label in np.unique(groups):
-        idx = np.flatnonzero(groups == label)
-        lam = np.clip(np.linalg.eigvalsh(K[np.ix_(idx, idx)]), 0, None)
-        expected.append(lam.sum() ** 2 / (lam**2).sum() if lam.sum() > 0 else 0.0)
-    np.testing.assert_allclose(per_group.numpy(), expected, rtol=1e-9, atol=1e-12)
-    assert stats["pr_within"] == pytest.approx(np.mean(expected))
-    assert stats["pr_batch"] == pytest.approx(dg.participation_ratio(torch.tensor(K)))
-
-
-@settings(max_examples=30)
+@settings(max_examples=40)
 @given(vectors())
-def test_positive_alignment_is_mean_pairwise_cosine_of_nonzero_rows(data):
+def test_positive_alignment_is_the_mean_positive_cosine_over_pairs(data):
     _, F = data
-    rows = [f for f in F if np.linalg.norm(f) > 0]
-    cosines = [
-        rows[i] @ rows[j] / np.linalg.norm(rows[i]) / np.linalg.norm(rows[j])
-        for i in range(len(rows))
-        for j in range(len(rows))
-        if i != j
-    ]
-    expected = np.mean(cosines) if cosines else 0.0
+    expected = brute_positive_alignment(F)
     assert dg.positive_alignment(torch.tensor(F)) == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
-def test_positive_alignment_is_one_for_identical_and_negative_for_opposed_gradients():
+def test_positive_alignment_counts_opposed_gradients_as_zero():
     g = torch.tensor([[1.0, 2.0, -1.0]])
     assert dg.positive_alignment(g.repeat(5, 1)) == pytest.approx(1.0)
-    assert dg.positive_alignment(torch.cat([g, -g])) == pytest.approx(-1.0)
+    assert dg.positive_alignment(torch.cat([g, -g])) == 0.0  # [cos]₊ = [−1]₊
+    assert dg.positive_alignment(torch.cat([g, g, -g])) == pytest.approx(1 / 3)  # pairs: +1, 0, 0
     assert dg.positive_alignment(torch.cat([g, torch.zeros(3, 3)])) == 0.0  # one nonzero row: no pair
 
 
-@settings(max_examples=40)
-@given(vectors(min_m=2), st.floats(0.01, 0.99))
-def test_residual_energy_matches_explicit_projector_and_obeys_bound_chain(data, delta):
-    c, F = data
-    K = brute_gram(F)
-    out = dg.residual_energy(torch.tensor(c), torch.tensor(K), delta)
-    lam = np.clip(np.linalg.eigvalsh(K)[::-1], 0, None)
-    energy = c @ K @ c
-    if lam.sum() == 0 or energy <= 1e-12 * lam.sum() * (c @ c):
-        return  # zero update: convention tested separately
-    k = next(j for j in range(1, len(lam) + 1) if lam[:j].sum() >= (1 - delta) * lam.sum() * (1 - 1e-12))
-    assert out["k"] == k
-    P_perp = np.eye(len(c)) - brute_top_projector(K, k)
-    c_perp = P_perp @ c
-    lam_next = lam[k] if k < len(lam) else 0.0
-    assert out["rho"] == pytest.approx(c_perp @ K @ c_perp / energy, rel=1e-6, abs=1e-9)
-    assert out["bound"] == pytest.approx(lam_next * (c_perp @ c_perp) / energy, rel=1e-6, abs=1e-9)
-    tol = 1e-9 * (1 + out["tail_bound"])
-    assert out["rho"] <= out["bound"] + tol
-    assert out["bound"] <= out["tail_bound"] + tol
-
-
-def test_residual_energy_of_a_zero_update_is_zero():
-    K = torch.ones(3, 3)  # rank 1: c = (1, -1, 0) is in its null space
-    assert dg.residual_energy(torch.tensor([1.0, -1.0, 0.0]), K, 0.1) == {
-        "rho": 0.0,
-        "bound": 0.0,
-        "tail_bound": 0.0,
-        "k": 1.0,
-    }
-    assert dg.residual_energy(torch.ones(3), torch.zeros(3, 3), 0.1)["k"] == 0.0
+# ---- Eq. 58-61 ----
 
 
 @settings(max_examples=40)
-@given(vectors(min_m=2), st.integers(0, 1000))
-def test_update_diagnostics_match_brute_force_and_residual_share_is_a_fraction(data, seed):
+@given(vectors(min_m=2), st.integers(0, 1000), st.sampled_from([0.0, 1e-8, 0.3]))
+def test_update_diagnostics_match_explicit_update_vectors(data, seed, eps):
     c, F = data
+    m = len(c)
     rng = np.random.default_rng(seed)
-    new = c + rng.standard_normal(len(c)) * rng.random()
+    new = c + rng.standard_normal(m) * rng.random()
     K = brute_gram(F)
-    k = int(rng.integers(0, len(c) + 1))
     t = torch.tensor
-    if np.linalg.norm(c) > 0:
-        assert dg.coefficient_change(t(c), t(new)) == pytest.approx(np.linalg.norm(new - c) / np.linalg.norm(c))
-    d = new - c
-    if c @ K @ c > 1e-10 * np.trace(K) * (c @ c):
-        expected = np.sqrt(max(d @ K @ d, 0) / (c @ K @ c))
-        assert dg.update_change(t(c), t(new), t(K)) == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    share = dg.residual_share(t(new), t(K), k)
-    assert 0.0 <= share <= 1.0
+
+    def g_hat(x):
+        return F.T @ x / m  # Eq. 58
+
+    if np.linalg.norm(c) + eps > 0:
+        expected = np.linalg.norm(new - c) / (np.linalg.norm(c) + eps)
+        assert dg.coefficient_change(t(c), t(new), eps) == pytest.approx(expected)
+    norm_old = np.linalg.norm(g_hat(c))
+    if norm_old + eps > 1e-6 * np.linalg.norm(F) * np.linalg.norm(c) / m:
+        expected = np.linalg.norm(g_hat(new) - g_hat(c)) / (norm_old + eps)
+        assert dg.update_change(t(c), t(new), t(K), eps) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    k = int(rng.integers(0, m + 1))
     lam = np.linalg.eigvalsh(K)[::-1]
-    gap_ok = k in (0, len(c)) or lam[k - 1] - lam[k] > 1e-6 * max(lam[0], 1e-300)
-    if gap_ok and new @ K @ new > 1e-10 * max(np.trace(K), 1e-300) * (new @ new):
-        r = (np.eye(len(c)) - brute_top_projector(K, k)) @ new
-        assert share == pytest.approx(r @ K @ r / (new @ K @ new), rel=1e-6, abs=1e-9)
+    if k in (0, m) or lam[k - 1] - lam[k] > 1e-6 * max(lam[0], 1e-300):  # P_k unique
+        B = top_basis(K, k)
+        residual = (np.eye(m) - B @ B.T) @ new
+        expected = np.linalg.norm(F.T @ residual / m)  # Eq. 61: ‖(1/m) S P⊥ c‖
+        got = dg.residual_strength(t(new), t(K), t(B))
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9 * np.linalg.norm(F) * np.linalg.norm(new))
+        # the same P_k given by its complement
+        complement = np.linalg.eigh(K)[1][:, : m - k]
+        assert dg.residual_strength(t(new), t(K), t(complement), is_top=False) == pytest.approx(
+            got, rel=1e-6, abs=1e-9 * np.linalg.norm(F) * np.linalg.norm(new)
+        )
 
 
 def test_update_diagnostics_define_zero_over_zero():
     K = torch.ones(2, 2)
     zero = torch.zeros(2)
-    assert dg.coefficient_change(zero, zero) == 0.0
-    assert dg.coefficient_change(zero, torch.ones(2)) == float("inf")
+    assert dg.coefficient_change(zero, zero, eps=0.0) == 0.0
+    assert dg.coefficient_change(zero, torch.ones(2), eps=0.0) == math.inf
+    assert dg.coefficient_change(zero, torch.ones(2)) == pytest.approx(math.sqrt(2) / 1e-8)
     in_null_space = torch.tensor([1.0, -1.0])  # aᵀKa = 0: the old update is zero
-    assert dg.update_change(in_null_space, in_null_space, K) == 0.0
-    assert dg.update_change(in_null_space, torch.tensor([1.0, 0.0]), K) == float("inf")
-    assert dg.residual_share(in_null_space, K, 1) == 0.0
-    assert dg.residual_share(torch.tensor([1.0, 0.0]), K, 0) == pytest.approx(1.0)
+    assert dg.update_change(in_null_space, in_null_space, K, eps=0.0) == 0.0
+    assert dg.update_change(in_null_space, torch.tensor([1.0, 0.0]), K, eps=0.0) == math.inf
+    assert dg.residual_strength(in_null_space, K, torch.zeros(2, 0)) == 0.0
+    assert dg.residual_strength(torch.tensor([1.0, 0.0]), K, torch.zeros(2, 0)) == pytest.approx(math.sqrt(1 / 2))
+
+
+# ---- App. D.1 and App. B per group ----
+
+
+def ratio(num, den):
+    return num / den if den > 0 else 0.0  # 0/0 := 0
+
+
+def brute_group_geometry(c, F, groups, eps):
+    """Eq. 38-53 and App. B on explicit vectors: u_i = Â_i g_i, ū_b, s̄_q, δ_q,i."""
+    m = len(c)
+    labels = np.unique(groups)
+    per = {k: [] for k in ("r_in", "pr_in", "n_eff_group", "e_tot", "e_sh", "e_delta", "rho", "g", "b")}
+    means = []
+    for label in labels:
+        idx = np.flatnonzero(groups == label)
+        S, A, G = F[idx], c[idx], len(idx)
+        per["r_in"].append(brute_positive_alignment(S))
+        lam = np.clip(np.linalg.eigvalsh(S @ S.T / G), 0, None)  # Eq. 45: K_in = G_bᵀG_b / G
+        per["pr_in"].append(lam.sum() ** 2 / (lam**2).sum() if lam.sum() > 0 else 0.0)
+        u = A[:, None] * S
+        total = u.sum(0)
+        per["n_eff_group"].append(ratio(total @ total / m, sum(x @ x for x in u) / m + eps))  # Eq. 60 units of K
+        means.append(total / G)  # Eq. 52
+        s_bar = S.mean(0)
+        e_tot = sum(s @ s for s in S)
+        e_sh = G * s_bar @ s_bar
+        e_delta = sum((s - s_bar) @ (s - s_bar) for s in S)
+        per["e_tot"].append(e_tot)
+        per["e_sh"].append(e_sh)
+        per["e_delta"].append(e_delta)
+        per["rho"].append(ratio(e_delta, e_tot))
+        per["g"].append(np.linalg.norm(total / G))
+        per["b"].append(np.sqrt(e_delta / G))
+    means = np.array(means)
+    total = means.sum(0)
+    den = sum(x @ x for x in means) / m
+    keys = {"rho": "rho_delta", "g": "g_norm", "b": "b_delta"}
+    out = {keys.get(k, k): float(np.mean(v)) for k, v in per.items()}
+    lam = np.clip(np.linalg.eigvalsh(brute_gram(F)), 0, None)
+    out.update(
+        groups=len(labels),
+        r_total=brute_positive_alignment(F),
+        pr_total=lam.sum() ** 2 / (lam**2).sum() if lam.sum() > 0 else 0.0,
+        n_eff_means=ratio(total @ total / m, den + eps),
+    )
+    return out
+
+
+@settings(max_examples=40)
+@given(vectors(min_m=2), st.integers(1, 4), st.integers(0, 1000), st.sampled_from([0.0, 1e-8]), st.booleans())
+def test_group_geometry_matches_explicit_vectors(data, n_groups, seed, eps, pass_gram):
+    c, F = data
+    groups = np.random.default_rng(seed).integers(0, n_groups, len(c)) * 7 - 3  # arbitrary integer labels
+    x = dg.gram(torch.tensor(F)) if pass_gram else torch.tensor(F)
+    got = dg.group_geometry(torch.tensor(c), x, torch.tensor(groups), eps, is_gram=pass_gram)
+    expected = brute_group_geometry(c, F, groups, eps)
+    assert got.keys() == expected.keys()
+    scale = np.abs(F).max() ** 2 * (1 + np.abs(c).max()) ** 2 * len(c)
+    for key, value in expected.items():
+        tol = 1e-9 * math.sqrt(scale) if key in ("g_norm", "b_delta") else 1e-9 * scale
+        if key.startswith("n_eff"):  # a rounding-level numerator is a zero update (_energy); ε-scale denominators
+            tol = 1e-6
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=tol), key
+
+
+def test_group_geometry_realized_norm_obeys_the_residual_bound_of_eq_11():
+    """‖g_q‖ ≤ (1/G) ‖Â_q‖ √E_δ(q) when Σ_i Â_q,i = 0 (Eq. 10-11), and E_tot = E_sh + E_δ."""
+    rng = np.random.default_rng(0)
+    F = rng.standard_normal((6, 5)) + rng.standard_normal(5)
+    a = np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    stats = dg.group_geometry(torch.tensor(a), torch.tensor(F), torch.zeros(6, dtype=torch.long))
+    assert stats["e_tot"] == pytest.approx(stats["e_sh"] + stats["e_delta"])
+    assert stats["g_norm"] <= np.linalg.norm(a) / 6 * math.sqrt(stats["e_delta"]) + 1e-12
+
+
+def test_group_geometry_of_identical_rollouts_has_no_residual():
+    F = torch.tensor([[1.0, 2.0]] * 4 + [[0.0, 3.0]] * 4)
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    stats = dg.group_geometry(a, F, torch.tensor([0] * 4 + [1] * 4))
+    assert stats["e_delta"] == stats["rho_delta"] == stats["b_delta"] == stats["g_norm"] == 0.0
+    assert (stats["r_in"], stats["pr_in"], stats["groups"]) == (pytest.approx(1.0), pytest.approx(1.0), 2.0)
+    assert stats["n_eff_group"] == stats["n_eff_means"] == 0.0
+
+
+# ---- weight statistics ----
+
+
+def brute_weight_stats(a, new, K, k, lengths):
+    """numpy float64 reading of salt_weight_stats: eigenvectors, ranks and shares computed directly."""
+    top_vecs = top_basis(K, k)
+    diag_p = np.array([sum(top_vecs[i, j] ** 2 for j in range(k)) for i in range(len(a))])
+
+    def spearman(x, y):
+        return np.corrcoef(rankdata(x), rankdata(y))[0, 1]
+
+    order = sorted(range(len(a)), key=lambda i: -K[i, i])[:k]
+    moving = [i for i in range(len(a)) if a[i] != 0]
+    return {
+        "pk_rho_norm": spearman(diag_p, np.diag(K)),
+        "pk_rho_inv_len": spearman(diag_p, 1 / lengths),
+        "topnorm_share": sum(new[i] ** 2 for i in order) / sum(x**2 for x in new),
+        "kept": sum(x**2 for x in new) / sum(x**2 for x in a),
+        "sign_flip": sum(np.sign(new[i]) != np.sign(a[i]) for i in moving) / len(moving),
+    }
+
+
+@settings(max_examples=60)
+@given(st.integers(3, 12), st.integers(0, 2**31 - 1), st.data())
+def test_salt_weight_stats_match_a_numpy_reading(m, seed, data):
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((m, 2 * m)) * rng.uniform(0.2, 3.0, size=(m, 1))  # distinct norms
+    K = features @ features.T / m
+    a = rng.standard_normal(m)
+    a[rng.random(m) < 0.2] = 0.0
+    a[0] = 1.0  # at least one nonzero advantage
+    new = a + rng.standard_normal(m)
+    k = data.draw(st.integers(1, m - 1))
+    lengths = rng.integers(1, 40, size=m).astype(float)
+    expected = brute_weight_stats(a, new, K, k, lengths)
+    t = torch.tensor
+    top = dg.salt_weight_stats(t(a), t(new), t(K), t(top_basis(K, k)), True, t(lengths))
+    complement = np.linalg.eigh(K)[1][:, : m - k]
+    bottom = dg.salt_weight_stats(t(a), t(new), t(K), t(complement), False, t(lengths))
+    for got in (top, bottom):
+        for key, value in expected.items():
+            if key == "pk_rho_inv_len" and np.ptp(lengths) == 0:
+                assert math.isnan(got[key])
+            else:
+                assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+def test_diagonal_gram_puts_all_of_p_k_a_on_the_largest_norm_rollouts():
+    """Near-orthogonal features (diagonal K): the top-k eigenvectors are the k largest-norm coordinates, so P_k a is a
+    restricted to those rollouts; diag(P_k) ranks with the norms."""
+    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0], dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5], dtype=torch.float64)
+    top = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # the 3 largest norms
+    basis = torch.eye(5, dtype=torch.float64)[:, [0, 2, 4]]
+    stats = dg.salt_weight_stats(a, top * a, torch.diag(norms), basis, True, torch.tensor([4, 20, 8, 16, 12]))
+    assert stats["topnorm_share"] == pytest.approx(1.0)
+    assert stats["kept"] == pytest.approx((1 + 0.25 + 0.25) / (1 + 1 + 0.25 + 4 + 0.25))
+    assert stats["sign_flip"] == pytest.approx(2 / 5)  # the two dropped advantages become 0
+    # diag(P_k) = [1, 0, 1, 0, 1]: ranks [4, 1.5, 4, 1.5, 4] against the norms' [5, 1, 4, 2, 3] (and 1/T's, the same)
+    assert stats["pk_rho_norm"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
+    assert stats["pk_rho_inv_len"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
+
+
+def test_salt_weight_stats_without_geometry_are_nan_or_zero():
+    a = torch.tensor([1.0, -1.0, 0.0])
+    stats = dg.salt_weight_stats(a, a, torch.zeros(3, 3), torch.zeros(3, 0), True, torch.ones(3))  # k = 0
+    assert math.isnan(stats["pk_rho_norm"]) and stats["topnorm_share"] == 0.0 and stats["kept"] == 1.0
+
+
+# ---- bad input ----
 
 
 @pytest.mark.parametrize(
@@ -235,13 +371,18 @@ def test_update_diagnostics_define_zero_over_zero():
         (lambda: dg.effective_sample_size_vectors(torch.ones(3), torch.ones(2, 4)), "vectors"),
         (lambda: dg.gram(torch.ones(3)), "features"),
         (lambda: dg.positive_alignment(torch.zeros(0, 3)), "features"),
-        (lambda: dg.effective_sample_size_within(torch.ones(2), torch.eye(2), torch.tensor([0.5, 1.0])), "group_ids"),
-        (lambda: dg.residual_energy(torch.ones(2), torch.eye(2), 1.0), "delta"),
-        (lambda: dg.residual_share(torch.ones(2), torch.eye(2), 3), "k"),
+        (lambda: dg.group_geometry(torch.ones(2), torch.eye(2), torch.tensor([0.5, 1.0])), "group_ids"),
+        (lambda: dg.group_geometry(torch.ones(2), torch.ones(3, 4), torch.tensor([0, 1])), "features"),
+        (lambda: dg.group_geometry(torch.ones(2), torch.eye(3), torch.tensor([0, 1]), is_gram=True), "gram"),
+        (lambda: dg.residual_strength(torch.ones(2), torch.eye(2), torch.ones(3, 1)), "basis"),
         (lambda: dg.update_change(torch.ones(2), torch.ones(3), torch.eye(2)), "new"),
+        (lambda: dg.update_change(torch.ones(2), torch.ones(2), torch.eye(2), eps=-1.0), "eps"),
+        (lambda: dg.coefficient_change(torch.ones(2), torch.ones(2), eps=float("nan")), "eps"),
         (lambda: dg.effective_sample_size(torch.ones(2), torch.eye(2), eps=-1.0), "eps"),
+        (lambda: dg.salt_weight_stats(torch.ones(2), torch.ones(2), torch.eye(2), torch.eye(2), True, torch.ones(3)),
+         "lengths"),
     ],
-)
+)  # fmt: skip
 def test_bad_inputs_raise_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()

@@ -1,4 +1,7 @@
-"""SALT Eq. 12-18 and the App. F.3 variants against a brute-force numpy float64 reference, plus invariants."""
+"""SALT Eq. 4-18, the App. F.3 variants and nulls, and the F.5 stats against a brute-force numpy float64 reference."""
+
+import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -8,14 +11,22 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from openrlhf_geo import diagnostics
-from openrlhf_geo.salt import LANCZOS_MAX_FRACTION, VARIANTS, _top_eigenspace, salt_advantages
+from openrlhf_geo.salt import (
+    LANCZOS_MAX_FRACTION,
+    VARIANTS,
+    SaltConfig,
+    Variant,
+    _top_eigenspace,
+    entropy_alpha,
+    salt_advantages,
+)
 
-ALPHA, ENTROPY = 0.37, 0.25
+ALPHA, ENTROPY_ALPHA = 0.37, 0.25
 STAT_KEYS = {
-    *("pr", "k", "n_eff", "alpha", "n_eff_out", "gap", "main_norm", "exp_norm", "D_a", "D_g", "U_perp", "m"),
-    "solve_ms",
+    *("pr", "k", "alpha", "n_eff_in", "n_eff_out", "gap", "main_norm", "exp_norm", "D_a", "D_g", "U_perp"),
+    *("U_perp_gain", "m", "solve_ms"),
 }
-PROJECTOR_VARIANTS = ("full", "only-main", "no-pos", "fixed-alpha", "pr-alpha", "entropy-alpha", "permuted")
+NULLS = ("permuted", "matched-rand-subspace")
 
 
 def kwargs_for(variant, seed=0):
@@ -23,59 +34,79 @@ def kwargs_for(variant, seed=0):
     if variant == "fixed-alpha":
         kw["alpha"] = ALPHA
     if variant == "entropy-alpha":
-        kw["entropy"] = ENTROPY
+        kw["entropy"] = ENTROPY_ALPHA
     return kw
 
 
+def random_basis(m, k, gen):
+    """The documented draw: the span of a torch.randn(m, k) Gaussian (none for k = m: the whole space)."""
+    if k == m:
+        return np.eye(m)
+    return torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64)).Q.numpy()
+
+
 def reference(a, F, variant, seed=0, eps=1e-8):
-    """Brute force: full np.linalg.eigh, explicit m×m projector matrices; random draws per the documented protocol."""
+    """The paper's formulas written out: explicit m×m projectors, explicit update vectors ĝ(c) = Fᵀc / m."""
     m = len(a)
     K = F @ F.T / m
-    lam, Q = np.linalg.eigh(K)
-    Q = Q[:, ::-1]
-    pr = np.trace(K) ** 2 / np.sum(K * K)
-    k = int(min(max(np.floor(pr + 0.5), 1), m))
-    gen = torch.Generator().manual_seed(seed)
-    K_used, basis = K, Q[:, :k]
-    if variant == "permuted":
-        perm = torch.randperm(m, generator=gen).numpy()
-        K_used = K[np.ix_(perm, perm)]
-        basis = np.linalg.eigh(K_used)[1][:, ::-1][:, :k]
-    elif variant == "rand-proj":
-        basis = np.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64).numpy())[0]
-    elif variant == "matched-rand-subspace":
-        basis = Q[:, torch.randperm(m, generator=gen)[:k].numpy()]
-    P = basis @ basis.T
-    P_perp = np.eye(m) - P
-    n_eff = a @ K_used @ a / (np.sum(a**2 * np.diag(K_used)) + eps)
-    alpha = {"fixed-alpha": ALPHA, "pr-alpha": max(0.0, 1 - pr / m), "entropy-alpha": 1 - ENTROPY}.get(
-        variant, max(0.0, 1 - n_eff)
-    )
+    Q = np.linalg.eigh(K)[1][:, ::-1]
+    pr = np.trace(K) ** 2 / np.sum(K * K)  # Eq. 5
+    k = int(min(max(np.floor(pr + 0.5), 1), m))  # Eq. 14
+    P = Q[:, :k] @ Q[:, :k].T  # Eq. 15
+    I = np.eye(m)
+    u = a[:, None] * F  # u_i = a_i g_i
+    n_eff6 = np.sum(u.sum(0) ** 2) / np.sum(u**2) if np.sum(u**2) > 0 else 0.0  # Eq. 6
+    alpha = {
+        "fixed": ALPHA,
+        "pr": min(pr / (m - 1), 1.0),
+        "entropy": ENTROPY_ALPHA,
+        "n_eff": max(0.0, 1 - n_eff6),  # Eq. 17
+    }[VARIANTS[variant].alpha_rule]
     pos = np.maximum(a, 0)
-    main, explore = {
-        "no-proj": (a, pos),
-        "no-pos": (P @ a, P_perp @ a),
-        "only-main": (P @ a, 0 * a),
-        "only-exp": (0 * a, P_perp @ pos),
-    }.get(variant, (P @ a, P_perp @ pos))
-    new = main + alpha * explore
-    r = (np.eye(m) - Q[:, :k] @ Q[:, :k].T) @ new  # residual w.r.t. the true top-k eigenspace
+    gen = torch.Generator().manual_seed(seed)
+    salt_formula = P @ a + alpha * (I - P) @ pos  # Eq. 18
+    if variant == "only-main":
+        new = P @ a
+    elif variant == "only-exp":
+        new = alpha * (I - P) @ pos
+    elif variant == "no-pos":
+        new = P @ a + alpha * (I - P) @ a
+    elif variant == "no-proj":
+        new = a + alpha * pos
+    elif variant == "rand-proj":
+        V = random_basis(m, k, gen)
+        new = V @ V.T @ a + alpha * (I - V @ V.T) @ pos
+    elif variant == "permuted":
+        new = salt_formula[torch.randperm(m, generator=gen).numpy()]
+    elif variant == "matched-rand-subspace":
+        V = random_basis(m, k, gen)
+        score = (I - V @ V.T) @ pos
+        ties = torch.randperm(m, generator=gen).numpy()
+        ranked = sorted(range(m), key=lambda j: (-score[ties[j]], j))  # by score, ties in the drawn order
+        new = np.empty(m)
+        new[ties[ranked]] = np.sort(salt_formula)[::-1]
+    else:
+        new = salt_formula
 
-    def energy_ratio(x, y):  # None when y's update is (near) zero: that convention is tested on exact cases
-        den = y @ K @ y
-        return None if den <= 1e-9 * (y @ y) * np.trace(K) else max(x @ K @ x, 0.0) / den
+    def g_hat(c):
+        return F.T @ c / m  # Eq. 58
+
+    def U(c):
+        return np.linalg.norm(F.T @ ((I - P) @ c) / m)  # Eq. 61
+
+    def n_eff60(c):
+        return c @ K @ c / (np.sum(c**2 * np.diag(K)) + eps)  # Eq. 60
 
     stats = {
         "pr": pr,
         "k": k,
-        "n_eff": n_eff,
         "alpha": alpha,
-        "n_eff_out": new @ K @ new / (np.sum(new**2 * np.diag(K)) + eps),
-        "main_norm": np.linalg.norm(main),
-        "exp_norm": np.linalg.norm(alpha * explore),
-        "D_a": np.linalg.norm(new - a) / np.linalg.norm(a),
-        "D_g": None if energy_ratio(new - a, a) is None else np.sqrt(energy_ratio(new - a, a)),
-        "U_perp": energy_ratio(r, new),
+        "n_eff_in": n_eff60(a),
+        "n_eff_out": n_eff60(new),
+        "D_a": np.linalg.norm(new - a) / (np.linalg.norm(a) + eps),  # Eq. 59
+        "D_g": np.linalg.norm(g_hat(new) - g_hat(a)) / (np.linalg.norm(g_hat(a)) + eps),  # Eq. 59
+        "U_perp": U(new),
+        "U_perp_gain": U(new) / U(a) if U(a) > 1e-6 * np.linalg.norm(F) * np.linalg.norm(a) / m else None,
     }
     return new, stats
 
@@ -89,26 +120,28 @@ def relative_gaps(F):
     return boundary, np.min(-np.diff(lam)) / lam[0] if len(F) > 1 else 1.0
 
 
+def grpo(r, group=4):
+    """Eq. 2 within consecutive groups (population std, +1e-6)."""
+    r = np.asarray(r, dtype=float).reshape(-1, group)
+    return ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(-1)
+
+
 @st.composite
-def batches(draw, max_m=20, max_d=32, full_rank=False):
+def batches(draw, max_m=20, max_d=32):
     """(a (m,), F (m, D)) float64 numpy: GRPO-normalized or Gaussian advantages; grouped, low-rank or Gaussian F."""
     m = draw(st.integers(2, max_m))
-    D = draw(st.integers(m, m + 8) if full_rank else st.integers(1, max_d))
+    D = draw(st.integers(1, max_d))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     structure = draw(st.sampled_from(["gaussian", "grouped", "low-rank"]))
     F = rng.standard_normal((m, D))
     if structure == "grouped":  # rollouts of one prompt share a direction
         prompt = rng.integers(0, max(1, m // 4), m)
         F = 2.0 * rng.standard_normal((m, D))[prompt] + F
-    elif structure == "low-rank" and not full_rank:
+    elif structure == "low-rank":
         F = rng.standard_normal((m, 3)) @ rng.standard_normal((3, D)) + 0.05 * F
     F *= 10.0 ** rng.uniform(-1, 1, (m, 1))
-    if draw(st.booleans()):  # GRPO: binary rewards, normalized within groups of 4
-        r = rng.integers(0, 2, m).astype(float)
-        groups = np.arange(m) // 4
-        mean = np.array([r[groups == g].mean() for g in groups])
-        std = np.array([r[groups == g].std() for g in groups])
-        a = (r - mean) / (std + 1e-6)
+    if draw(st.booleans()) and m % 4 == 0:
+        a = grpo(rng.integers(0, 2, m))
     else:
         a = rng.standard_normal(m)
     assume(np.linalg.norm(a) > 1e-3)
@@ -120,15 +153,15 @@ def run(a, F, variant="full", seed=0, **kw):
     return out.numpy(), stats
 
 
+# ---- the method, its variants and stats against the reference ----
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=12)
-@given(data=st.data(), seed=st.integers(0, 1000))
+@given(data=batches(), seed=st.integers(0, 1000))
 def test_every_variant_matches_brute_force(variant, data, seed):
-    a, F = data.draw(batches(full_rank=variant == "matched-rand-subspace"))
-    boundary, spacing = relative_gaps(F)
-    assume(boundary > 1e-4)
-    if variant == "matched-rand-subspace":
-        assume(spacing > 1e-6)  # eigenvectors unique up to sign, so a random pick names the same vectors
+    a, F = data
+    assume(relative_gaps(F)[0] > 1e-4)  # P_k unique
     out, stats = run(a, F, variant, seed)
     expected, ref = reference(a, F, variant, seed)
     scale = np.linalg.norm(a)
@@ -140,6 +173,42 @@ def test_every_variant_matches_brute_force(variant, data, seed):
             assert stats[key] == pytest.approx(value, rel=1e-6, abs=1e-8 * max(1.0, scale)), key
 
 
+@pytest.mark.parametrize("variant", NULLS)
+@settings(max_examples=30)
+@given(data=batches(), seed=st.integers(0, 1000))
+def test_matched_nulls_reassign_exactly_the_salt_values_under_salt_alpha(variant, data, seed):
+    a, F = data
+    full, full_stats = run(a, F)
+    out, stats = run(a, F, variant, seed)
+    assert np.array_equal(np.sort(out), np.sort(full))  # same marginal, norm and positive mass: a permutation
+    assert stats["alpha"] == full_stats["alpha"]
+    assert (stats["main_norm"], stats["exp_norm"]) == (full_stats["main_norm"], full_stats["exp_norm"])
+
+
+def test_matched_random_subspace_ranks_samples_by_their_random_residual_of_the_positive_part():
+    """One draw followed by hand: the largest residual score of [a]₊ under the random subspace gets max a'_SALT."""
+    rng = np.random.default_rng(4)
+    F = rng.standard_normal((12, 3)) @ rng.standard_normal((3, 20)) + 0.2 * rng.standard_normal((12, 20))
+    a = grpo([1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0])
+    full, stats = run(a, F)
+    out, _ = run(a, F, "matched-rand-subspace", seed=9)
+    gen = torch.Generator().manual_seed(9)
+    V = random_basis(12, int(stats["k"]), gen)
+    score = np.maximum(a, 0) - V @ (V.T @ np.maximum(a, 0))
+    assert out[np.argmax(score)] == full.max() and out[np.argmin(score)] == full.min()
+    assert np.all(np.diff(out[np.argsort(-score)]) <= 0)  # the values fall as the score falls
+
+
+def test_pr_alpha_is_pr_over_m_minus_one_clipped():
+    """App. F.3.1: α_t = clip(PR_total / (m − 1), 0, 1): 1 for isotropic features (PR = m), 1/(m − 1) for rank 1."""
+    a = grpo([1, 0, 0, 1, 0, 1, 1, 1])
+    _, iso = run(a, isotropic_features(8, 0), "pr-alpha")
+    rank_one = np.outer(np.random.default_rng(0).uniform(1, 2, 8), np.ones(5))
+    _, low = run(a, rank_one, "pr-alpha")
+    assert (iso["pr"], iso["alpha"]) == (pytest.approx(8.0), 1.0)
+    assert low["alpha"] == pytest.approx(1 / 7)
+
+
 def test_full_salt_on_a_larger_low_rank_batch_takes_the_lanczos_path_and_matches_brute_force():
     rng = np.random.default_rng(3)
     m = 256
@@ -148,6 +217,138 @@ def test_full_salt_on_a_larger_low_rank_batch_takes_the_lanczos_path_and_matches
     out, stats = run(a, F)
     assert stats["k"] + 1 <= LANCZOS_MAX_FRACTION * m
     np.testing.assert_allclose(out, reference(a, F, "full")[0], rtol=1e-7, atol=1e-9)
+
+
+@settings(max_examples=30)
+@given(data=batches())
+def test_returned_basis_spans_the_top_k_eigenvectors_salt_projected_on(data):
+    a, F = data
+    assume(relative_gaps(F)[0] > 1e-4)
+    out, stats, (B, is_top) = salt_advantages(torch.tensor(a), torch.tensor(F), return_basis=True)
+    m, k = len(a), int(stats["k"])
+    assert B.dtype == torch.float64 and B.shape[0] == m and B.shape[1] == (k if is_top else m - k)
+    P = B.numpy() @ B.numpy().T
+    P = P if is_top else np.eye(m) - P
+    Q = np.linalg.eigh(F @ F.T / m)[1][:, ::-1][:, :k]
+    np.testing.assert_allclose(P, Q @ Q.T, atol=1e-8)
+    # the stats' U_⊥ is Eq. 61 on that basis
+    K = diagnostics.gram(torch.tensor(F))
+    assert stats["U_perp"] == pytest.approx(diagnostics.residual_strength(out, K, B, is_top), rel=1e-9, abs=1e-12)
+
+
+# ---- the variant table, entropy-α, the config ----
+
+
+def test_variant_table_holds_the_paper_rows():
+    assert list(VARIANTS) == [
+        *("full", "only-main", "only-exp", "no-pos", "no-proj", "rand-proj", "fixed-alpha", "pr-alpha"),
+        *("entropy-alpha", "permuted", "matched-rand-subspace"),
+    ]
+    spec = {name: dataclasses.astuple(v) for name, v in VARIANTS.items()}
+    #            projector  alpha_rule  main   explore positive assign
+    assert spec["full"] == ("top-k", "n_eff", True, True, True, "none")
+    assert spec["only-main"] == ("top-k", "n_eff", True, False, True, "none")
+    assert spec["only-exp"] == ("top-k", "n_eff", False, True, True, "none")
+    assert spec["no-pos"] == ("top-k", "n_eff", True, True, False, "none")
+    assert spec["no-proj"] == ("none", "n_eff", True, True, True, "none")
+    assert spec["rand-proj"] == ("random", "n_eff", True, True, True, "none")
+    assert spec["fixed-alpha"] == ("top-k", "fixed", True, True, True, "none")
+    assert spec["pr-alpha"] == ("top-k", "pr", True, True, True, "none")
+    assert spec["entropy-alpha"] == ("top-k", "entropy", True, True, True, "none")
+    assert spec["permuted"] == ("top-k", "n_eff", True, True, True, "permute")
+    assert spec["matched-rand-subspace"] == ("top-k", "n_eff", True, True, True, "matched-random-subspace")
+    assert [n for n, v in VARIANTS.items() if v.needs_entropy] == ["entropy-alpha"]
+    assert [n for n, v in VARIANTS.items() if v.random] == ["rand-proj", "permuted", "matched-rand-subspace"]
+    with pytest.raises(ValueError, match="Variant.projector must be one of"):
+        Variant(projector="pca")
+
+
+def test_salt_branches_on_the_variant_fields_not_on_names(monkeypatch):
+    """A new table row works without code: no projection and no exploration channel is the identity."""
+    monkeypatch.setitem(VARIANTS, "identity", Variant(projector="none", explore=False))
+    rng = np.random.default_rng(0)
+    a, F = rng.standard_normal(10), rng.standard_normal((10, 4))
+    out, stats = run(a, F, "identity")
+    np.testing.assert_array_equal(out, a)
+    assert stats["D_a"] == 0.0 and stats["U_perp_gain"] == 1.0
+
+
+@settings(max_examples=60)
+@given(
+    h=st.floats(-10, 10),
+    low=st.floats(-10, 10),
+    width=st.floats(0, 10),
+)
+def test_entropy_alpha_is_the_clipped_normalized_entropy(h, low, width):
+    high = low + width
+    got = entropy_alpha(h, low, high)
+    if high > low:
+        assert got == pytest.approx(min(max((h - low) / (high - low), 0.0), 1.0))
+    else:  # one entropy seen: the clip decides off it, 0 at it (0/0)
+        assert got == (1.0 if h > high else 0.0)
+    assert 0.0 <= got <= 1.0
+
+
+@pytest.mark.parametrize(
+    "args, match", [((1.0, 2.0, 1.0), "h_max must be >= h_min"), ((math.nan, 0.0, 1.0), "h_t must be a finite")]
+)
+def test_entropy_alpha_rejects_bad_extremes(args, match):
+    with pytest.raises(ValueError, match=match):
+        entropy_alpha(*args)
+
+
+def test_entropy_alpha_variant_takes_the_callers_alpha():
+    rng = np.random.default_rng(1)
+    a, F = rng.standard_normal(12), rng.standard_normal((12, 3)) @ rng.standard_normal((3, 9))
+    out, stats = run(a, F, "entropy-alpha", entropy=entropy_alpha(2.0, 1.0, 5.0))
+    fixed, _ = run(a, F, "fixed-alpha", alpha=0.25)
+    assert stats["alpha"] == 0.25
+    np.testing.assert_array_equal(out, fixed)
+
+
+def test_salt_config_defaults_and_entropy_flag():
+    config = SaltConfig()
+    assert (config.variant, config.features, config.dim, config.seed, config.gram) == (
+        "full",
+        "sketch",
+        4096,
+        0,
+        "raw",
+    )
+    assert (config.group_prompts, config.alpha, config.apply) == (None, None, True)
+    assert not config.needs_entropy and SaltConfig(variant="entropy-alpha").needs_entropy
+    assert SaltConfig(variant="fixed-alpha", alpha=0.0).alpha == 0.0
+    assert SaltConfig(features="exact", group_prompts=0, apply=False).group_prompts == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.dim = 16
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"variant": "salt"}, r"--salt.variant must be one of full, only-main, .* \(got 'salt'\)"),
+        ({"features": "full"}, r"--salt.features must be one of sketch, exact"),
+        ({"dim": 1000}, r"--salt.dim must be a perfect square >= 16 \(got 1000\)"),
+        ({"dim": 9}, r"--salt.dim must be a perfect square >= 16 \(got 9\)"),
+        ({"dim": 16.0}, r"--salt.dim must be a perfect square >= 16"),
+        ({"seed": -1}, r"--salt.seed must be an integer >= 0"),
+        ({"gram": "exact"}, r"--salt.gram must be one of raw, shrink"),
+        ({"gram": "shrink", "features": "exact"}, r"--salt.gram shrink needs --salt.features sketch"),
+        ({"group_prompts": -1}, r"--salt.group_prompts must be an integer >= 0"),
+        ({"variant": "fixed-alpha"}, r"--salt.alpha is required by, and only used with, variant fixed-alpha"),
+        ({"alpha": 0.5}, r"--salt.alpha is required by, and only used with"),
+        ({"variant": "fixed-alpha", "alpha": 1.5}, r"--salt.alpha must be a number in \[0, 1\] \(got 1.5\)"),
+        ({"variant": "fixed-alpha", "alpha": -0.1}, r"--salt.alpha must be a number in \[0, 1\]"),
+        ({"variant": "fixed-alpha", "alpha": math.nan}, r"--salt.alpha must be a number in \[0, 1\]"),
+        ({"apply": "yes"}, r"--salt.apply must be True or False"),
+    ],
+)
+def test_salt_config_rejects_bad_flags_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SaltConfig(**kwargs)
+
+
+# ---- eigensolver ----
 
 
 @settings(max_examples=45)
@@ -198,6 +399,9 @@ def test_arpack_failure_falls_back_to_dense_with_a_warning(monkeypatch):
     np.testing.assert_allclose(out, reference(a, F, "full")[0], rtol=1e-7, atol=1e-9)
 
 
+# ---- invariants and numeric edges ----
+
+
 def isotropic_features(m, seed, D=None):
     """Orthogonal rows of equal norm: K = c I, PR = m, so k = m and P_k = I."""
     rng = np.random.default_rng(seed)
@@ -206,27 +410,21 @@ def isotropic_features(m, seed, D=None):
 
 
 @settings(max_examples=30)
-@given(m=st.integers(2, 24), seed=st.integers(0, 10**6))
-def test_full_subspace_keeps_the_main_channel_equal_to_the_advantages(m, seed):
-    a = np.random.default_rng(seed + 1).standard_normal(m)
-    out, stats = run(a, isotropic_features(m, seed), "only-main")
-    assert stats["k"] == m
-    np.testing.assert_allclose(out, a, rtol=1e-12, atol=1e-12)
-    assert stats["main_norm"] == pytest.approx(np.linalg.norm(a))
-
-
-@settings(max_examples=30)
-@given(m=st.integers(2, 24), seed=st.integers(0, 10**6), variant=st.sampled_from(PROJECTOR_VARIANTS))
-def test_zero_alpha_and_full_subspace_return_the_advantages(m, seed, variant):
+@given(m=st.integers(2, 24), seed=st.integers(0, 10**6), variant=st.sampled_from(list(VARIANTS)))
+def test_full_subspace_and_zero_alpha_leave_the_projector_variants_at_the_advantages(m, seed, variant):
     a = np.random.default_rng(seed + 1).standard_normal(m)
     F = isotropic_features(m, seed)
     out, stats = run(a, F, "fixed-alpha", alpha=0.0)
     np.testing.assert_allclose(out, a, rtol=1e-12, atol=1e-12)
     assert stats["exp_norm"] == 0.0
-    # k = m leaves no residual subspace, so every projector variant returns a whatever its α_t
-    out, stats = run(a, F, variant)
-    np.testing.assert_allclose(out, a, rtol=1e-12, atol=1e-12)
-    assert stats["U_perp"] == 0.0
+    # k = m leaves no residual subspace: a' = a wherever P_k projects (the nulls then permute a)
+    spec = VARIANTS[variant]
+    out, stats = run(a, F, variant, seed)
+    assert stats["k"] == m and stats["U_perp"] == 0.0 and stats["U_perp_gain"] == 1.0
+    if spec.projector != "none" and spec.main and spec.assign == "none":
+        np.testing.assert_allclose(out, a, rtol=1e-12, atol=1e-12)
+    if spec.assign != "none":
+        np.testing.assert_allclose(np.sort(out), np.sort(a), rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=60)
@@ -234,10 +432,10 @@ def test_zero_alpha_and_full_subspace_return_the_advantages(m, seed, variant):
     m=st.integers(1, 16),
     D=st.integers(1, 16),
     seed=st.integers(0, 10**6),
-    variant=st.sampled_from(VARIANTS),
+    variant=st.sampled_from(list(VARIANTS)),
     duplicate=st.booleans(),
     zero_frac=st.floats(0, 1),
-    log_scale=st.floats(-6, 6),
+    log_scale=st.floats(-40, 40),
 )
 def test_outputs_and_stats_are_finite_on_arbitrary_inputs(m, D, seed, variant, duplicate, zero_frac, log_scale):
     rng = np.random.default_rng(seed)
@@ -248,9 +446,8 @@ def test_outputs_and_stats_are_finite_on_arbitrary_inputs(m, D, seed, variant, d
     a = rng.standard_normal(m) * (rng.random(m) > zero_frac) * 10.0 ** rng.uniform(-3, 3)
     out, stats = run(a, F, variant, seed)
     assert np.isfinite(out).all()
-    assert all(np.isfinite(v) or k == "D_g" for k, v in stats.items())  # D_g = inf when aᵀKa = 0 < a'ᵀKa'
-    assert 0.0 <= stats["U_perp"] <= 1.0
-    assert stats["alpha"] >= 0.0
+    assert all(np.isfinite(v) or k == "U_perp_gain" for k, v in stats.items())  # gain = inf when U_⊥(a) = 0 < U_⊥(a')
+    assert 0.0 <= stats["alpha"] <= 1.0 and stats["U_perp_gain"] >= 0.0
 
 
 @settings(max_examples=40)
@@ -262,30 +459,56 @@ def test_full_salt_is_permutation_equivariant(data, seed):
     out, stats = run(a, F)
     out_perm, stats_perm = run(a[perm], F[perm])
     np.testing.assert_allclose(out_perm, out[perm], rtol=1e-7, atol=1e-9 * np.linalg.norm(a))
-    for key in ("pr", "k", "n_eff", "alpha", "D_a", "D_g", "U_perp"):
+    # (not U_perp_gain: it jumps between 1 and inf where U_⊥(a) sits at the rounding floor of a zero update)
+    for key in ("pr", "k", "n_eff_in", "n_eff_out", "alpha", "D_a", "D_g", "U_perp"):
         assert stats_perm[key] == pytest.approx(stats[key], rel=1e-7, abs=1e-9), key
 
 
 @settings(max_examples=40)
-@given(data=batches(), log_c=st.floats(-3, 3), variant=st.sampled_from(VARIANTS))
-def test_salt_is_invariant_to_feature_scale(data, log_c, variant):
+@given(data=batches(), log2_c=st.integers(-900, 900), variant=st.sampled_from(list(VARIANTS)))
+def test_salt_is_invariant_to_feature_scale_down_to_the_float64_extremes(data, log2_c, variant):
+    """F → cF (c a power of two, so F·c is exact): the same a', k, α_t; U_⊥ scales by c, D_g without ε is fixed."""
     a, F = data
     assume(relative_gaps(F)[0] > 1e-4)
+    c = 2.0**log2_c
     out, stats = run(a, F, variant, eps=0.0)
-    out_scaled, stats_scaled = run(a, F * 10.0**log_c, variant, eps=0.0)
-    np.testing.assert_allclose(out_scaled, out, rtol=1e-7, atol=1e-9 * np.linalg.norm(a))
+    out_scaled, stats_scaled = run(a, F * c, variant, eps=0.0)
+    np.testing.assert_allclose(out_scaled, out, rtol=1e-9, atol=1e-12 * np.linalg.norm(a))
     assert stats_scaled["k"] == stats["k"]
-    assert stats_scaled["alpha"] == pytest.approx(stats["alpha"], rel=1e-7, abs=1e-12)
+    for key in ("alpha", "pr", "n_eff_in", "n_eff_out", "D_a", "D_g", "U_perp_gain"):
+        assert stats_scaled[key] == pytest.approx(stats[key], rel=1e-9, abs=1e-12), key
+    assert stats_scaled["U_perp"] == pytest.approx(c * stats["U_perp"], rel=1e-9, abs=1e-12 * c)
 
 
-def test_u_perp_stat_equals_the_diagnostic_on_the_dense_eigendecomposition():
-    rng = np.random.default_rng(5)
-    F = rng.standard_normal((40, 4)) @ rng.standard_normal((4, 30)) + 0.3 * rng.standard_normal((40, 30))
-    a = rng.standard_normal(40)
+@pytest.mark.parametrize("c", [1e-30, 1e-20, 1e20, 1e30])
+def test_tiny_and_huge_float32_features_give_the_unit_scale_coefficients(c):
+    """float32 squares underflow below ~1e-23 and overflow above ~1e19: the solve must not see them."""
+    rng = np.random.default_rng(2)
+    shared = rng.standard_normal(12)  # rollouts share a direction: zero-sum advantages cancel, α_t > 0
+    F = (shared + rng.standard_normal((16, 3)) @ rng.standard_normal((3, 12))).astype(np.float32)
+    a = torch.tensor(grpo(rng.integers(0, 2, 16)))
+    out, stats = salt_advantages(a, torch.tensor(F))
+    out_c, stats_c = salt_advantages(a, torch.tensor(F) * c)
+    assert stats["alpha"] > 0.05  # the exploration channel is on, so a lost ε-scale α would show
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    assert stats_c["alpha"] == pytest.approx(stats["alpha"], rel=1e-5)
+    assert stats_c["U_perp"] == pytest.approx(c * stats["U_perp"], rel=1e-4)
+
+
+def test_stats_keep_the_units_of_the_features_with_absolute_epsilon():
+    """Eq. 59-60's ε is absolute: at a feature scale where Σa²K_ii ≪ ε, n_eff (Eq. 60) → 0, while α_t (Eq. 17 on
+    Eq. 6, no ε) and a' do not move."""
+    rng = np.random.default_rng(6)
+    F = rng.standard_normal((8, 5))
+    a = rng.standard_normal(8)
     out, stats = run(a, F)
-    K = diagnostics.gram(torch.tensor(F))
-    assert stats["U_perp"] == pytest.approx(diagnostics.residual_share(torch.tensor(out), K, int(stats["k"])))
-    assert stats["U_perp"] > 0  # the exploration channel lives in the residual subspace
+    out_tiny, tiny = run(a, F * 1e-9)
+    np.testing.assert_allclose(out_tiny, out, rtol=1e-9)
+    assert tiny["alpha"] == pytest.approx(stats["alpha"])
+    assert tiny["n_eff_in"] < 1e-6 * stats["n_eff_in"]
+
+
+# ---- degenerate inputs ----
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -294,30 +517,40 @@ def test_all_zero_advantages_are_returned_unchanged_with_alpha_reported(variant)
     F = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
     out, stats = salt_advantages(a, F, variant, **kwargs_for(variant))
     assert torch.equal(out, a)
-    expected_alpha = {"fixed-alpha": ALPHA, "entropy-alpha": 1 - ENTROPY}.get(variant, 1.0)
-    if variant == "pr-alpha":
-        expected_alpha = 1 - stats["pr"] / 12
-    assert stats["n_eff"] == 0.0
+    expected_alpha = {"fixed": ALPHA, "entropy": ENTROPY_ALPHA, "pr": min(stats["pr"] / 11, 1.0)}.get(
+        VARIANTS[variant].alpha_rule, 1.0
+    )
+    assert stats["n_eff_in"] == stats["n_eff_out"] == 0.0
     assert stats["alpha"] == pytest.approx(expected_alpha)
-    assert stats["D_a"] == stats["D_g"] == stats["main_norm"] == stats["exp_norm"] == 0.0
+    assert stats["D_a"] == stats["D_g"] == stats["main_norm"] == stats["exp_norm"] == stats["U_perp"] == 0.0
+    assert stats["U_perp_gain"] == 1.0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_zero_features_give_the_identity_with_documented_stats(variant):
     a = torch.tensor([1.0, -0.5, -0.5, 2.0])
-    out, stats = salt_advantages(a, torch.zeros(4, 3), variant, **kwargs_for(variant))
+    out, stats, (basis, is_top) = salt_advantages(
+        a, torch.zeros(4, 3), variant, **kwargs_for(variant), return_basis=True
+    )
     assert torch.equal(out, a)
-    assert (stats["pr"], stats["k"], stats["n_eff"], stats["gap"]) == (0.0, 0.0, 0.0, 0.0)
+    assert (stats["pr"], stats["k"], stats["n_eff_in"], stats["gap"]) == (0.0, 0.0, 0.0, 0.0)
     assert stats["main_norm"] == pytest.approx(float(a.norm()))
     assert stats["exp_norm"] == stats["D_a"] == stats["D_g"] == stats["U_perp"] == 0.0
+    assert stats["U_perp_gain"] == 1.0
+    assert basis.shape == (4, 0) and is_top  # P_k = 0: no geometry
+    if VARIANTS[variant].alpha_rule == "n_eff":
+        assert stats["alpha"] == 1.0  # Eq. 6: 0/0 := 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_single_response_is_returned_unchanged(variant):
     a = torch.tensor([0.7])
-    out, stats = salt_advantages(a, torch.tensor([[1.0, 2.0]]), variant, **kwargs_for(variant))
+    out, stats, (basis, is_top) = salt_advantages(
+        a, torch.tensor([[1.0, 2.0]]), variant, **kwargs_for(variant), return_basis=True
+    )
     assert torch.equal(out, a)
-    assert (stats["pr"], stats["k"], stats["m"]) == (1.0, 1.0, 1.0)
+    assert (stats["pr"], stats["k"], stats["m"], stats["gap"]) == (1.0, 1.0, 1.0, 1.0)
+    assert basis.shape == (1, 0) and not is_top  # P_k = I
 
 
 def test_identical_features_give_the_rank_one_closed_form():
@@ -325,29 +558,32 @@ def test_identical_features_give_the_rank_one_closed_form():
     rng = np.random.default_rng(0)
     g = rng.standard_normal(6)
     F = np.tile(g, (8, 1))
-    r = np.array([1, 0, 0, 1, 1, 0, 0, 0.0])
-    a = (r - r.mean()) / (r.std() + 1e-6)
+    a = grpo([1, 0, 0, 1, 1, 0, 0, 0], group=8)
     out, stats = run(a, F)
     pos = np.maximum(a, 0)
     expected = a.mean() + 1.0 * (pos - pos.mean())
     np.testing.assert_allclose(out, expected, rtol=1e-10, atol=1e-12)
     assert (stats["pr"], stats["k"]) == (pytest.approx(1.0), 1.0)
-    assert stats["alpha"] == pytest.approx(1.0)
-    # Σ a_i g_i = (Σ a_i) g = 0 and likewise for a' (its entries sum to Σ a_i = 0): both updates vanish, 0/0 := 0
-    assert stats["D_g"] == stats["U_perp"] == 0.0
+    assert stats["alpha"] == 1.0
+    # Σ a_i g_i = (Σ a_i) g = 0 and likewise for a' (its entries sum to Σ a_i = 0): both updates vanish
+    assert stats["D_g"] == stats["U_perp"] == 0.0 and stats["U_perp_gain"] == 1.0
     np.testing.assert_allclose(out, reference(a, F, "full")[0], rtol=1e-10, atol=1e-12)
 
 
-def test_exploration_of_a_cancelled_update_reports_infinite_update_change():
+def test_exploration_of_a_cancelled_update_has_infinite_residual_gain():
     # rows 2 and 3 share a gradient and carry opposite advantages: Σ a_i g_i = 0. PR ≈ 1.04, so k = 1 leaves g2's
     # direction in the residual subspace, where a_exp = P_1^⊥ [a]₊ = e2 has energy: a nonzero update from a zero one.
     F = np.array([[10.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
     a = np.array([0.0, 1.0, -1.0])
     out, stats = run(a, F)
-    assert (stats["k"], stats["n_eff"], stats["alpha"]) == (1.0, 0.0, 1.0)
+    assert (stats["k"], stats["n_eff_in"], stats["alpha"]) == (1.0, 0.0, 1.0)
     np.testing.assert_allclose(out, [0.0, 1.0, 0.0], atol=1e-12)
-    assert stats["D_g"] == float("inf")
-    assert stats["U_perp"] == pytest.approx(1.0)
+    assert stats["D_g"] == pytest.approx((1 / 3) / 1e-8)  # ‖ĝ(a)‖ = 0, ‖ĝ(a')‖ = ‖g2‖ / 3: D_g = ‖ĝ(a')‖ / ε
+    assert stats["U_perp"] == pytest.approx(1 / 3)  # all of ĝ(a') is residual: P_1 = e1 e1ᵀ
+    assert stats["U_perp_gain"] == math.inf
+
+
+# ---- bad input, dtypes, determinism ----
 
 
 @pytest.mark.parametrize("name", ["advantages", "features"])
@@ -379,13 +615,15 @@ def test_wrong_shapes_and_types_raise(a, F, match):
     "kwargs, match",
     [
         ({"variant": "salt"}, "valid variants: full, only-main"),
-        ({"variant": "fixed-alpha"}, "alpha is required"),
-        ({"variant": "fixed-alpha", "alpha": -0.1}, "alpha must be"),
+        ({"variant": "fixed-alpha"}, "alpha is required by, and only used with, variant fixed-alpha"),
+        ({"variant": "fixed-alpha", "alpha": -0.1}, r"alpha must be a number in \[0, 1\]"),
+        ({"variant": "fixed-alpha", "alpha": 1.01}, r"alpha must be a number in \[0, 1\]"),
         ({"variant": "full", "alpha": 0.5}, "alpha is required by, and only used with"),
         ({"variant": "entropy-alpha"}, "entropy is required"),
-        ({"variant": "entropy-alpha", "entropy": 1.5}, r"entropy must be .* in \[0, 1\]"),
+        ({"variant": "entropy-alpha", "entropy": 1.5}, r"entropy must be entropy_alpha.* in \[0, 1\]"),
         ({"variant": "full", "entropy": 0.5}, "entropy is required by, and only used with"),
         ({"eps": -1.0}, "eps must be"),
+        ({"eps": math.inf}, "eps must be"),
     ],
 )
 def test_misused_arguments_raise(kwargs, match):
@@ -408,13 +646,13 @@ def test_bf16_inputs_give_bf16_outputs_equal_to_the_float64_solve_of_the_same_va
 def test_output_keeps_the_advantage_dtype_and_leaves_inputs_untouched():
     a = torch.randn(10, requires_grad=True)
     F = torch.randn(10, 4, dtype=torch.float16)
-    a_before = a.detach().clone()
-    out, _ = salt_advantages(a, F)
+    a_before, F_before = a.detach().clone(), F.clone()
+    out, _ = salt_advantages(a, F * 1024)
     assert out.dtype == torch.float32 and not out.requires_grad
-    assert torch.equal(a.detach(), a_before)
+    assert torch.equal(a.detach(), a_before) and torch.equal(F, F_before)
 
 
-@pytest.mark.parametrize("variant", ["rand-proj", "permuted", "matched-rand-subspace"])
+@pytest.mark.parametrize("variant", [n for n, v in VARIANTS.items() if v.random])
 def test_randomised_variants_are_deterministic_under_a_fixed_generator(variant):
     gen = torch.Generator().manual_seed
     rng = np.random.default_rng(1)
@@ -425,3 +663,12 @@ def test_randomised_variants_are_deterministic_under_a_fixed_generator(variant):
     other, _ = salt_advantages(a, F, variant, generator=gen(8))
     assert torch.equal(first, again)
     assert not torch.allclose(first, other)
+
+
+def test_deterministic_variants_draw_nothing():
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    for name, spec in VARIANTS.items():
+        if not spec.random:
+            salt_advantages(torch.randn(12), torch.randn(12, 4), name, **{**kwargs_for(name), "generator": gen})
+    assert torch.equal(gen.get_state(), state)

@@ -74,6 +74,16 @@ def test_noise_variance_equals_the_textbook_two_way_anova(m, k1, k2, seed, rank_
     torch.testing.assert_close(K, diagnostics.gram(torch.tensor(phi)), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e20])
+def test_tiny_or_huge_float32_sketches_keep_their_gram_and_noise(scale):
+    """Φ Φᵀ and (Φ∘Φ)(Φ∘Φ)ᵀ of float32 1e-30 (1e20) features would underflow (overflow) in float32."""
+    phi = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    K, V = sketch_gram.gram_and_noise(phi)
+    K_scaled, V_scaled = sketch_gram.gram_and_noise(phi * scale)
+    torch.testing.assert_close(K_scaled, K * scale**2, rtol=1e-5, atol=1e-6 * float(K.abs().max()) * scale**2)
+    torch.testing.assert_close(V_scaled, V * scale**4, rtol=1e-4, atol=1e-5 * float(V.abs().max()) * scale**4)
+
+
 def test_row_chunks_do_not_change_the_estimate():
     phi = torch.randn(37, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     K, V = sketch_gram.gram_and_noise(phi)
@@ -311,7 +321,7 @@ def test_shrink_without_sketch_noise_equals_raw():
 
 
 @settings(max_examples=20)
-@given(variant=st.sampled_from(VARIANTS), m=st.integers(1, 24), seed=st.integers(0, 10_000))
+@given(variant=st.sampled_from(list(VARIANTS)), m=st.integers(1, 24), seed=st.integers(0, 10_000))
 def test_every_variant_runs_on_the_shrunk_gram_with_finite_outputs(variant, m, seed):
     gen = torch.Generator().manual_seed(seed)
     F = torch.randn(m, 3, generator=gen) @ torch.randn(3, 64, generator=gen) + torch.randn(m, 64, generator=gen)
@@ -319,10 +329,22 @@ def test_every_variant_runs_on_the_shrunk_gram_with_finite_outputs(variant, m, s
     kwargs = {"alpha": 0.5} if variant == "fixed-alpha" else {"entropy": 0.3} if variant == "entropy-alpha" else {}
     out, stats = salt_advantages(a, F, variant, generator=gen, gram="shrink", **kwargs)
     assert out.shape == a.shape and bool(torch.isfinite(out).all())
-    assert all(math.isfinite(v) for v in stats.values()) and stats.keys() >= GRAM_KEYS
+    assert all(math.isfinite(v) for key, v in stats.items() if key != "U_perp_gain") and stats.keys() >= GRAM_KEYS
     assert 1 <= stats["pr"] <= m and 1 <= stats["k"] <= m
     if m == 1:
         assert torch.equal(out, a)
+
+
+def test_shrink_returns_the_basis_of_the_shrunk_gram():
+    gen = torch.Generator().manual_seed(5)
+    F = torch.randn(24, 2, generator=gen) @ torch.randn(2, 64, generator=gen) + torch.randn(24, 64, generator=gen)
+    a = grpo_advantages(24, 5)
+    out, stats, (B, is_top) = salt_advantages(a, F, gram="shrink", return_basis=True)
+    shrunk, _ = sketch_gram.shrink(*sketch_gram.gram_and_noise(F))
+    k = int(stats["k"])
+    Q = torch.linalg.eigh(shrunk).eigenvectors.flip(1)[:, :k]
+    P = B @ B.T if is_top else torch.eye(24, dtype=torch.float64) - B @ B.T
+    torch.testing.assert_close(P, Q @ Q.T, rtol=0, atol=1e-8)
 
 
 def test_shrink_on_zero_features_is_the_identity():
