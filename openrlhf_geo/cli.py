@@ -14,6 +14,7 @@ COMMANDS = {
     "fork": ("openrlhf_geo.fork", "fork maintenance: `fork verify`, `fork path`"),
     "eval": ("openrlhf_geo.eval.harness", "avg@n and pass@k on math benchmarks"),
     "report": ("openrlhf_geo.eval.report", "paired multi-seed comparison with bootstrap CIs and plots"),
+    "judge": ("openrlhf_geo.eval.judge", "pairwise LLM judge with position swap (GeoAlign HH-RLHF win rate)"),
     "serve-rm": ("openrlhf_geo.rewards.armorm", "serve ArmoRM scores over HTTP for --reward.remote_url"),
 }
 
