@@ -1,12 +1,14 @@
-"""examples/scripts/: every launch script parses, and every flag it passes is accepted by the parser that reads it.
+"""examples/scripts/: every launch script parses, every flag it passes is accepted by the parser that reads it, and
+the recipes are the papers' (SALT arXiv 2606.05800 Table 4 / §4.1 / App. C.2; GeoAlign arXiv 2606.26917 §5, App. B).
 
 The scripts run for real under bash with `ray`, `deepspeed`, `python`/`python3` and `openrlhf-geo` replaced by
 stubs that record their argv, so bash's own variable and array expansion is what gets checked. A `ray job submit`
-entrypoint is then replayed through `/bin/sh` the way Ray's job supervisor runs it (argv joined by
-`subprocess.list2cmdline`, executed with `shell=True`). The resulting train-ppo-ray argv goes through the patched
-upstream parser (`parse` of test_fork_pipeline.py: upstream train_ppo_ray as __main__ through `openrlhf-geo
-train-ppo-ray`, stopped where training starts), the SFT argv through DeepSpeed's launcher and upstream train_sft's
-parser, and the ArmoRM server's through `openrlhf-geo serve-rm`'s.
+call goes through Ray's own CLI parser, and its entrypoint is replayed through `/bin/sh` the way Ray's job
+supervisor runs it (argv joined by `subprocess.list2cmdline`, executed with `shell=True`). The resulting
+train-ppo-ray argv goes through the patched upstream parser (`parse` of test_fork_pipeline.py: upstream
+train_ppo_ray as __main__ through `openrlhf-geo train-ppo-ray`, stopped where training starts), an `eval` argv
+through `openrlhf-geo eval`'s parser, the SFT argv through DeepSpeed's launcher and upstream train_sft's parser,
+and the ArmoRM server's through `openrlhf-geo serve-rm`'s.
 """
 
 import contextlib
@@ -22,8 +24,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from openrlhf_geo import options
+from openrlhf_geo.eval import harness
 from openrlhf_geo.eval.harness import SYSTEM_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,28 +41,37 @@ n=$(ls "$STUB_OUT" | wc -l)
 printf '%s\\0' "$(basename "$0")" "$@" > "$STUB_OUT/$(printf %04d "$n")"
 if [[ "${1:-}" == - ]]; then cat > /dev/null; fi
 """
+SALT_SCRIPTS = ("train_math_grpo.sh", "train_math_dapo.sh", "sweep_rollout_scaling.sh", "sweep_fixed_alpha.sh")
+GEOALIGN_SCRIPTS = ("train_math_geoalign.sh", "train_hh_sft.sh", "train_hh_rl.sh")
+SALT_SEEDS = ("2025", "2026", "2027", "2028", "2029")  # SALT App. H
+G_VALUES = (2, 4, 8, 16, 32, 64, 128, 256)  # SALT §4.4
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # SALT Fig. 4(b)
+SALT_BENCHMARKS = {"aime24", "aime25", "gsm8k", "math500", "gpqa_diamond"}  # SALT §4.1
 # The environment variables each script is run with: its defaults and every switch it documents.
 VARIANTS = {
     "train_math_grpo.sh": [
         {},
         {"SALT": "1"},
-        {"SALT": "1", "MODEL_SIZE": "7B", "DATASET": "dapo_math_17k", "SEED": "3", "NUM_NODES": "2"},
+        {"SALT": "1", "MODEL_SIZE": "7B", "DATASET": "dapo_math_17k", "SEED": "2029", "NUM_NODES": "2"},
+        {"EVAL": "0"},
     ],
     "train_math_dapo.sh": [{}, {"SALT": "1"}, {"SALT": "1", "MODEL_SIZE": "7B", "DATASET": "math_train"}],
     "train_math_geoalign.sh": [
         {},
         {"GEOALIGN": "1"},
-        {"NOISE_RATE": "0.1"},
+        {"NOISE_RATE": "0.05"},
         {"GEOALIGN": "1", "NOISE_RATE": "0.1", "MODEL_SIZE": "4B"},
     ],
-    "train_hh_sft.sh": [{}],
+    "train_hh_sft.sh": [{}, {"MODEL_SIZE": "4B"}],
     "train_hh_rl.sh": [
         {},
         {"GEOALIGN": "1"},
-        {"GEOALIGN": "1", "NOISE_RATE": "0.1", "RM_URL": "http://rm-host:5000/get_reward"},
+        {"NOISE_RATE": "0.05"},
+        {"GEOALIGN": "1", "NOISE_RATE": "0.1", "MODEL_SIZE": "4B", "RM_URL": "http://rm-host:5000/get_reward"},
     ],
     "serve_armorm.sh": [{}],
     "sweep_rollout_scaling.sh": [{}],
+    "sweep_fixed_alpha.sh": [{}],
     FORK_HELPERS_SCRIPT: [{}],
 }
 CASES = [(script, env) for script, envs in VARIANTS.items() for env in envs]
@@ -72,8 +86,9 @@ SWITCHES = [
     ("train_math_grpo.sh", {"SALT": "1"}, ("salt.",)),
     ("train_math_dapo.sh", {"SALT": "1"}, ("salt.",)),
     ("train_math_geoalign.sh", {"GEOALIGN": "1"}, ("geoalign.",)),
-    ("train_math_geoalign.sh", {"NOISE_RATE": "0.1"}, ("reward.noise.",)),
+    ("train_math_geoalign.sh", {"NOISE_RATE": "0.05"}, ("reward.noise.",)),
     ("train_hh_rl.sh", {"GEOALIGN": "1"}, ("geoalign.",)),
+    ("train_hh_rl.sh", {"NOISE_RATE": "0.05"}, ("reward.noise.",)),
 ]
 
 
@@ -101,9 +116,18 @@ def run_script(script, env, home, extra=None):
 
 
 def make_data(data_dir):
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("math_train", "dapo_math_17k", "aime24"):
-        (data_dir / f"{name}.jsonl").write_text('{"prompt": [], "answer": "1"}\n')
+    """The files the scripts look for before they would call a prepare_*.py script."""
+    row = '{"prompt": [], "prompt_text": "", "answer": "1", "datasource": "x"}\n'
+    for name in ("math_train", "dapo_math_17k", "aime24", "aime25"):
+        (data_dir / f"{name}.jsonl").parent.mkdir(parents=True, exist_ok=True)
+        (data_dir / f"{name}.jsonl").write_text(row)
+    for model in ("Qwen3-1.7B", "Qwen3-4B"):
+        for name in ("dapo_math_17k", "geoalign_eval"):
+            (data_dir / f"{model}_no-thinking" / f"{name}.jsonl").parent.mkdir(parents=True, exist_ok=True)
+            (data_dir / f"{model}_no-thinking" / f"{name}.jsonl").write_text(row)
+    (data_dir / "hh").mkdir(parents=True, exist_ok=True)
+    for name in ("hh_sft", "hh_rl", "hh_test"):
+        (data_dir / "hh" / f"{name}.jsonl").write_text('{"prompt": "\\n\\nHuman: hi\\n\\nAssistant:"}\n')
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +148,13 @@ def calls(runs):
     return {key: made for key, (_, made) in runs.items()}
 
 
-def job_parts(argv):
-    """`ray job submit OPTIONS -- ENTRYPOINT...` -> (options, entrypoint)."""
-    assert argv[:3] == ["ray", "job", "submit"] and "--" in argv, argv[:6]
-    cut = argv.index("--")
-    return argv[3:cut], argv[cut + 1 :]
+def ray_submit(argv):
+    """`ray job submit ...` parsed by Ray's own CLI -> its parameters (entrypoint as a list)."""
+    from ray.dashboard.modules.job.cli import submit
+
+    assert argv[:3] == ["ray", "job", "submit"], argv[:6]
+    params = submit.make_context("submit", argv[3:]).params
+    return {**params, "entrypoint": list(params["entrypoint"])}
 
 
 def ray_shell_round_trip(entrypoint):
@@ -138,13 +164,17 @@ def ray_shell_round_trip(entrypoint):
     return done.stdout.split("\0")[:-1]
 
 
-def train_ppo_ray_argv(argv):
-    """The train-ppo-ray arguments of a recorded call (a ray job or a direct `python -m` call), or None."""
+def cli_argv(argv, command):
+    """The arguments of an `openrlhf_geo.cli COMMAND` call (a ray job or a direct `python -m` call), or None."""
     if argv[0] == "ray":
-        argv = ray_shell_round_trip(job_parts(argv)[1])
-    if argv[0] in ("python", "python3") and argv[1:4] == ["-m", "openrlhf_geo.cli", "train-ppo-ray"]:
+        argv = ray_shell_round_trip(ray_submit(argv)["entrypoint"])
+    if argv[0] in ("python", "python3") and argv[1:4] == ["-m", "openrlhf_geo.cli", command]:
         return argv[4:]
     return None
+
+
+def train_ppo_ray_argv(argv):
+    return cli_argv(argv, "train-ppo-ray")
 
 
 def flatten(ns, prefix=""):
@@ -179,15 +209,19 @@ def test_script_has_strict_mode_and_the_documented_header(script):
     for field in ("Hardware", "Wall time", "Usage", "Edit"):
         assert re.search(rf"^# {field} ", header, re.M), f"header lacks '{field}'"
     assert re.search(r"^# (Model|Models) ", header, re.M)
-    # Unverified hyperparameters must say so in the header (SALT Table 4 / GeoAlign paper were not available).
-    if script.startswith(("train_", "sweep_")):
-        assert "NOT verified" in header
+    # Every value is either the paper's (with its table/section) or marked as not checkable; no stale markers.
+    assert "NOT verified" not in text
+    if script in SALT_SCRIPTS:
+        assert "Table 4" in header and "arXiv 2606.05800" in header
+    if script in GEOALIGN_SCRIPTS:
+        assert "arXiv 2606.26917" in header and "NOT in the text (Table 6" in header
 
 
 def test_readme_lists_every_script():
     readme = (REPO / "examples" / "README.md").read_text()
-    for script in VARIANTS:
+    for script in (*VARIANTS, "prepare_math_data.py", "prepare_hh_data.py"):
         assert f"`{script}`" in readme, script
+    assert "NOT verified" not in readme
 
 
 def test_scripts_hold_no_secrets():
@@ -209,23 +243,29 @@ def test_every_launch_is_recorded(calls):
     tools = {key: [argv[0] for argv in made] for key, made in calls.items()}
     assert tools[case_id("train_hh_sft.sh", {})] == ["deepspeed"]
     assert tools[case_id("serve_armorm.sh", {})] == ["openrlhf-geo"]
-    assert tools[case_id("sweep_rollout_scaling.sh", {})] == ["ray"] * 16
+    # train + eval per run: 8 G x 4 methods, 5 alphas
+    assert tools[case_id("sweep_rollout_scaling.sh", {})] == ["ray"] * 2 * 8 * 4
+    assert tools[case_id("sweep_fixed_alpha.sh", {})] == ["ray"] * 2 * 5
     for script, env in CASES:
-        if script.startswith("train_math_") or script == "train_hh_rl.sh":
+        if script in ("train_math_grpo.sh", "train_math_dapo.sh"):
+            assert tools[case_id(script, env)] == ["ray"] * (1 if env.get("EVAL") == "0" else 2)
+        if script in ("train_math_geoalign.sh", "train_hh_rl.sh"):
             assert tools[case_id(script, env)] == ["ray"], case_id(script, env)
 
 
 def test_jobs_set_only_working_dir_and_env_vars(calls):
     """Job-level runtime env: the fork adds py_modules itself, and upstream's ray.init sets three env vars, so the
-    same field or env var at job level would be a hard error in Ray."""
+    same field or env var at job level would be a hard error in Ray. Eval jobs reserve one GPU for the entrypoint."""
     upstream_env = {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
     jobs = [argv for made in calls.values() for argv in made if argv[0] == "ray"]
-    assert len(jobs) == 3 + 3 + 4 + 3 + 16
+    assert len(jobs) == (4 * 2 - 1) + 3 * 2 + 4 + 4 + 64 + 10
     for argv in jobs:
-        opts, _ = job_parts(argv)
-        values = dict(opt.removeprefix("--").split("=", 1) for opt in opts)
-        assert set(values) == {"address", "runtime-env-json"}, opts
-        env = json.loads(values["runtime-env-json"])
+        job = ray_submit(argv)
+        is_eval = cli_argv(argv, "eval") is not None
+        assert job["entrypoint_num_gpus"] == (1 if is_eval else None)
+        assert job["address"] == "http://127.0.0.1:8265" and not job["no_wait"]
+        assert (job["runtime_env"], job["working_dir"], job["entrypoint_num_cpus"]) == (None, None, None)
+        env = json.loads(job["runtime_env_json"])
         assert set(env) == {"working_dir", "env_vars"}
         assert Path(env["working_dir"]) == REPO
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in env["env_vars"].items())
@@ -237,7 +277,7 @@ def test_job_entrypoints_survive_rays_shell(calls):
     for key, made in calls.items():
         for argv in made:
             if argv[0] == "ray":
-                entrypoint = job_parts(argv)[1]
+                entrypoint = ray_submit(argv)["entrypoint"]
                 assert ray_shell_round_trip(entrypoint) == entrypoint, key
 
 
@@ -255,40 +295,84 @@ def test_file_rewards_resolve_inside_the_working_dir(calls):
     assert seen == {"openrlhf_geo/rewards/math_verify.py", "openrlhf_geo/rewards/armorm.py"}
 
 
+def test_math_reward_mode_follows_the_algorithm(calls):
+    """SALT App. C.2: GRPO rewards 1 / 0, DAPO +1 / -1 (OPENRLHF_GEO_MATH_MODE); GeoAlign App. B.3: 1.0 / 0.0."""
+    for key, made in calls.items():
+        for argv in made:
+            args = train_ppo_ray_argv(argv)
+            if args and argv[0] == "ray" and "math_verify" in args[args.index("--reward.remote_url") + 1]:
+                mode = json.loads(ray_submit(argv)["runtime_env_json"])["env_vars"]["OPENRLHF_GEO_MATH_MODE"]
+                assert mode == ("dapo" if "--algo.dynamic_filtering_enable" in args else "grpo"), key
+
+
 def test_wandb_logging_follows_wandb_api_key(home):
     _, without = run_script("train_math_grpo.sh", {}, home)
-    assert not any(a.startswith("--logger.wandb") for a in without[0])
+    assert not any(a.startswith("--logger.wandb") for argv in without for a in argv)
     _, with_key = run_script("train_math_grpo.sh", {}, home, {"WANDB_API_KEY": "test-key-not-a-secret"})
     args = train_ppo_ray_argv(with_key[0])
     assert args[args.index("--logger.wandb.key") + 1] == "test-key-not-a-secret"
     assert args[args.index("--logger.wandb.group") + 1] == "r1-distill-qwen-1.5B_math_train_grpo"
+    assert args[args.index("--logger.wandb.run_name") + 1] == "r1-distill-qwen-1.5B_math_train_grpo_seed2025"
 
 
 @pytest.mark.parametrize(
     "script,env,variable",
     [
         ("train_math_grpo.sh", {"SALT": "yes"}, "SALT"),
+        ("train_math_grpo.sh", {"EVAL": "yes"}, "EVAL"),
         ("train_math_dapo.sh", {"MODEL_SIZE": "3B"}, "MODEL_SIZE"),
         ("train_math_grpo.sh", {"DATASET": "gsm8k"}, "DATASET"),
         ("train_math_geoalign.sh", {"GEOALIGN": "2"}, "GEOALIGN"),
+        ("train_math_geoalign.sh", {"NOISE_RATE": "0.2"}, "NOISE_RATE"),
         ("train_hh_rl.sh", {"GEOALIGN": "on"}, "GEOALIGN"),
+        ("train_hh_rl.sh", {"MODEL_SIZE": "8B"}, "MODEL_SIZE"),
+        ("train_hh_sft.sh", {"MODEL_SIZE": "8B"}, "MODEL_SIZE"),
         ("sweep_rollout_scaling.sh", {"G_LIST": "2 3"}, "G=3"),
         ("sweep_rollout_scaling.sh", {"METHODS": "ppo"}, "METHODS"),
+        ("sweep_fixed_alpha.sh", {"ALPHAS": "0.5 2"}, "ALPHAS"),
     ],
 )
 def test_bad_switch_values_fail_before_submitting_anything(home, script, env, variable):
     done, made = run_script(script, env, home)
     assert done.returncode == 2 and variable in done.stderr
-    assert made == [] or (script.startswith("sweep_") and variable == "G=3" and len(made) == 2)  # G=2 went first
+    # the sweep checks each G as it reaches it: G=2 (4 methods, train + eval) went first
+    assert made == [] or (script.startswith("sweep_") and variable == "G=3" and len(made) == 8)
 
 
-def test_missing_data_is_prepared_before_the_job(home, tmp_path):
+def test_missing_math_data_is_prepared_before_the_job(home, tmp_path):
     done, made = run_script("train_math_dapo.sh", {"DATA_DIR": str(tmp_path)}, home)
     assert done.returncode == 0, done.stderr
-    prep, job = made
+    prep, job, evaluation = made
     assert prep[:2] == ["python3", str(SCRIPTS / "prepare_math_data.py")]
-    assert prep[2:] == ["--out", str(tmp_path), "dapo_math_17k", "aime24"]
-    assert job[0] == "ray"
+    assert prep[2:] == ["--out", str(tmp_path), "dapo_math_17k", "aime24", "aime25"]
+    assert job[0] == evaluation[0] == "ray"
+
+
+@pytest.mark.parametrize("size", ["1.7B", "4B"])
+def test_geoalign_prompts_are_rendered_with_thinking_off(home, tmp_path, size):
+    """GeoAlign App. B.3: enable_thinking=False for Qwen3, applied by the model's own chat template once."""
+    done, made = run_script("train_math_geoalign.sh", {"DATA_DIR": str(tmp_path), "MODEL_SIZE": size}, home)
+    assert done.returncode == 0, done.stderr
+    (prep, job) = made
+    out = tmp_path / f"Qwen3-{size}_no-thinking"
+    assert prep[:2] == ["python3", str(SCRIPTS / "prepare_math_data.py")]
+    kwargs = prep[prep.index("--chat-template-kwargs") + 1]
+    assert json.loads(kwargs) == {"enable_thinking": False}
+    assert prep[2:] == [
+        *("--out", str(out), "--render-with", f"Qwen/Qwen3-{size}", "--chat-template-kwargs", kwargs),
+        *("dapo_math_17k", "geoalign_eval"),
+    ]
+    args = train_ppo_ray_argv(job)
+    assert args[args.index("--data.prompt_dataset") + 1] == str(out / "dapo_math_17k.jsonl")
+    assert args[args.index("--eval.dataset") + 1] == str(out / "geoalign_eval.jsonl")
+
+
+def test_missing_hh_data_is_prepared_before_the_job(home, tmp_path):
+    for script in ("train_hh_sft.sh", "train_hh_rl.sh"):
+        done, made = run_script(script, {"DATA_DIR": str(tmp_path)}, home)
+        assert done.returncode == 0, done.stderr
+        assert made[0] == ["python3", str(SCRIPTS / "prepare_hh_data.py"), "--out", str(tmp_path / "hh")]
+        assert len(made) == 2
 
 
 # ── the real parsers ──
@@ -332,10 +416,47 @@ def parsed(calls, up):
         monkeypatch.undo()
 
 
+@pytest.fixture(scope="module")
+def evals(calls):
+    """(script, variant id) -> the args of `openrlhf-geo eval`'s parser for each eval job."""
+    return {
+        key: [harness.build_parser().parse_args(a) for a in (cli_argv(argv, "eval") for argv in made) if a is not None]
+        for key, made in calls.items()
+    }
+
+
 def accepted(launches):
     for args in launches:
         assert not isinstance(args, str), args
     return launches
+
+
+def eval_files(args):
+    return [Path(p) for p in args.eval.dataset.split(",")]
+
+
+def check_salt_table4(args):
+    """SALT Table 4's shared block (and §4.1) in 0.11.2's units: batch sizes in prompts (rollout) and samples."""
+    assert args.rollout.n_samples_per_prompt in (8, *G_VALUES)  # 8 except in the rollout-scaling sweep
+    assert args.rollout.temperature == args.eval.temperature == 0.6 and args.rollout.top_p == 1.0
+    assert args.actor.adam.lr == 1e-6 and (args.actor.lr_scheduler, args.actor.lr_warmup_ratio) == ("constant", 0)
+    assert args.actor.entropy_coef == 0
+    assert args.algo.kl.use_loss and args.algo.kl.init_coef == 0.001 and args.algo.kl.estimator == "k3"
+    assert args.rollout.max_new_tokens == 8192 and args.data.max_len == 1024 + 8192
+    assert args.train.batch_size == 32 * 8  # mini-batch 32 prompts x 8 (the sweep keeps the samples fixed)
+    assert args.train.max_epochs == 1
+    assert args.eval.n_samples_per_prompt == 8  # "the same sampling configuration for validation"
+    assert [p.name for p in eval_files(args)] == ["aime24.jsonl", "aime25.jsonl"]
+    assert args.actor.model_name_or_path.startswith("deepseek-ai/DeepSeek-R1-Distill-Qwen-")
+    assert args.data.input_key == "prompt" and args.data.label_key == "answer" and args.data.apply_chat_template
+    if args.algo.dynamic_filtering_enable:  # DAPO block
+        assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.28) and args.actor.loss_agg_mode == "token-mean"
+        assert tuple(args.algo.dynamic_filtering_range) == (0, 1)
+    else:  # GRPO, Eq. 3
+        assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.2)
+        assert args.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert args.reward.overlong_buffer_len is None  # App. C.2: no overlong shaping
+    assert args.salt.diagnostics != args.salt.enable  # baselines log SALT's geometry too
 
 
 def check_recipe(script, env, args):
@@ -345,38 +466,42 @@ def check_recipe(script, env, args):
     rollouts = args.rollout.batch_size * args.rollout.n_samples_per_prompt
     assert rollouts % args.train.batch_size == 0  # whole optimizer steps per rollout step
     assert args.actor.num_nodes == int(env.get("NUM_NODES", 1))
-    if not script.startswith("sweep_"):  # the sweep runs both arms
-        assert args.salt.enable == (env.get("SALT") == "1")
-    if script.startswith("train_math_") or script.startswith("sweep_"):
-        assert args.algo.advantage.estimator == "group_norm"
-        assert args.data.input_key == "prompt" and args.data.label_key == "answer" and args.data.apply_chat_template
-        assert Path(args.data.prompt_dataset).is_file() and Path(args.eval.dataset).is_file()
+    assert Path(args.data.prompt_dataset).is_file() and all(p.is_file() for p in eval_files(args))
+    if script in SALT_SCRIPTS:
+        check_salt_table4(args)
+        assert str(args.train.seed) == env.get("SEED", "2025") and env.get("SEED", "2025") in SALT_SEEDS
     if script in ("train_math_grpo.sh", "train_math_dapo.sh"):
+        assert args.salt.enable == (env.get("SALT") == "1")
+        assert (args.rollout.batch_size, args.train.num_episodes) == (64, 2)  # train batch 64 prompts, 2 epochs
         size = env.get("MODEL_SIZE", "1.5B")
         assert args.actor.model_name_or_path == f"deepseek-ai/DeepSeek-R1-Distill-Qwen-{size}"
         dataset = env.get("DATASET", "math_train" if script == "train_math_grpo.sh" else "dapo_math_17k")
         assert Path(args.data.prompt_dataset).name == f"{dataset}.jsonl"
-    if script == "train_math_grpo.sh":
-        assert args.rollout.n_samples_per_prompt == 8 and args.algo.kl.use_loss and args.algo.kl.init_coef > 0
-        assert args.actor.loss_agg_mode == "seq-mean-token-mean"
-    if script == "train_math_dapo.sh":
-        assert args.rollout.n_samples_per_prompt == 16 and args.algo.kl.init_coef == 0
-        assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.28) and args.actor.loss_agg_mode == "token-mean"
-        assert args.algo.dynamic_filtering_enable and args.reward.overlong_buffer_len > 0
+        assert args.algo.dynamic_filtering_enable == (script == "train_math_dapo.sh")
     if script in ("train_math_geoalign.sh", "train_hh_rl.sh"):
+        assert args.algo.advantage.estimator == "group_norm" and not args.salt.enable  # GRPO, GeoAlign App. B.4
         assert args.geoalign.enable == (env.get("GEOALIGN") == "1")
         noise = {"train_math_geoalign.sh": "flip", "train_hh_rl.sh": "swap"}[script]
-        assert (args.reward.noise.type, args.reward.noise.rate) == (
-            (noise, 0.1) if env.get("NOISE_RATE") == "0.1" else ("none", 0.0)
-        )
+        rate = float(env.get("NOISE_RATE", 0))
+        assert (args.reward.noise.type, args.reward.noise.rate) == ((noise, rate) if rate else ("none", 0.0))
     if script == "train_math_geoalign.sh":
         assert args.rollout.n_samples_per_prompt == 16
         assert args.actor.model_name_or_path == f"Qwen/Qwen3-{env.get('MODEL_SIZE', '1.7B')}"
+        # thinking off: the prompts are pre-rendered text, not rendered again by upstream
+        assert args.data.input_key == "prompt_text" and not args.data.apply_chat_template
+        assert (args.eval.temperature, args.eval.n_samples_per_prompt, args.eval.steps) == (1.0, 1, 10)
+        assert [p.name for p in eval_files(args)] == ["geoalign_eval.jsonl"]
         if args.geoalign.enable:
             assert options.geoalign_config(args).alpha == 0.05
     if script == "train_hh_rl.sh":
         assert args.rollout.n_samples_per_prompt == 8
+        assert args.data.input_key == "prompt" and not args.data.apply_chat_template  # HH's raw text
+        assert Path(args.data.prompt_dataset).name == "hh_rl.jsonl" and args.data.max_samples >= 17_226
+        assert [p.name for p in eval_files(args)] == ["hh_test.jsonl"]
         assert args.reward.remote_url == [env.get("RM_URL", "openrlhf_geo/rewards/armorm.py")]
+        assert args.actor.model_name_or_path.endswith(
+            f"qwen3-{env.get('MODEL_SIZE', '1.7B').lower()}-base_hh_sft/final"
+        )
         if args.geoalign.enable:
             config = options.geoalign_config(args)
             assert (config.alpha, config.val_acc) == (0.12, 0.85)
@@ -389,7 +514,8 @@ def test_train_ppo_ray_accepts_every_flag(parsed, script, env):
     if script in ("train_hh_sft.sh", "serve_armorm.sh"):
         assert launches == []
         return
-    assert len(accepted(launches)) == (16 if script.startswith("sweep_") else 1)
+    expected = {"sweep_rollout_scaling.sh": 8 * 4, "sweep_fixed_alpha.sh": 5}.get(script, 1)
+    assert len(accepted(launches)) == expected
     if script != FORK_HELPERS_SCRIPT:  # parsed only: its recipe is the fork helper's
         for args in launches:
             check_recipe(script, env, args)
@@ -408,7 +534,8 @@ def test_a_switch_changes_only_its_own_flags(parsed, script, env, allowed):
 
 
 @pytest.mark.fork
-def test_sweep_holds_the_rollout_budget_fixed(parsed):
+def test_rollout_scaling_holds_the_budget_fixed_for_grpo_and_dapo(parsed):
+    """SALT §4.4 / Fig. 4(c): G = 2 ... 256 at a fixed rollout budget, GRPO and DAPO, each ± SALT."""
     per_step, total, optimizer_steps, arms = set(), set(), set(), set()
     for args in accepted(parsed[case_id("sweep_rollout_scaling.sh", {})]):
         g = args.rollout.n_samples_per_prompt
@@ -416,22 +543,64 @@ def test_sweep_holds_the_rollout_budget_fixed(parsed):
         per_step.add(args.rollout.batch_size * g)
         total.add(visits * g)
         optimizer_steps.add(visits * g // args.train.batch_size)  # upstream's max_steps for the LR schedule
-        assert args.data.max_samples <= 4096  # the prompt pool (MATH train has 7500)
-        arms.add((g, args.salt.enable))
-    assert per_step == {2048} and total == {2048 * 64} and optimizer_steps == {128}
-    assert arms == {(g, salt) for g in (2, 4, 8, 16, 32, 64, 128, 256) for salt in (False, True)}
+        assert args.data.max_samples <= 4096  # the prompt pool (MATH-TRAIN has 7500)
+        assert Path(args.data.prompt_dataset).name == "math_train.jsonl"
+        arms.add((g, "dapo" if args.algo.dynamic_filtering_enable else "grpo", args.salt.enable))
+    assert per_step == {512} and total == {512 * 128} and optimizer_steps == {256}
+    assert arms == {(g, algo, salt) for g in G_VALUES for algo in ("grpo", "dapo") for salt in (False, True)}
 
 
 @pytest.mark.fork
-def test_train_sft_accepts_the_sft_flags(calls, up, monkeypatch):
+def test_fixed_alpha_sweep_is_salt_with_only_alpha_fixed(parsed):
+    """SALT Fig. 4(b) / App. F.3.1: the alphas, and train_math_grpo.sh SALT=1 in every other flag."""
+    (reference,) = accepted(parsed[case_id("train_math_grpo.sh", {"SALT": "1"})])
+    reference = flatten(reference)
+    alphas = []
+    for args in accepted(parsed[case_id("sweep_fixed_alpha.sh", {})]):
+        assert args.salt.enable and args.salt.variant == "fixed-alpha"
+        alphas.append(args.salt.alpha)
+        flat = flatten(args)
+        changed = {k for k in flat.keys() | reference.keys() if flat.get(k) != reference.get(k)}
+        assert {k for k in changed if not k.startswith(("ckpt.", "logger."))} == {"salt.variant", "salt.alpha"}
+    assert alphas == list(ALPHAS)
+
+
+def test_salt_runs_are_evaluated_as_the_paper_reports(calls, evals):
+    """SALT §4.1 / App. D.2: ACC (pass@1) and Pass@8 from 8 samples at T = 0.6 on the five benchmarks, the final
+    model of the run just trained, the summary next to its training outputs (openrlhf-geo report's layout)."""
+    seen = 0
+    for script, env in CASES:
+        key = case_id(script, env)
+        jobs = [a for a in map(train_ppo_ray_argv, calls[key]) if a is not None]
+        if script not in SALT_SCRIPTS:
+            assert evals[key] == [], key
+            continue
+        assert len(evals[key]) == (0 if env.get("EVAL") == "0" else len(jobs))
+        for train, args in zip(jobs, evals[key]):
+            final = Path(train[train.index("--ckpt.output_dir") + 1])
+            assert Path(args.model) == final and Path(args.output_dir) == final.parent
+            assert re.fullmatch(r"seed20(2[5-9])", final.parent.name)
+            assert set(args.benchmarks.split(",")) == SALT_BENCHMARKS
+            assert (args.n, args.k, args.temperature, args.top_p) == (8, [1, 8], 0.6, 1.0)
+            assert args.max_new_tokens == 8192 and args.prompt_placement == "system" and args.from_hub
+            assert args.system_prompt == SYSTEM_PROMPT  # SALT App. C.2
+            seen += 1
+    assert seen == 3 + 3 + 32 + 5  # train_math_grpo (EVAL=0 has none), train_math_dapo, the two sweeps
+
+
+class Parsed(Exception):
+    pass
+
+
+@pytest.mark.fork
+@pytest.mark.parametrize("size", ["1.7B", "4B"])
+def test_train_sft_accepts_the_sft_flags(calls, up, monkeypatch, size):
     import deepspeed.launcher.runner
 
-    (argv,) = calls[case_id("train_hh_sft.sh", {})]
+    sizes = {"1.7B": {}, "4B": {"MODEL_SIZE": "4B"}}
+    (argv,) = calls[case_id("train_hh_sft.sh", sizes[size])]
     launcher = deepspeed.launcher.runner.parse_args(argv[1:])
     assert launcher.module and launcher.user_script == "openrlhf.cli.train_sft" and launcher.num_gpus == 8
-
-    class Parsed(Exception):
-        pass
 
     def stop(args):
         raise Parsed(args)
@@ -441,19 +610,20 @@ def test_train_sft_accepts_the_sft_flags(calls, up, monkeypatch):
     with pytest.raises(Parsed) as caught:
         runpy.run_module("openrlhf.cli.train_sft", run_name="__main__", alter_sys=True)
     args = caught.value.args[0]
-    assert args.model.model_name_or_path == "Qwen/Qwen3-1.7B-Base" and args.data.dataset == "Dahoas/full-hh-rlhf"
+    assert args.model.model_name_or_path == f"Qwen/Qwen3-{size}-Base"  # GeoAlign App. B.3
+    assert Path(args.data.dataset).name == "hh_sft.jsonl"
     assert (args.data.input_key, args.data.output_key, args.data.input_template) == ("prompt", "chosen", "{}")
-    # The SFT output is the RL script's default policy.
-    (rl,) = calls[case_id("train_hh_rl.sh", {})]
+    # The SFT output is the RL script's default policy for the same size; SFT and RL data come from one split.
+    rl_env = {"1.7B": {}, "4B": {"GEOALIGN": "1", "NOISE_RATE": "0.1", "MODEL_SIZE": "4B"}}[size]
+    rl_env = next(env for script, env in CASES if script == "train_hh_rl.sh" and rl_env.items() <= env.items())
+    (rl,) = calls[case_id("train_hh_rl.sh", rl_env)]
     rl_args = train_ppo_ray_argv(rl)
     assert rl_args[rl_args.index("--actor.model_name_or_path") + 1] == args.ckpt.output_dir
+    assert Path(rl_args[rl_args.index("--data.prompt_dataset") + 1]).parent == Path(args.data.dataset).parent
 
 
 def test_serve_rm_accepts_the_server_flags(calls, monkeypatch):
     from openrlhf_geo.rewards import armorm
-
-    class Parsed(Exception):
-        pass
 
     def scorer(*args):
         raise Parsed(args)
@@ -469,14 +639,15 @@ def test_serve_rm_accepts_the_server_flags(calls, monkeypatch):
 # ── prepare_math_data.py ──
 
 
-def _prepare():
-    spec = importlib.util.spec_from_file_location("prepare_math_data", SCRIPTS / "prepare_math_data.py")
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-prepare = _prepare()
+prepare = _load_script("prepare_math_data")
+prepare_hh = _load_script("prepare_hh_data")
 
 
 def dapo_record(problem, answer):
@@ -487,12 +658,13 @@ def dapo_record(problem, answer):
 def test_dapo_problems_lose_their_answer_line_instruction_and_duplicates():
     records = [dapo_record("Find $x$ if $2x = 6$.", "3"), dapo_record("Find $x$ if $2x = 6$.", "3")]
     records.append(dapo_record("What is $\\frac{1}{2} + \\frac{1}{3}$?", "5/6"))
-    rows = prepare.convert(records, prepare.dapo_example)
+    rows = prepare.convert(map(prepare.dapo_example, records), "dapo_math_17k")
     assert [r["answer"] for r in rows] == ["3", "5/6"]
     assert rows[0]["prompt"] == [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": "Find $x$ if $2x = 6$."},
     ]
+    assert {r["datasource"] for r in rows} == {"dapo_math_17k"}
     assert not any("Answer:" in m["content"] for r in rows for m in r["prompt"])
 
 
@@ -524,36 +696,108 @@ def test_training_prompts_are_the_eval_harness_prompts(placement):
             assert not tokenize and add_generation_prompt
             return repr(messages)
 
-    (row,) = prepare.convert([{"problem": "1+1?", "answer": 2}], prepare.aime_example, placement=placement)
+    (row,) = prepare.convert([("1+1?", "2")], "aime24", placement=placement)
     assert row["answer"] == "2"
     assert repr(row["prompt"]) == render_prompt(Template(), "1+1?", SYSTEM_PROMPT, placement)
     with pytest.raises(ValueError, match="--placement"):
         prepare.chat_prompt("1+1?", "assistant")
 
 
+def test_geoalign_suite_repeats_aime_8_and_amc_4_times():
+    """GeoAlign App. B.2: AIME24/25 avg@8, AMC23 avg@4, one sample for MATH500, Minerva, OlympiadBench."""
+    assert dict(prepare.SUITES["geoalign_eval"]) == {
+        "aime24": 8,
+        "aime25": 8,
+        "amc23": 4,
+        "math500": 1,
+        "minerva": 1,
+        "olympiadbench": 1,
+    }
+    rows = prepare.convert([("p", "1"), ("q", "2"), ("p", "1")], "aime25", copies=8)
+    assert [r["answer"] for r in rows] == ["1"] * 8 + ["2"] * 8 and {r["datasource"] for r in rows} == {"aime25"}
+    rows[0]["answer"] = "changed"
+    assert rows[1]["answer"] == "1"  # copies are distinct rows
+
+
 def test_prepare_cli_writes_the_requested_sets_from_the_hub(tmp_path, monkeypatch, capsys):
-    hub = {"HuggingFaceH4/aime_2024": [{"problem": "1+1?", "answer": 2}, {"problem": "2+2?", "answer": "4"}]}
+    aime = [{"problem": "1+1?", "answer": 2}, {"problem": "2+2?", "answer": "4"}]
+    amc = [{"question": "3+3?", "answer": 6.0}]
+    hub = {"HuggingFaceH4/aime_2024": aime, "math-ai/aime25": aime, "math-ai/amc23": amc}
+    for name in ("math500", "minerva", "olympiadbench"):
+        spec = harness.BENCHMARKS[name]
+        hub[spec.hub] = [{spec.problem_keys[0]: f"{name}?", spec.answer_keys[0]: "1"}]
     requested = []
 
-    def load_dataset(name, split):
-        requested.append((name, split))
+    def load_dataset(name, config=None, split=None):
+        requested.append((name, config, split))
         return hub[name]
 
     monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
-    assert prepare.main(["--out", str(tmp_path), "aime24"]) == 0
-    assert requested == [("HuggingFaceH4/aime_2024", "train")]
+    assert prepare.main(["--out", str(tmp_path), "aime24", "geoalign_eval"]) == 0
+    assert requested[0] == ("HuggingFaceH4/aime_2024", None, "train")
     rows = [json.loads(line) for line in (tmp_path / "aime24.jsonl").read_text().splitlines()]
-    assert [r["answer"] for r in rows] == ["2", "4"] and "aime24: 2 prompts" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["aime24.jsonl"]
+    assert [r["answer"] for r in rows] == ["2", "4"] and "aime24: 2 rows" in capsys.readouterr().out
+    suite = [json.loads(line) for line in (tmp_path / "geoalign_eval.jsonl").read_text().splitlines()]
+    counts = {}
+    for row in suite:
+        counts[row["datasource"]] = counts.get(row["datasource"], 0) + 1
+    assert counts == {"aime24": 16, "aime25": 16, "amc23": 4, "math500": 1, "minerva": 1, "olympiadbench": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aime24.jsonl", "geoalign_eval.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--chat-template-kwargs", '{"enable_thinking": false}', "aime24"], "only applies with --render-with"),
+        (["--render-with", "m", "--chat-template-kwargs", "[1]", "aime24"], "must be a JSON object"),
+        (["--render-with", "m", "--chat-template-kwargs", "{no", "aime24"], "must be a JSON object"),
+        (["gpqa_diamond"], "unknown set 'gpqa_diamond'"),
+    ],
+)
+def test_prepare_cli_rejects_bad_arguments(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as caught:
+        prepare.main(["--out", str(tmp_path), *argv])
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+# ChatML with Qwen3's generation-prompt clause: enable_thinking=False pre-fills an empty think block.
+QWEN3_LIKE_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_like_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")))
+    tokenizer.chat_template = QWEN3_LIKE_TEMPLATE
+    return tokenizer
+
+
+def test_render_passes_chat_template_arguments_to_the_real_template(qwen3_like_tokenizer):
+    rows = prepare.convert([("1+1?", "2")], "aime24")
+    (off,) = prepare.render([dict(r) for r in rows], qwen3_like_tokenizer, {"enable_thinking": False})
+    (default,) = prepare.render([dict(r) for r in rows], qwen3_like_tokenizer, {})
+    expected = (
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert default["prompt_text"] == expected
+    assert off["prompt_text"] == expected + "<think>\n\n</think>\n\n"
+    with pytest.raises(ValueError, match="no chat template"):
+        prepare.render(rows, SimpleNamespace(chat_template=None), {})
 
 
 @pytest.mark.fork
-def test_prepared_rows_feed_upstreams_prompt_preprocessing(up, tmp_path):
+def test_prepared_rows_feed_upstreams_prompt_preprocessing(up, tmp_path, qwen3_like_tokenizer):
     from openrlhf.datasets.prompts_dataset import preprocess_data
 
-    prepare.write_jsonl(
-        prepare.convert([{"problem": "1+1?", "answer": 2}], prepare.aime_example), tmp_path / "a.jsonl"
-    )
+    rows = prepare.render(prepare.convert([("1+1?", "2")], "aime24"), qwen3_like_tokenizer, {"enable_thinking": False})
+    prepare.write_jsonl(rows, tmp_path / "a.jsonl")
     (row,) = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     seen = []
 
@@ -561,8 +805,74 @@ def test_prepared_rows_feed_upstreams_prompt_preprocessing(up, tmp_path):
         seen.append((chat, tokenize, add_generation_prompt))
         return "RENDERED"
 
-    # The flags the math scripts pass: --data.input_key prompt --data.label_key answer --data.apply_chat_template
+    # The SALT scripts: --data.input_key prompt --data.label_key answer --data.apply_chat_template
     prompt, label = preprocess_data(row, None, "prompt", "answer", apply_chat_template=template)
     assert (prompt, label) == ("RENDERED", "2")
     assert seen == [([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "1+1?"}], False, True)]
+    # The GeoAlign math script: --data.input_key prompt_text without --data.apply_chat_template -> the text as is
+    assert preprocess_data(row, None, "prompt_text", "answer", apply_chat_template=None) == (row["prompt_text"], "2")
+    assert row["prompt_text"].endswith("<think>\n\n</think>\n\n")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# ── prepare_hh_data.py ──
+
+
+def test_hh_transcripts_split_at_the_last_assistant_turn():
+    text = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant: fine, thanks"
+    assert prepare_hh.split_transcript(text) == (
+        "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:",
+        " fine, thanks",
+    )
+    assert prepare_hh.split_transcript("\n\nHuman: hi") is None  # no answer to learn
+    assert prepare_hh.split_transcript("\n\nHuman: hi\n\nAssistant:  ") is None  # an empty one neither
+
+
+prompts_and_responses = st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), min_size=1, max_size=80)
+
+
+@given(pairs=prompts_and_responses, rl_size=st.integers(1, 10), sft_size=st.integers(1, 100), seed=st.integers(0, 5))
+def test_hh_sft_and_rl_prompts_are_disjoint(pairs, rl_size, sft_size, seed):
+    """GeoAlign App. B.1: SFT and RL samples are disjoint; the RL set has exactly rl_size distinct prompts, the SFT
+    set is every other (prompt, response) row in source order, capped at sft_size."""
+    pairs = [(f"P{p}", f"R{r}") for p, r in pairs]
+    distinct = len({p for p, _ in pairs})
+    if distinct < rl_size:
+        with pytest.raises(ValueError, match="distinct prompts"):
+            prepare_hh.split_disjoint(pairs, rl_size, sft_size, seed)
+        return
+    sft, rl = prepare_hh.split_disjoint(pairs, rl_size, sft_size, seed)
+    rl_prompts = [r["prompt"] for r in rl]
+    assert len(rl_prompts) == len(set(rl_prompts)) == rl_size
+    assert not {r["prompt"] for r in sft} & set(rl_prompts)
+    rest = [{"prompt": p, "chosen": r} for p, r in pairs if p not in set(rl_prompts)]
+    assert sft == rest[:sft_size]
+    assert prepare_hh.split_disjoint(pairs, rl_size, sft_size, seed) == (sft, rl)  # reproducible
+
+
+def test_hh_cli_writes_disjoint_sets_from_the_hub(tmp_path, monkeypatch, capsys):
+    def transcript(i, j):
+        return f"\n\nHuman: q{i}\n\nAssistant: a{j}"
+
+    hub = {
+        "train": [{"chosen": transcript(i, j), "rejected": "x"} for i in range(20) for j in range(2)],
+        "test": [{"chosen": transcript(100 + i, 0), "rejected": "x"} for i in (0, 0, 1)],
+    }
+
+    def load_dataset(name, split):
+        assert name == "Anthropic/hh-rlhf"
+        return hub[split]
+
+    monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
+    assert prepare_hh.main(["--out", str(tmp_path), "--rl-size", "5", "--sft-size", "100"]) == 0
+
+    def read(name):
+        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+    sft, rl, test = read("hh_sft"), read("hh_rl"), read("hh_test")
+    assert len(rl) == 5 and len(sft) == 2 * 15 and len(test) == 2  # test prompts deduplicated
+    assert not {r["prompt"] for r in sft} & {r["prompt"] for r in rl}
+    assert all(r["prompt"].endswith("\n\nAssistant:") and r["chosen"].startswith(" a") for r in sft)
+    assert "the SFT set has 30 < 100" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        prepare_hh.main(["--out", str(tmp_path), "--rl-size", "0"])

@@ -1,16 +1,31 @@
-"""Write the math RL prompt sets the example scripts train and evaluate on, as jsonl for `--data.prompt_dataset`.
+"""Write the math prompt sets the example scripts train and evaluate on, as jsonl for `--data.prompt_dataset` /
+`--eval.dataset`.
 
-    python examples/scripts/prepare_math_data.py --out DATA_DIR [math_train dapo_math_17k aime24]
+    python examples/scripts/prepare_math_data.py --out DATA_DIR [NAME ...]
+    python examples/scripts/prepare_math_data.py --out DATA_DIR/Qwen3-1.7B_no-thinking \\
+        --render-with Qwen/Qwen3-1.7B --chat-template-kwargs '{"enable_thinking": false}' dapo_math_17k geoalign_eval
 
-Each line is ``{"prompt": [chat messages], "answer": gold}``: the scripts pass ``--data.input_key prompt
---data.label_key answer --data.apply_chat_template``, so the policy's own chat template renders the prompt, and
-the boxed-answer math-verify reward (openrlhf_geo/rewards/math_verify.py) scores the response against ``answer``.
-The instruction is `openrlhf-geo eval`'s (``SYSTEM_PROMPT``, system turn by default; ``--placement user``
-appends it to the question as the eval harness's ``--prompt-placement user`` does), so training and evaluation
-prompts agree. Problems are deduplicated (DAPO-Math-17k ships each one many times).
+Each line is ``{"prompt": [chat messages], "answer": gold, "datasource": set name}``: with ``--data.input_key prompt
+--data.label_key answer --data.apply_chat_template`` the policy's own chat template renders the prompt, and the
+boxed-answer math-verify reward (openrlhf_geo/rewards/math_verify.py) scores the response against ``answer``;
+upstream's in-training eval reports ``eval_<datasource>_pass1`` per set. The instruction is `openrlhf-geo eval`'s
+(``SYSTEM_PROMPT``: SALT App. C.2, GeoAlign App. B.3) as a system turn (``--placement user`` appends it to the
+question as the eval harness's ``--prompt-placement user`` does), so training and evaluation prompts agree.
 
-Needs the `datasets` library and access to the Hugging Face hub (run it once where both exist; the folder must be
-visible to every Ray node).
+OpenRLHF 0.11.2 calls ``apply_chat_template(chat, tokenize=False, add_generation_prompt=True)`` with no further
+arguments and has no flag for any, so a template argument such as Qwen3's ``enable_thinking=False`` (GeoAlign App.
+B.3) is applied here instead: ``--render-with MODEL`` adds ``prompt_text``, the prompt rendered once by MODEL's
+chat template with ``--chat-template-kwargs``; the scripts then pass ``--data.input_key prompt_text`` without
+``--data.apply_chat_template`` and upstream uses that text as is (the string its own rendering would produce).
+
+Sets: the training sets ``math_train`` (MATH-Train-7.5k) and ``dapo_math_17k`` (deduplicated: DAPO-Math-17k ships
+each problem many times); the eval benchmarks of `openrlhf-geo eval` that math-verify scores (same hub sources and
+fields); and ``geoalign_eval``, GeoAlign's in-training eval suite (App. B.2), in which each AIME problem appears 8
+times and each AMC23 problem 4 times, so that upstream's per-set mean at ``--eval.n_samples_per_prompt 1`` is avg@8
+/ avg@4 (upstream has one sample count for all eval sets).
+
+Needs the `datasets` library (and `transformers` for ``--render-with``) and access to the Hugging Face hub (run it
+once where both exist; the folder must be visible to every Ray node).
 """
 
 import argparse
@@ -18,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-from openrlhf_geo.eval.harness import SYSTEM_PROMPT
+from openrlhf_geo.eval.harness import BENCHMARKS, SYSTEM_PROMPT, to_problems
 from openrlhf_geo.rewards.math_verify import extract_last_boxed
 
 # DAPO-Math-17k wraps each problem in an "Answer: $Answer" instruction for its own reward; a boxed-answer reward
@@ -52,17 +67,26 @@ def dapo_example(record):
     return problem.strip(), str(record["reward_model"]["ground_truth"]).strip()
 
 
-def aime_example(record):
-    """AIME 2024 (HuggingFaceH4/aime_2024): ``problem``, ``answer``."""
-    return record["problem"].strip(), str(record["answer"]).strip()
-
-
-# name -> (hub id, split, record -> (problem, answer))
-SOURCES = {
+# Training sets: name -> (hub id, split, record -> (problem, answer))
+TRAIN_SOURCES = {
     "math_train": ("DigitalLearningGmbH/MATH-lighteval", "train", math_example),
     "dapo_math_17k": ("BytedTsinghua-SIA/DAPO-Math-17k", "train", dapo_example),
-    "aime24": ("HuggingFaceH4/aime_2024", "train", aime_example),
 }
+# Eval sets: the harness's math benchmarks (GPQA's multiple choice is not a math-verify reward)
+EVAL_SETS = tuple(name for name, spec in BENCHMARKS.items() if spec.kind == "math")
+# Mixed eval suites: name -> ((benchmark, copies of each problem), ...)
+SUITES = {
+    # GeoAlign App. B.2: AIME24/25 avg@8, AMC23 avg@4, MATH500, Minerva, OlympiadBench
+    "geoalign_eval": (
+        ("aime24", 8),
+        ("aime25", 8),
+        ("amc23", 4),
+        ("math500", 1),
+        ("minerva", 1),
+        ("olympiadbench", 1),
+    ),
+}
+NAMES = (*TRAIN_SOURCES, *EVAL_SETS, *SUITES)
 
 
 def chat_prompt(problem, placement="system"):
@@ -74,16 +98,37 @@ def chat_prompt(problem, placement="system"):
     raise ValueError(f"--placement must be 'system' or 'user' (got {placement!r})")
 
 
-def convert(records, example, placement="system"):
-    """Records -> jsonl rows ``{"prompt": messages, "answer": gold}``, first occurrence of each problem only."""
+def convert(pairs, datasource, placement="system", copies=1):
+    """(problem, answer) pairs -> jsonl rows, first occurrence of each problem only, each written ``copies`` times."""
     rows, seen = [], set()
-    for record in records:
-        problem, answer = example(record)
+    for problem, answer in pairs:
         if problem in seen:
             continue
         seen.add(problem)
-        rows.append({"prompt": chat_prompt(problem, placement), "answer": answer})
+        row = {"prompt": chat_prompt(problem, placement), "answer": answer, "datasource": datasource}
+        rows.extend(dict(row) for _ in range(copies))
     return rows
+
+
+def render(rows, tokenizer, template_kwargs):
+    """Add ``prompt_text``: each row's messages rendered by ``tokenizer``'s chat template with ``template_kwargs``."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--render-with: the tokenizer has no chat template to render prompts with")
+    for row in rows:
+        row["prompt_text"] = tokenizer.apply_chat_template(
+            row["prompt"], tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    return rows
+
+
+def load_pairs(name, load_dataset):
+    """(problem, answer) pairs of a training set or an eval benchmark, from the hub."""
+    if name in TRAIN_SOURCES:
+        hub, split, example = TRAIN_SOURCES[name]
+        return [example(record) for record in load_dataset(hub, split=split)]
+    spec = BENCHMARKS[name]
+    records = load_dataset(spec.hub, spec.hub_config, split=spec.split)
+    return [(p.question, p.answer) for p in to_problems(list(records), name)]
 
 
 def write_jsonl(rows, path):
@@ -98,20 +143,48 @@ def write_jsonl(rows, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help=f"sets to write (default all): {' '.join(SOURCES)}")
+    parser.add_argument("names", nargs="*", help=f"sets to write (default all): {' '.join(NAMES)}")
     parser.add_argument("--out", required=True, help="folder for <name>.jsonl")
     parser.add_argument("--placement", choices=("system", "user"), default="system", help="instruction turn")
+    parser.add_argument("--render-with", default=None, metavar="MODEL", help="add prompt_text rendered by MODEL")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default="{}",
+        metavar="JSON",
+        help="chat-template arguments for --render-with, e.g. '{\"enable_thinking\": false}'",
+    )
     args = parser.parse_args(argv)
-    unknown = [n for n in args.names if n not in SOURCES]
+    unknown = [n for n in args.names if n not in NAMES]
     if unknown:
-        parser.error(f"unknown set {unknown[0]!r}; choose from {', '.join(SOURCES)}")
+        parser.error(f"unknown set {unknown[0]!r}; choose from {', '.join(NAMES)}")
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        parser.error(f"--chat-template-kwargs must be a JSON object (got {args.chat_template_kwargs!r}: {e})")
+    if not isinstance(template_kwargs, dict):
+        parser.error(f"--chat-template-kwargs must be a JSON object (got {args.chat_template_kwargs!r})")
+    if template_kwargs and not args.render_with:
+        parser.error("--chat-template-kwargs only applies with --render-with")
     import datasets
 
-    for name in args.names or SOURCES:
-        hub, split, example = SOURCES[name]
-        rows = convert(datasets.load_dataset(hub, split=split), example, args.placement)
+    tokenizer = None
+    if args.render_with:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.render_with)
+    for name in args.names or NAMES:
+        if name in SUITES:
+            rows = [
+                row
+                for bench, copies in SUITES[name]
+                for row in convert(load_pairs(bench, datasets.load_dataset), bench, args.placement, copies)
+            ]
+        else:
+            rows = convert(load_pairs(name, datasets.load_dataset), name, args.placement)
+        if tokenizer is not None:
+            render(rows, tokenizer, template_kwargs)
         write_jsonl(rows, Path(args.out) / f"{name}.jsonl")
-        print(f"{name}: {len(rows)} prompts from {hub} -> {Path(args.out) / f'{name}.jsonl'}")
+        print(f"{name}: {len(rows)} rows -> {Path(args.out) / f'{name}.jsonl'}")
     return 0
 
 

@@ -1,24 +1,54 @@
 #!/usr/bin/env bash
-# GRPO vs GRPO + SALT: math RLVR on DeepSeek-R1-Distill-Qwen-1.5B / -7B (SALT, arXiv 2606.05800).
+# GRPO vs GRPO + SALT on DeepSeek-R1-Distill-Qwen-1.5B / -7B, then Pass@1 / Pass@8 (SALT, arXiv 2606.05800).
 #
-# Reproduces  the SALT paper's math RLVR setting, GRPO arm: group_norm advantages, per-sequence loss averaging,
-#             k3 KL loss, boxed-answer math-verify reward (1 correct / 0 otherwise); SALT=1 adds SALT's
-#             reweighting of the group-normalized advantages and changes nothing else.
-# Recipe      NOT verified against SALT Table 4 (the paper's table was not available when this script was
-#             written). The values below are DeepScaleR's published GRPO recipe for DeepSeek-R1-Distill-Qwen-1.5B
-#             (lr 1e-6, 128 prompts x 8 samples, 2 optimizer steps per rollout step, KL loss 1e-3, temperature 0.6,
-#             8k-token responses); SALT uses the fork's defaults (full variant, 4096-dim sketch, whole batch).
-#             Check them against Table 4 before quoting results as the paper's.
-# Hardware    NUM_NODES x 8 GPUs with 80 GB (H100/H200/A100-80G); actor, reference and vLLM colocated.
-# Wall time   rough estimate from token counts, not measured: ~2-3 min per rollout step on one node for 1.5B
-#             (~175 steps, 6-9 h); about 4x that for 7B (1-1.5 days). SALT's overhead (sketch in the experience
-#             forward, Gram on the trainer's CPU) has not been measured end to end.
+# Reproduces  SALT's GRPO rows of Table 2 (§4.1): 2 epochs on MATH-TRAIN or DAPO-MATH, math-verify reward 1 correct /
+#             0 otherwise with the "Please reason step by step, ..." system prompt (App. C.2), per-sequence loss
+#             averaging (Eq. 3). SALT=1 reweights the group-normalized advantages with SALT and changes nothing else;
+#             SALT=0 logs the same SALT geometry (PR, n_eff; Fig. 3) without touching the advantages. Then
+#             (EVAL=1) `openrlhf-geo eval` on the final model: ACC (= Pass@1) and Pass@8 from 8 samples at T = 0.6
+#             on AIME24, AIME25, GSM8K, MATH-500 and GPQA-Diamond (§4.1, App. D.2). The paper's numbers average
+#             seeds 2025-2029 (App. H): run the script once per SEED.
+# Recipe      SALT Table 4 (App. C.1), on OpenRLHF 0.11.2. The authors ran VeRL, whose batch sizes count PROMPTS;
+#             0.11.2's --rollout.batch_size counts prompts and --train.batch_size counts SAMPLES (responses):
+#               Rollout samples per prompt 8 ....... --rollout.n_samples_per_prompt 8
+#               Rollout temperature 0.6 ............ --rollout.temperature 0.6 (top-p 1, not in the table)
+#               Learning rate 1e-6 ................. --actor.adam.lr 1e-6
+#               Validation temperature 0.6 ......... --eval.temperature 0.6 and `eval --temperature 0.6`, 8 samples
+#                                                     ("the same sampling configuration for validation", §4.1)
+#               Entropy coefficient 0 .............. --actor.entropy_coef 0 (no entropy loss; entropy is logged)
+#               KL loss coefficient 0.001 .......... --algo.kl.use_loss --algo.kl.init_coef 0.001
+#               Prompt length 1024 ................. --data.max_len 9216 (prompt + response); no prompt cap
+#               Response length 8192 ............... --rollout.max_new_tokens 8192
+#               Train batch size 64 (prompts) ...... --rollout.batch_size 64
+#               Mini-batch size 32 (prompts) ....... --train.batch_size 256 (= 32 x 8 samples): 2 optimizer steps
+#                                                     per rollout step; SALT's Gram is per mini-batch (App. D.1,
+#                                                     G.1), the default of --salt.group_prompts
+#               Training epochs 2 .................. --train.num_episodes 2 (passes over the prompts; 1 PPO
+#                                                     epoch per batch, --train.max_epochs 1)
+# Open        Not in the text; chosen as the authors' framework (VeRL) does by default: clip 0.2 (Table 4 gives
+#             clip ratios only for DAPO), KL estimator k3 (VeRL's low_var_kl), constant LR without warmup, in-training
+#             validation every EVAL_STEPS=10 steps on AIME24 + AIME25. OpenRLHF's defaults: AdamW betas
+#             (0.9, 0.95), no weight decay, gradient clip 1.0. Prompt length: 0.11.2 has no prompt-length cap (VeRL
+#             enforces its 1024); MATH and DAPO-Math prompts are far shorter. Loss averaging follows
+#             Eq. 3 (per sequence, then over the batch); VeRL's default would be a token mean.
+# Hardware    NUM_NODES x 8 GPUs with 80 GB (H100/H200/A100-80G); actor, reference and vLLM colocated. The paper
+#             used one node of 8 x H20.
+# Wall time   the paper's Table 11 (8 x H20, VeRL), not measured here: 1.5B GRPO 7:21 h (MATH-TRAIN) / 15:41 h
+#             (DAPO-MATH), + SALT 7:58 / 17:08; 7B GRPO 24:07 / 61:26, + SALT 26:22 / 66:08. Eval: 1-4 h on one GPU
+#             (estimate).
 # Models      deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B | deepseek-ai/DeepSeek-R1-Distill-Qwen-7B
-# Data        MATH train (DigitalLearningGmbH/MATH-lighteval) or DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k),
-#             AIME 2024 for in-training eval; written to DATA_DIR by prepare_math_data.py on first use.
+# Data        MATH-TRAIN (DigitalLearningGmbH/MATH-lighteval, 7500) or DAPO-MATH (BytedTsinghua-SIA/DAPO-Math-17k,
+#             deduplicated, its "Answer:" instruction replaced by the boxed-answer one), AIME24 + AIME25 for
+#             validation; written to DATA_DIR by prepare_math_data.py on first use. The eval benchmarks come from
+#             DATA_DIR/benchmarks/<name>.jsonl if present, else the hub (GPQA-Diamond is gated: accept its terms and
+#             `huggingface-cli login` on the eval node).
+# Outputs     SAVE_ROOT/r1-distill-qwen-<size>_<dataset>/<method>/seed<k>/: final/ (HF model), ckpt/, tensorboard/,
+#             summary.json + <benchmark>.jsonl (eval); then `openrlhf-geo report SAVE_ROOT/r1-distill-qwen-<size>_
+#             <dataset> --baseline grpo` compares the methods over seeds.
 #
-# Usage       bash examples/scripts/train_math_grpo.sh                          # GRPO, 1.5B, MATH
-#             SALT=1 MODEL_SIZE=7B DATASET=dapo_math_17k SEED=1 bash examples/scripts/train_math_grpo.sh
+# Usage       bash examples/scripts/train_math_grpo.sh                          # GRPO, 1.5B, MATH-TRAIN, seed 2025
+#             for s in 2025 2026 2027 2028 2029; do SALT=1 SEED=$s bash examples/scripts/train_math_grpo.sh; done
+#             SALT=1 MODEL_SIZE=7B DATASET=dapo_math_17k bash examples/scripts/train_math_grpo.sh
 # Edit        the switches and paths below (or set them in the environment), the recipe block for other
 #             hyperparameters. Needs a running Ray cluster (`ray start --head` on the head node, `ray start
 #             --address=HEAD:6379` on the others) with `pip install "openrlhf-geo[openrlhf]"` on every node;
@@ -30,10 +60,11 @@ SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_DIR=$(cd "$SCRIPT_DIR/../.." && pwd) # the job's working_dir: the entrypoint and reward file come from here
 
 # Switches
-SALT=${SALT:-0}                    # 1: --algo.advantage.estimator salt (group_norm reweighted by SALT)
-MODEL_SIZE=${MODEL_SIZE:-1.5B}     # 1.5B | 7B
-DATASET=${DATASET:-math_train}     # math_train | dapo_math_17k
-SEED=${SEED:-42}
+SALT=${SALT:-0}                # 1: --algo.advantage.estimator salt (group_norm reweighted by SALT)
+MODEL_SIZE=${MODEL_SIZE:-1.5B} # 1.5B | 7B
+DATASET=${DATASET:-math_train} # math_train | dapo_math_17k
+SEED=${SEED:-2025}             # the paper's seeds: 2025 2026 2027 2028 2029
+EVAL=${EVAL:-1}                # 1: evaluate the final model after training
 
 # Cluster and paths
 RAY_ADDRESS=${RAY_ADDRESS:-http://127.0.0.1:8265}
@@ -43,18 +74,20 @@ DATA_DIR=${DATA_DIR:-$HOME/openrlhf-geo/data}
 SAVE_ROOT=${SAVE_ROOT:-$HOME/openrlhf-geo/runs}
 WANDB_PROJECT=${WANDB_PROJECT:-openrlhf-geo}
 
-# GRPO recipe (NOT verified against SALT Table 4; see the header)
-PROMPTS_PER_STEP=128
+# GRPO recipe: SALT Table 4 (see the header for the mapping)
 SAMPLES_PER_PROMPT=8
-TRAIN_BATCH=512 # rollouts per optimizer step: 2 optimizer steps per rollout step
+PROMPTS_PER_STEP=64 # "Train batch size 64"
+TRAIN_BATCH=256     # "Mini-Batch Size 32" prompts x 8 samples
 LR=1e-6
-KL_COEF=1e-3 # k3 estimator, as a loss term
+KL_COEF=0.001
+ENTROPY_COEF=0
 EPS_CLIP=0.2
 TEMPERATURE=0.6
 MAX_PROMPT_LEN=1024
 MAX_NEW_TOKENS=8192
-NUM_EPISODES=3
+NUM_EPISODES=2 # "Training epochs 2"
 EVAL_STEPS=10
+EVAL_SAMPLES=8
 
 case "$MODEL_SIZE" in
   1.5B) MODEL=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B ZERO_STAGE=2 ;;
@@ -66,29 +99,31 @@ case "$DATASET" in
   *) echo "DATASET must be math_train or dapo_math_17k (got '$DATASET')" >&2 && exit 2 ;;
 esac
 case "$SALT" in
-  0) METHOD=grpo ESTIMATOR_ARGS=(--algo.advantage.estimator group_norm) ;;
-  1) METHOD=grpo-salt ESTIMATOR_ARGS=(
-       --algo.advantage.estimator salt --salt.base group_norm
-       --salt.variant full --salt.features sketch --salt.dim 4096
-     ) ;;
+  0) METHOD=grpo ESTIMATOR_ARGS=(--algo.advantage.estimator group_norm --salt.diagnostics) ;;
+  1) METHOD=grpo-salt ESTIMATOR_ARGS=(--algo.advantage.estimator salt --salt.base group_norm --salt.variant full) ;;
   *) echo "SALT must be 0 or 1 (got '$SALT')" >&2 && exit 2 ;;
 esac
+case "$EVAL" in
+  0 | 1) ;;
+  *) echo "EVAL must be 0 or 1 (got '$EVAL')" >&2 && exit 2 ;;
+esac
 
-if [[ ! -f "$DATA_DIR/$DATASET.jsonl" || ! -f "$DATA_DIR/aime24.jsonl" ]]; then
+if [[ ! -f "$DATA_DIR/$DATASET.jsonl" || ! -f "$DATA_DIR/aime24.jsonl" || ! -f "$DATA_DIR/aime25.jsonl" ]]; then
   PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 "$SCRIPT_DIR/prepare_math_data.py" --out "$DATA_DIR" "$DATASET" aime24
+    python3 "$SCRIPT_DIR/prepare_math_data.py" --out "$DATA_DIR" "$DATASET" aime24 aime25
 fi
 
-RUN_NAME="r1-distill-qwen-${MODEL_SIZE}_${DATASET}_${METHOD}_seed${SEED}"
-SAVE_PATH="$SAVE_ROOT/$RUN_NAME"
+SETTING="r1-distill-qwen-${MODEL_SIZE}_${DATASET}"
+RUN_DIR="$SAVE_ROOT/$SETTING/$METHOD/seed$SEED"
+RUN_NAME="${SETTING}_${METHOD}_seed${SEED}"
 VLLM_TP=1
 WANDB_ARGS=()
 if [[ -n "${WANDB_API_KEY:-}" ]]; then
   WANDB_ARGS=(--logger.wandb.key "$WANDB_API_KEY" --logger.wandb.project "$WANDB_PROJECT"
-    --logger.wandb.group "${RUN_NAME%_seed*}" --logger.wandb.run_name "$RUN_NAME")
+    --logger.wandb.group "${SETTING}_${METHOD}" --logger.wandb.run_name "$RUN_NAME")
 fi
 # Job level: working_dir + env_vars only. The fork's ray.init adds py_modules and upstream's env vars;
-# Ray rejects a field or env var set at both levels.
+# Ray rejects a field or env var set at both levels. OPENRLHF_GEO_MATH_MODE=grpo: rewards 1 / 0 (App. C.2).
 RUNTIME_ENV=$(printf '{"working_dir": "%s", "env_vars": {"OPENRLHF_GEO_MATH_MODE": "grpo"}}' "$REPO_DIR")
 
 ENGINE_ARGS=(
@@ -107,26 +142,38 @@ DATA_ARGS=(
   --data.apply_chat_template
   --data.max_len $((MAX_PROMPT_LEN + MAX_NEW_TOKENS)) --rollout.max_new_tokens "$MAX_NEW_TOKENS"
   --reward.remote_url openrlhf_geo/rewards/math_verify.py # relative to working_dir, on every node
-  --eval.dataset "$DATA_DIR/aime24.jsonl" --eval.steps "$EVAL_STEPS"
-  --eval.temperature 0.6 --eval.n_samples_per_prompt 4
+  --eval.dataset "$DATA_DIR/aime24.jsonl,$DATA_DIR/aime25.jsonl" --eval.steps "$EVAL_STEPS"
+  --eval.temperature "$TEMPERATURE" --eval.n_samples_per_prompt "$EVAL_SAMPLES"
 )
 ALGO_ARGS=(
   --rollout.batch_size "$PROMPTS_PER_STEP" --rollout.n_samples_per_prompt "$SAMPLES_PER_PROMPT"
   --train.batch_size "$TRAIN_BATCH" --rollout.micro_batch_size 8 --train.micro_batch_size 1
   --train.num_episodes "$NUM_EPISODES" --train.max_epochs 1 --train.seed "$SEED"
   --rollout.temperature "$TEMPERATURE"
-  --actor.adam.lr "$LR" --actor.lr_scheduler constant_with_warmup --actor.lr_warmup_ratio 0.03
-  --actor.eps_clip "$EPS_CLIP" --actor.loss_agg_mode seq-mean-token-mean
+  --actor.adam.lr "$LR" --actor.lr_scheduler constant --actor.lr_warmup_ratio 0
+  --actor.eps_clip "$EPS_CLIP" --actor.loss_agg_mode seq-mean-token-mean --actor.entropy_coef "$ENTROPY_COEF"
   --algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef "$KL_COEF"
   "${ESTIMATOR_ARGS[@]}"
 )
 LOG_ARGS=(
-  --ckpt.output_dir "$SAVE_PATH/final" --ckpt.path "$SAVE_PATH/ckpt" --ckpt.save_hf
+  --ckpt.output_dir "$RUN_DIR/final" --ckpt.path "$RUN_DIR/ckpt" --ckpt.save_hf
   --ckpt.save_steps 20 --ckpt.max_num 3 --ckpt.load_enable
-  --logger.logging_steps 1 --logger.tensorboard_dir "$SAVE_PATH/tensorboard" "${WANDB_ARGS[@]}"
+  --logger.logging_steps 1 --logger.tensorboard_dir "$RUN_DIR/tensorboard" "${WANDB_ARGS[@]}"
+)
+# Evaluation (§4.1, App. D.2): 8 samples per problem at T = 0.6 with 8192 new tokens -> avg@8 = pass@1, pass@8.
+EVAL_ARGS=(
+  --model "$RUN_DIR/final" --benchmarks aime24,aime25,gsm8k,math500,gpqa_diamond
+  --n "$EVAL_SAMPLES" --k 1 "$EVAL_SAMPLES" --temperature "$TEMPERATURE" --top-p 1.0
+  --max-new-tokens "$MAX_NEW_TOKENS" --seed "$SEED" --backend vllm
+  --data-dir "$DATA_DIR/benchmarks" --from-hub --output-dir "$RUN_DIR"
 )
 
-echo "submitting $RUN_NAME to $RAY_ADDRESS (outputs in $SAVE_PATH)"
+echo "submitting $RUN_NAME to $RAY_ADDRESS (outputs in $RUN_DIR)"
 ray job submit --address="$RAY_ADDRESS" --runtime-env-json="$RUNTIME_ENV" \
   -- python3 -m openrlhf_geo.cli train-ppo-ray \
   "${ENGINE_ARGS[@]}" "${DATA_ARGS[@]}" "${ALGO_ARGS[@]}" "${LOG_ARGS[@]}"
+if [[ "$EVAL" == 1 ]]; then
+  echo "evaluating $RUN_DIR/final"
+  ray job submit --address="$RAY_ADDRESS" --runtime-env-json="$RUNTIME_ENV" --entrypoint-num-gpus=1 \
+    -- python3 -m openrlhf_geo.cli eval "${EVAL_ARGS[@]}"
+fi
