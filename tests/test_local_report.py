@@ -1,12 +1,16 @@
-"""The demo report's numbers: AUROCs against brute-force pair counting, and targets stated from the numbers."""
+"""The demo report: AUROCs against brute-force pair counting, error counts pooled by hand, and the whole summary of a
+synthetic run directory against hand-computed numbers; report.md renders from summary.json alone."""
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openrlhf_geo.eval.report import Run
 from openrlhf_geo.local import report
 
 
@@ -28,17 +32,17 @@ records_strategy = st.lists(
 
 
 def as_records(groups):
-    """One record per step; each step holds the generated prompts with their own group ids."""
+    """One record per step as gdi.jsonl holds it (None for a missing GDI); a second prompt of one rollout per step."""
     records = []
     for step, (rewards, corrupted, gdi) in enumerate(groups):
         n = len(rewards)
         records.append(
             {
                 "step": step,
-                "rewards": rewards + [1.0 - rewards[0]],  # a second prompt of one rollout: never paired
+                "rewards": rewards + [1.0 - rewards[0]],  # the second prompt's single rollout: never paired
                 "group_ids": [0] * n + [1],
                 "corrupted": corrupted[:n] + [True],
-                "gdi": [math.nan if g is None else float(g) for g in gdi[:n]] + [math.nan],
+                "gdi": [None if g is None else float(g) for g in gdi[:n]] + [None],
             }
         )
     return records
@@ -51,7 +55,7 @@ def test_pair_count_auroc_matches_brute_force_over_scored_rollouts(groups):
     pos, neg = [], []
     for r in records:
         for reward, group, bad, gdi in zip(r["rewards"], r["group_ids"], r["corrupted"], r["gdi"]):
-            if math.isnan(gdi):
+            if gdi is None:
                 continue
             pairs = sum(1 for rj, gj in zip(r["rewards"], r["group_ids"]) if gj == group and rj != reward)
             (pos if bad else neg).append(pairs)
@@ -67,124 +71,233 @@ def test_pair_count_auroc_matches_brute_force_over_scored_rollouts(groups):
 @given(records_strategy)
 def test_pooled_auroc_matches_brute_force_over_scored_rollouts(groups):
     records = as_records(groups)
-    gdi = np.concatenate([r["gdi"] for r in records])
-    bad = np.concatenate([r["corrupted"] for r in records])
-    pos, neg = gdi[np.isfinite(gdi) & bad], gdi[np.isfinite(gdi) & ~bad]
+    scored = [(g, bad) for r in records for g, bad in zip(r["gdi"], r["corrupted"]) if g is not None]
+    pos, neg = [g for g, bad in scored if bad], [g for g, bad in scored if not bad]
     auroc, n_pos, n_neg = report.pooled_auroc(records)
     assert (n_pos, n_neg) == (len(pos), len(neg))
-    if len(pos) and len(neg):
+    if pos and neg:
         assert auroc == pytest.approx(brute_auroc(pos, neg))
     else:
         assert math.isnan(auroc)
 
 
-def test_pair_count_auroc_skips_records_without_rewards():
-    assert math.isnan(report.pair_count_auroc([{"gdi": [1.0], "corrupted": [True]}])[0])
-
-
-def _rows(method, seeds, steps, **metrics):
-    return [
-        {"method": method, "seed": s, "step": t, **{k: v(s, t) if callable(v) else v for k, v in metrics.items()}}
-        for s in seeds
-        for t in range(1, steps + 1)
-    ]
-
-
-def test_targets_state_met_and_not_met_from_the_numbers():
-    seeds, steps = [0, 1, 2], 3
-    rows = [
-        *_rows("grpo", seeds, steps, **{"salt/pr": 10.0, "salt/n_eff_out": 1.2, "salt/n_eff": 1.2}),
-        *_rows("salt", seeds, steps, **{"salt/pr": 9.0, "salt/n_eff_out": 4.0, "salt/alpha": 0.0}),
-        *_rows("geoalign_noise", seeds, steps, **{"geo/proj_val_acc": 0.5}),
-    ]
-    finals = {m: {s: 0.5 for s in seeds} for m in ("grpo", "salt", "grpo_noise", "geoalign_noise")}
-    alpha_steps = [0.0] * 9
-    lines = "\n".join(report._targets(rows, [], steps, alpha_steps, 0.62, 0.60, finals, len(seeds)))
-    assert "n_eff higher than GRPO's: met (4.000 vs 1.200, paired difference +2.800 [+2.800, +2.800])" in lines
-    assert "PR higher: **not met** (9.00 vs 10.00, paired difference -1.000 [-1.000, -1.000])" in lines
-    assert "alpha_t = 0 on every step" in lines and "1.200 >= 1" in lines
-    assert "GDI AUROC >= 0.8 for the corrupted rollouts: **not met** (0.620)" in lines
-    assert "pair-count score (0.600)" in lines and "validation accuracy is 0.500" in lines
-    assert "over >= 3 seeds: met (3 seeds" in lines
-
-    noisy = [{**r, "salt/pr": r["salt/pr"] + 2 * r["seed"] - 1.5} if r["method"] == "salt" else r for r in rows]
-    lines = "\n".join(report._targets(noisy, [], steps, [0.1], 0.85, 0.6, finals, len(seeds)))
-    assert "PR higher: **not met** (9.50 vs 10.00" in lines
-    noisy = [{**r, "salt/pr": 10.5 + 2 * r["seed"] - 1.5} if r["method"] == "salt" else r for r in rows]
-    lines = "\n".join(report._targets(noisy, [], steps, [0.1], 0.85, 0.6, finals, len(seeds)))
-    assert "PR higher: met on the means; the paired CI includes 0 (11.00 vs 10.00" in lines
-    assert "GDI AUROC >= 0.8 for the corrupted rollouts: met (0.850)" in lines
-    assert "pair-count" not in lines and "every step" not in lines
+@st.composite
+def step_counts(draw):
+    """`task.shortcut_stats` counts of one step: consistent (wrong_shortcut <= wrong, shortcut <= rollouts)."""
+    n = draw(st.integers(0, 16))
+    wrong, shortcut = draw(st.integers(0, n)), draw(st.integers(0, n))
+    return n, wrong, shortcut, draw(st.integers(max(0, wrong + shortcut - n), min(wrong, shortcut)))
 
 
 @settings(max_examples=100)
 @given(
-    st.lists(
-        st.tuples(st.sampled_from(["grpo", "salt"]), st.integers(1, 3), st.integers(0, 16), st.data()),
-        min_size=1,
-        max_size=12,
-    )
+    st.dictionaries(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 2), st.integers(1, 4)), step_counts()),
+    st.sampled_from([(["a"], 1, math.inf), (["a", "b"], 1, 1), (["b"], 2, 4), (["a", "b"], 3, 3)]),
 )
-def test_error_composition_pools_counts_over_the_selected_rows(entries):
-    rows = []
-    for method, step, n, data in entries:
-        wrong = data.draw(st.integers(0, n))
-        shortcut = data.draw(st.integers(0, n))
-        wrong_shortcut = data.draw(st.integers(max(0, wrong + shortcut - n), min(wrong, shortcut)))
-        rows.append({"method": method, "seed": 0, "step": step, "task/rollouts": n, "task/wrong": wrong,
-                     "task/shortcut": shortcut, "task/wrong_shortcut": wrong_shortcut})  # fmt: skip
-    rows.append({"method": "grpo", "seed": 0, "step": 0, "eval/accuracy": 0.5})  # an eval row: no counts
-    for methods, step in ((["grpo"], None), (["grpo", "salt"], 1), (["salt"], 3)):
-        picked = [r for r in rows if r["method"] in methods and r["step"] >= 1 and step in (None, r["step"])]
-        n = sum(r["task/rollouts"] for r in picked)
-        wrong = sum(r["task/wrong"] for r in picked)
-        got = report.error_composition(rows, methods, step)
-        assert got["rollouts"] == n
-        for key, value in (
-            ("wrong", wrong / n if n else math.nan),
-            ("shortcut", sum(r["task/shortcut"] for r in picked) / n if n else math.nan),
-            ("wrong_shortcut", sum(r["task/wrong_shortcut"] for r in picked) / wrong if wrong else math.nan),
-        ):
-            assert got[key] == pytest.approx(value, nan_ok=True), key
+def test_error_composition_pools_counts_over_methods_seeds_and_steps(counts, selection):
+    runs = {}
+    for (method, seed, step), values in sorted(counts.items()):
+        run = runs.setdefault(method, {}).setdefault(seed, Run())
+        for key, value in zip(report.TASK_COUNTS, values):
+            steps, old = run.curves.get(key, (np.zeros(0), np.zeros(0)))
+            run.curves[key] = (np.append(steps, step), np.append(old, float(value)))
+    methods, lo, hi = selection
+    picked = [v for (m, _, t), v in counts.items() if m in methods and lo <= t <= hi]
+    n, wrong, shortcut, wrong_shortcut = (sum(v[i] for v in picked) for i in range(4))
+    got = report.error_composition(runs, methods, lo, hi)
+    assert got["rollouts"] == n
+    assert got["wrong"] == pytest.approx(wrong / n if n else math.nan, nan_ok=True)
+    assert got["shortcut"] == pytest.approx(shortcut / n if n else math.nan, nan_ok=True)
+    assert got["wrong_shortcut"] == pytest.approx(wrong_shortcut / wrong if wrong else math.nan, nan_ok=True)
 
 
-def test_error_and_salt_weight_lines_state_the_logged_numbers():
-    rows = [
-        *_rows("grpo", [0], 2, **{"task/rollouts": 10, "task/wrong": lambda s, t: 6 if t == 1 else 2,
-                                  "task/shortcut": lambda s, t: 5 if t == 1 else 1, "task/wrong_shortcut": 2}),
-        *_rows("salt", [0], 2, **{"task/rollouts": 10, "task/wrong": 4, "task/shortcut": 3,
-                                  "task/wrong_shortcut": 3, "salt/pk_rho_norm": lambda s, t: 0.5 + 0.1 * t,
-                                  "salt/pk_rho_inv_len": 0.2, "salt/topnorm_share": 0.3, "salt/kept": 0.25,
-                                  "salt/sign_flip": 0.1, "salt/k": 16, "salt/m": 128}),
+# ---------------------------------------------------------------- the summary of a synthetic run directory
+
+SEEDS, LAST = (0, 1, 2), 6
+FINALS = {
+    "base": [0.5, 0.6, 0.7],
+    "geom": [0.6, 0.6, 0.9],
+    "noisy": [0.4, 0.5, 0.6],
+    "curated": [0.45, 0.5, 0.65],
+}
+ALPHA = [0.0, 0.5, 0.0, 0.2, 0.0, 0.0]  # geom's salt/alpha at steps 1..6: > 0 on 2 steps per seed
+# gdi.jsonl of "curated": (seed, step, rewards, group ids, GDI, corrupted)
+RECORDS = [
+    (0, 1, [1, 1, 0, 0, 1], [0, 0, 0, 0, 1], [3.0, None, 1.0, 2.0, None], [True, False, False, True, True]),
+    (0, 6, [1, 0, 0], [0, 0, 0], [0.5, 4.0, 2.5], [False, True, False]),
+    (1, 2, [0, 1, 1, 1], [2, 2, 2, 2], [5.0, 1.0, 1.0, 0.0], [True, False, False, False]),
+]
+SKIPPED = {(0, 2): "few_scores", (2, 3): "few_scores", (2, 4): "no_pairs"}
+
+
+def step_row(method, seed, step):
+    """The metrics.jsonl row of one RL step, as the engines log it (None for NaN)."""
+    row = {"method": method, "seed": seed, "step": step, "reward": 0.5}
+    if method in ("base", "geom"):
+        row["salt/pr"] = 10.0 + seed + step if method == "base" else 8.0 + step
+        row["salt/n_eff_out"] = 1.0 if method == "base" else 2.0
+    if method == "geom":
+        row["salt/alpha"] = ALPHA[step - 1]
+    if method in ("noisy", "curated"):
+        first = step == 1
+        row.update({"task/rollouts": 10, "task/wrong": 6 if first else 2, "task/shortcut": 5 if first else 1,
+                    "task/wrong_shortcut": 4 if first else 1})  # fmt: skip
+    if method == "curated":
+        row["geo/val_acc"] = 0.9 if step <= 5 else 0.5
+        row["geo/skipped_reason"] = SKIPPED.get((seed, step), "")
+        row["geo/auroc"] = {0: [0.6, 0.7, 0.8, 0.9, 1.0, 0.5][step - 1], 1: 0.4 if step == 1 else None}.get(seed)
+    if step == LAST:
+        row["eval/accuracy"] = FINALS[method][seed]
+    return row
+
+
+def write_runs(root):
+    for method in FINALS:
+        for seed in SEEDS:
+            rows = [{"method": method, "seed": seed, "step": 0, "eval/accuracy": 0.1}]
+            rows += [step_row(method, seed, t) for t in range(1, LAST + 1)]
+            (root / method / f"seed{seed}").mkdir(parents=True)
+            (root / method / f"seed{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for seed, step, rewards, groups, gdi, corrupted in RECORDS:
+        record = {"method": "curated", "seed": seed, "step": step, "gdi": gdi, "corrupted": corrupted,
+                  "flagged": [False] * len(gdi), "rewards": rewards, "group_ids": groups}  # fmt: skip
+        with (root / "curated" / f"seed{seed}" / "gdi.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    (root / "aaa" / "seed0").mkdir(parents=True)  # a method outside the caller's order: listed after it
+    (root / "aaa" / "seed0" / "metrics.jsonl").write_text('{"step": 6, "eval/accuracy": 0.3}\n')
+
+
+SETUP = {
+    "quick": False,
+    "task": "toy additions.",
+    "steps": LAST,
+    "seeds": list(SEEDS),
+    "sft": {"steps": 3, "wall_s": 1.0, "accuracy": 0.5, "params": 1234,
+            "config": {"per_prompt": 8, "shortcut_rate": 0.5, "strategies": ["digits"]}},
+    "n_eval": 8,
+    "eval_samples": 2,
+    "wall_s": 5.0,
+    "common": "openrlhf-geo train --shared",
+    "commands": {"base": "--base", "geom": "--geom", "noisy": "--noisy", "curated": "--curated"},
+}  # fmt: skip
+ORDER = ("base", "geom", "noisy", "curated")
+COMPARISONS = (("geom", "base"), ("curated", "noisy"))
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    write_runs(root)
+    return report.summarize(root, COMPARISONS, SETUP, ORDER)
+
+
+def test_summary_lists_methods_finals_and_step_means(summary):
+    assert summary["methods"] == ["base", "geom", "noisy", "curated", "aaa"]
+    assert summary["last_step"] == LAST and summary["setup"] is SETUP
+    for method, finals in FINALS.items():
+        assert summary["final_accuracy"][method]["per_seed"] == dict(zip(SEEDS, finals))
+        assert summary["final_accuracy"][method]["mean"] == pytest.approx(sum(finals) / 3)
+    assert summary["final_accuracy"]["aaa"] == {"per_seed": {0: 0.3}, "mean": 0.3}
+    means = summary["step_means"]
+    # base: salt/pr = 10 + seed + step, mean over steps 1..6 = 13.5 + seed, over seeds 14.5; geom: 8 + 3.5
+    assert means["base"] == pytest.approx({"reward": 0.5, "salt/pr": 14.5, "salt/n_eff_out": 1.0})
+    assert means["geom"] == pytest.approx(
+        {"reward": 0.5, "salt/pr": 11.5, "salt/n_eff_out": 2.0, "salt/alpha": 0.7 / 6}
+    )
+    assert means["curated"] == pytest.approx({"reward": 0.5, "geo/val_acc": 5 / 6})
+    assert summary["alpha_positive_steps"] == {"geom": [6, 18]}
+
+
+def test_summary_compares_the_given_pairs_by_seed_with_bootstrap_cis(summary):
+    rows = {(r["method"], r["baseline"], r["metric"]): r for r in summary["comparisons"]}
+    assert set(rows) == {
+        ("geom", "base", "final/eval/accuracy"),
+        ("geom", "base", "mean/salt/pr"),
+        ("geom", "base", "mean/salt/n_eff_out"),
+        ("curated", "noisy", "final/eval/accuracy"),
+    }  # mean/reward is logged by all but not among report.COMPARED
+    # with 3 seeds each resample is one of 27 equally likely ones; the lowest mean (every draw the smallest
+    # difference) has probability 1/27 > 2.5%, so the 95% percentile interval is [min, max] of the differences
+    for key, diffs in (
+        (("geom", "base", "final/eval/accuracy"), [0.1, 0.0, 0.2]),
+        (("geom", "base", "mean/salt/pr"), [-2.0, -3.0, -4.0]),  # 11.5 - (13.5 + seed)
+        (("geom", "base", "mean/salt/n_eff_out"), [1.0, 1.0, 1.0]),  # equal differences: the interval collapses
+        (("curated", "noisy", "final/eval/accuracy"), [0.05, 0.0, 0.05]),
+    ):
+        row = rows[key]
+        assert row["seeds"] == list(SEEDS) and row["n"] == 3
+        assert row["gain"] == pytest.approx(sum(diffs) / 3)
+        assert (row["low"], row["high"]) == pytest.approx((min(diffs), max(diffs)))
+
+
+def test_summary_pools_the_error_counts_per_method_and_span(summary):
+    errors = summary["errors"]
+    assert set(errors) == set(summary["methods"]) and set(errors["noisy"]) == {"1-1", "6-6", "1-6"}
+    # 3 seeds x 10 rollouts per step; step 1: 6 wrong, 5 shortcut, 4 both; later steps: 2, 1, 1
+    assert errors["curated"]["1-1"] == pytest.approx(
+        {"rollouts": 30, "wrong": 18 / 30, "shortcut": 15 / 30, "wrong_shortcut": 12 / 18}
+    )
+    assert errors["noisy"]["6-6"] == pytest.approx(
+        {"rollouts": 30, "wrong": 0.2, "shortcut": 0.1, "wrong_shortcut": 0.5}
+    )
+    assert errors["noisy"]["1-6"] == pytest.approx(
+        {"rollouts": 180, "wrong": 48 / 180, "shortcut": 30 / 180, "wrong_shortcut": 27 / 48}
+    )
+    assert errors["base"]["1-6"]["rollouts"] == 0 and math.isnan(errors["base"]["1-6"]["wrong"])
+
+
+def test_summary_detection_from_the_gdi_records_by_hand(summary):
+    assert set(summary["detection"]) == {"curated"}
+    d = summary["detection"]["curated"]
+    # scored corrupted GDI [3, 2, 4, 5] vs clean [1, 0.5, 2.5, 1, 1, 0]: 23 of 24 pairs won (2 < 2.5 loses)
+    assert d["gdi_auroc"] == pytest.approx(23 / 24)
+    assert (d["corrupted_scored"], d["clean_scored"], d["corrupted"]) == (4, 6, 5)
+    # pairs per scored rollout (same prompt, other reward): corrupted [2, 2, 1, 3], clean [2, 2, 1, 1, 1, 1]
+    assert d["pair_count_auroc"] == pytest.approx(18 / 24)
+    assert d["per_step_auroc"] == pytest.approx({"mean": 4.9 / 7, "min": 0.4, "steps": 7})
+    assert d["curated_steps"] == 18 and d["skipped"] == {"few_scores": 2, "no_pairs": 1}
+    assert list(d["by_steps"]) == ["1-5", "6-6"]
+    # steps 1-5: corrupted GDI [3, 2, 5] vs clean [1, 1, 1, 0]; pairs [2, 2, 3] vs [2, 1, 1, 1]
+    assert d["by_steps"]["1-5"] == pytest.approx({"gdi_auroc": 1.0, "pair_count_auroc": 11 / 12, "val_acc": 0.9,
+                                                  "shortcut": 27 / 150})  # fmt: skip
+    # step 6: corrupted GDI [4] vs clean [0.5, 2.5]; pairs [1] vs [2, 1]
+    assert d["by_steps"]["6-6"] == pytest.approx(
+        {"gdi_auroc": 1.0, "pair_count_auroc": 0.25, "val_acc": 0.5, "shortcut": 0.1}
+    )
+
+
+def test_summary_rejects_comparisons_naming_absent_methods(tmp_path):
+    write_runs(tmp_path)
+    with pytest.raises(ValueError, match=r"without runs under .*\['salt'\]"):
+        report.summarize(tmp_path, [("salt", "base")], SETUP)
+
+
+def test_report_renders_the_summary_numbers(summary):
+    text = report.render(summary)
+    assert text == report.render(report.jsonable(summary))  # the same from summary.json
+    assert "| geom | 0.700 | 0.600, 0.600, 0.900 |" in text
+    assert "| geom | base | final/eval/accuracy | 0.700 | 0.600 | +0.100 [+0.000, +0.200] | 3 |" in text
+    assert "| salt/pr | 14.500 | 11.500 | n/a | n/a | n/a |" in text
+    assert "- geom: alpha_t > 0 on 6 of 18 steps." in text
+    assert "| curated | 1-1 | 30 | 0.60 | 0.50 | 0.67 |" in text and "| base | 1-1 |" not in text
+    assert "AUROC, pooled over steps and seeds: 0.958 (4 corrupted vs 6 clean scored rollouts; 1 of the 5" in text
+    assert "by reason: few_scores 2, no_pairs 1 (of 18 steps)" in text
+    assert "| 6-6 | 1.000 | 0.250 | 0.500 | 0.10 |" in text
+    assert "openrlhf-geo train --shared" in text and "           geom: --geom" in text
+    assert not re.search(r"\bmet\b|likely|target", text)  # measurements only, no verdicts
+
+
+def test_write_report_writes_strict_json_the_markdown_from_it_and_plots(tmp_path):
+    root = tmp_path / "runs"
+    write_runs(root)
+    summary = report.write_report(tmp_path, root, COMPARISONS, SETUP, ORDER)
+    data = json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail)  # no NaN/Infinity
+    assert data["final_accuracy"]["geom"]["per_seed"] == {"0": 0.6, "1": 0.6, "2": 0.9}
+    assert data["errors"]["base"]["1-6"]["wrong"] is None
+    assert (tmp_path / "report.md").read_text() == report.render(data)
+    assert summary["plots"] == [
+        "eval_accuracy.png", "salt_pr.png", "salt_n_eff_out.png", "salt_alpha.png", "geo_auroc.png", "gdi_curated.png"
     ]  # fmt: skip
-    lines = "\n".join(report._error_lines(rows, ["grpo", "salt"], 0.5, 2))
-    # step 1: 10 of 20 rollouts wrong, 5 of those follow the shortcut; all steps: 16 wrong, 10 of them shortcut
-    assert "step 1 (the SFT policy, all runs) 0.50 of the rollouts are wrong and 0.50 of the wrong ones" in lines
-    assert "50% of the SFT demonstrations" in lines and "0.62 of the 16 wrong rollouts follow it" in lines
-    assert "GRPO 0.50 -> 0.10, GRPO+SALT 0.30 -> 0.30" in lines
-    line = "\n".join(report._salt_weight_line(rows))
-    assert "Spearman rho 0.65 with the feature norms" in line and "0.20 with 1/T_i" in line
-    assert "hold 0.30 of ||a'||^2 (0.12 if spread evenly)" in line
-    assert "keeps 0.25 of ||a||^2" in line and "sign of 0.10 of the nonzero" in line
-    assert report._error_lines([], ["grpo"], 0.5, 2) == [] and report._salt_weight_line([]) == []
-
-
-def test_phase_table_splits_the_aurocs_and_projector_accuracy_by_range_of_steps():
-    rng = np.random.default_rng(0)
-    records = [
-        {"step": t, "rewards": [1.0, 1.0, 0.0, 0.0] * 2, "group_ids": [0] * 4 + [1] * 4,
-         "corrupted": list(rng.random(8) < 0.4), "gdi": list(rng.random(8))}
-        for t in range(1, 13)
-        for _ in range(2)
-    ]  # fmt: skip
-    early = {"geo/proj_val_acc": lambda s, t: 0.9 if t <= 5 else 0.5, "task/shortcut": lambda s, t: 4 * (t <= 5)}
-    rows = _rows("geoalign_noise", [0], 12, **early, **{"task/rollouts": 8})
-    table = report._phase_table(records, rows, 12)
-    body = [line for line in table if line.startswith("| ") and line[2].isdigit()]
-    assert [line.split(" | ")[0] for line in body] == ["| 1-5", "| 6-10", "| 11-12"]
-    for line, (lo, hi) in zip(body, [(0, 5), (5, 10), (10, 12)]):
-        part = [r for r in records if lo < r["step"] <= hi]
-        gdi, count = report.pooled_auroc(part)[0], report.pair_count_auroc(part)[0]
-        cells = line.strip("| ").split(" | ")
-        assert cells[1:4] == [f"{gdi:.3f}", f"{count:.3f}", f"{gdi - count:.3f}"]
-        assert cells[4] == ("0.900" if hi <= 5 else "0.500") and cells[5] == ("0.50" if hi <= 5 else "0.00")
+    for name in summary["plots"]:
+        assert (tmp_path / name).stat().st_size > 5_000
+        assert f"![{name}]({name})" in report.render(data)

@@ -1,10 +1,13 @@
 """The demo's task: worked solutions are true, rewarded, diverse and tokenize losslessly; the carry-dropping shortcut
-is wrong exactly when a carry is needed; carry-only problems; SFT rows mixing both; the tokenizer."""
+is wrong exactly when a carry is needed; carry-only problems; SFT rows mixing both; the tokenizer; the SFT
+warm-up."""
 
 import random
 import re
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,9 +15,11 @@ from openrlhf_geo.local.engine import distinct_fraction
 from openrlhf_geo.local.task import (
     STRATEGIES,
     addition_problems,
+    build_model,
     build_tokenizer,
     needs_carry,
     reference_response,
+    sft,
     sft_rows,
     shortcut_solution,
     shortcut_stats,
@@ -196,3 +201,55 @@ def test_distinct_fraction_counts_unique_responses_per_prompt():
     responses = ["a", "a", "b", "c", "c", "c"]
     group_ids = torch.tensor([0, 0, 0, 5, 5, 5])
     assert distinct_fraction(responses, group_ids) == pytest.approx((2 / 3 + 1 / 3) / 2)
+
+
+# ---------------------------------------------------------------- SFT warm-up
+
+
+def tiny_model(tokenizer, seed=0):
+    return build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=seed)
+
+
+def test_sft_loss_is_cross_entropy_of_response_tokens_and_eos_only(tokenizer):
+    """The first SFT loss (before any update) is the mean -log p over response tokens + EOS, from a forward on the
+    unpadded sequence alone."""
+    model = tiny_model(tokenizer)
+    prompt, response = "37+48=", "7+8=15 carry 1, 3+4+1=8 so \\boxed{85}"
+    p = tokenizer(prompt)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].double()
+    expected = -torch.log_softmax(logits, -1)[torch.arange(len(r)), torch.tensor(r)].mean().item()
+    losses = sft(model, tokenizer, [{"prompt": prompt, "response": response}], steps=2, batch_size=1)
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[1] < losses[0]  # one AdamW step on the same row lowers its loss
+
+
+def test_sft_rejects_an_empty_corpus(tokenizer):
+    with pytest.raises(ValueError, match="at least one"):
+        sft(tiny_model(tokenizer), tokenizer, [], steps=1)
+
+
+@pytest.mark.parametrize("final_lr_ratio", [None, 0.05])
+def test_sft_learning_rate_warms_up_then_stays_or_decays_to_the_final_ratio(tokenizer, monkeypatch, final_lr_ratio):
+    recorded = []
+    adamw_step = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        recorded.append(self.param_groups[0]["lr"])
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    rows = [{"prompt": "1+2=", "response": "\\boxed{3}"}]
+    lr, warmup, steps = 1e-3, 4, 11
+    sft(tiny_model(tokenizer), tokenizer, rows, steps, 1, lr, warmup, final_lr_ratio=final_lr_ratio)
+    ramp = np.minimum(1.0, (np.arange(steps) + 1) / warmup)
+    if final_lr_ratio is None:
+        expected = lr * ramp
+    else:  # cos from 0 to pi over steps 0..10: 1 at the first step, the final ratio at the last
+        angles = np.linspace(0.0, np.pi, steps)
+        expected = lr * ramp * (final_lr_ratio + (1 - final_lr_ratio) * (1 + np.cos(angles)) / 2)
+        assert recorded[-1] == pytest.approx(lr * final_lr_ratio)
+    assert recorded == pytest.approx(expected.tolist(), rel=1e-12)
+    with pytest.raises(ValueError, match="final_lr_ratio must be in"):
+        sft(tiny_model(tokenizer), tokenizer, rows, 1, final_lr_ratio=1.5)

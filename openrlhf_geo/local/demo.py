@@ -9,7 +9,8 @@
    what the errors are made of; this is a property of the synthetic task, not a claim about LLMs).
 3. Four methods x --seeds seeds, same prompts per step and the same budget, each one `openrlhf-geo train` run:
    grpo, salt (exact LM-head features), grpo_noise and geoalign_noise (10 % flipped binary rewards).
-4. <out>/report.md, <out>/metrics.jsonl (all runs, tagged with method and seed), <out>/gdi.jsonl and PNG plots.
+4. The runs' logs in <out>/runs/<method>/seed<k>/ (metrics.jsonl, gdi.jsonl), and from them <out>/summary.json
+   (every number of the report), <out>/report.md and PNG plots (`openrlhf_geo.local.report`).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,12 +26,11 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("grpo", "salt", "grpo_noise", "geoalign_noise")
 NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
 # fmt: off
 METHOD_FLAGS = {
     # GRPO also computes the exact features (diagnostics only) so its PR / n_eff sit next to SALT's
-    "grpo": ["--advantage_estimator", "group_norm", "--diagnostics.features", "exact"],
+    "grpo": ["--advantage_estimator", "group_norm", "--salt.diagnostics", "--salt.features", "exact"],
     "salt": ["--advantage_estimator", "salt", "--salt.features", "exact"],
     "grpo_noise": [*NOISE],
     # projector sized for d=64 hidden states (the paper's 512-512-128 is for LLM widths), and the KDE fed by
@@ -43,6 +44,10 @@ METHOD_FLAGS = {
     ],
 }
 # fmt: on
+METHODS = tuple(METHOD_FLAGS)
+# (method, baseline) pairs the report compares, paired by seed: each method against GRPO, and GeoAlign against
+# GRPO under the same reward noise
+COMPARISONS = (("salt", "grpo"), ("grpo_noise", "grpo"), ("geoalign_noise", "grpo"), ("geoalign_noise", "grpo_noise"))
 # workers: runs in parallel processes (one thread each); the quick run stays in-process (imports dominate it)
 FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 600, "workers": 2}
 QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 30, "workers": 1}
@@ -115,8 +120,8 @@ def prepare_data(out):
 def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print):
     """SFT for `max_steps` steps (the learning rate decays over them), or until the held-out accuracy (T = 1) reaches
     `target` when one is given (checked every SFT["eval_every"] steps); cached per configuration in <out>/sft."""
-    from openrlhf_geo.local.engine import evaluate, sft
-    from openrlhf_geo.local.task import build_model, build_tokenizer, sft_rows
+    from openrlhf_geo.local.engine import evaluate
+    from openrlhf_geo.local.task import build_model, build_tokenizer, sft, sft_rows
     from openrlhf_geo.local.train import make_reward_fn
 
     config = {**SFT, "target": target, "max_steps": max_steps, "n_train": len(train), "torch": torch.__version__}
@@ -179,8 +184,8 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
 def run_one(job):
     """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}."""
     from openrlhf_geo.local.engine import Trainer
-    from openrlhf_geo.local.task import read_jsonl, shortcut_stats
-    from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args
+    from openrlhf_geo.local.task import shortcut_stats
+    from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args, read_dataset
 
     args = parse_args(job["argv"])
     torch.set_num_threads(args.train.threads)
@@ -191,9 +196,9 @@ def run_one(job):
         args,
         model,
         tokenizer,
-        read_jsonl(args.data.prompt_dataset),
+        read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset"),
         _REWARD_FNS[args.reward.func],
-        read_jsonl(args.eval.dataset),
+        read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset"),
         rollout_stats=shortcut_stats,  # task/* counts for the report (the training is the train command's)
     )
     fit(
@@ -241,12 +246,6 @@ def run_all(jobs, workers, steps):
     bar.close()
 
 
-def _read_jsonl(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def main(argv=None):
     from openrlhf_geo.local import report
 
@@ -278,23 +277,16 @@ def main(argv=None):
         for s in seeds
         for m in METHODS
     ]  # fmt: skip
-    for job in jobs:  # stale logs of an earlier demo in the same directory would confuse the progress bar
-        for name in ("metrics.jsonl", "gdi.jsonl"):
-            (Path(job["out"]) / name).unlink(missing_ok=True)
+    # the report reads every run under <out>/runs: runs of an earlier demo there (other seeds or methods) would join it
+    shutil.rmtree(out / "runs", ignore_errors=True)
     rl_start = time.perf_counter()
     run_all(jobs, workers, steps)
     rl_wall = time.perf_counter() - rl_start
 
-    rows = [row for job in jobs for row in _read_jsonl(Path(job["out"]) / "metrics.jsonl")]
-    records = [rec for job in jobs for rec in _read_jsonl(Path(job["out"]) / "gdi.jsonl")]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "gdi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    report.plot_accuracy(rows, METHODS, out / "accuracy_vs_step.png")
-    report.plot_geometry(rows, out / "pr_neff_vs_step.png")
-    report.plot_alpha(rows, out / "alpha_vs_step.png")
-    report.plot_gdi(records, rows, out / "gdi_corrupted_vs_clean.png")
-    context = {
+    setup = {
         "quick": args.quick,
+        "task": f"two-digit additions `a+b=` that need a carry in the ones column; {len(train)} training and "
+        f"{len(held_out)} held-out prompts; reward: math-verify verdict of the last `\\boxed{{}}` (1/0).",
         "steps": steps,
         "seeds": list(seeds),
         "sft": sft_info,
@@ -305,6 +297,6 @@ def main(argv=None):
         "common": "openrlhf-geo train " + shlex.join(common) + " --train.seed S --reward.noise.seed S",
         "commands": {m: shlex.join(METHOD_FLAGS[m]) for m in METHODS},
     }
-    report.write_report(out / "report.md", rows, records, METHODS, context)
+    report.write_report(out, out / "runs", COMPARISONS, setup, METHODS)
     print(f"demo finished in {time.perf_counter() - start:.0f} s: {out / 'report.md'}")
     return 0

@@ -1,4 +1,5 @@
-"""The demo's task: two-digit addition with a worked solution ending in `\\boxed{}`, a tokenizer and a tiny Qwen2.
+"""The demo's task: two-digit addition with a worked solution ending in `\\boxed{}`, a tokenizer, a tiny Qwen2 and
+its SFT warm-up (`sft`).
 
 Everything is built locally (nothing is downloaded): the tokenizer with the `tokenizers` library, the model from a
 `Qwen2Config`. A problem is a prompt such as ``"37+48="`` and an answer ``"85"``; the reward is the shipped
@@ -19,10 +20,12 @@ encode); `uses_shortcut` tells from the text which procedure a response followed
 """
 
 import json
+import math
 import random
 import re
 from pathlib import Path
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -67,8 +70,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0, max_positions=128) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2-style causal LM sized for CPU (default 2 x 64: ~0.1M parameters)."""
-    import torch
-
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -225,18 +226,54 @@ def write_jsonl(path, rows):
             f.write(json.dumps(row) + "\n")
 
 
-def read_jsonl(path, input_key="prompt", label_key="answer"):
-    """Rows of a jsonl file as {"prompt", "answer"} dicts; a missing key raises ValueError naming file and line."""
-    rows = []
-    with Path(path).open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [key for key in (input_key, label_key) if key not in row]
-            if missing:
-                raise ValueError(f"{path}:{line_no}: missing key {missing[0]!r} (have {sorted(row)})")
-            rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
+def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=0, callback=None, final_lr_ratio=None):
+    """Supervised warm-up: response-only cross-entropy (token-mean) on prompt -> response rows -> losses.
+
+    rows: dicts with "prompt" and "response"; the target is the response tokens plus EOS. AdamW; the learning rate
+    at step s (0-based) is lr·min(1, (s+1)/warmup), times, when final_lr_ratio is given, a cosine decay
+    r + (1 − r)·(1 + cos(π·s/(steps − 1)))/2 from 1 at the first step to r = final_lr_ratio at the last one;
+    grad-norm clip 1.0; batches drawn with a seeded `random.Random` so the warm-up is reproducible. Stops after
+    `steps` steps, or earlier when `callback(step, loss)` returns True.
+    """
+    device = next(model.parameters()).device
+    rng = random.Random(seed)
     if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+        raise ValueError("sft needs at least one {prompt, response} row (got none)")
+    if final_lr_ratio is not None and not 0.0 <= final_lr_ratio <= 1.0:
+        raise ValueError(f"final_lr_ratio must be in [0, 1] or None (got {final_lr_ratio})")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def factor(step):
+        ramp = min(1.0, (step + 1) / warmup)
+        if final_lr_ratio is None:
+            return ramp
+        cosine = (1 + math.cos(math.pi * min(1.0, step / max(steps - 1, 1)))) / 2
+        return ramp * (final_lr_ratio + (1 - final_lr_ratio) * cosine)
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = tokenizer([row["prompt"] for row in rows])["input_ids"]
+    responses = tokenizer([row["response"] for row in rows], add_special_tokens=False)["input_ids"]
+    encoded = [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompts, responses)]
+    losses = []
+    model.train()
+    for step in range(steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        width = max(len(p) + len(r) for p, r in batch)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        attention = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (p, r) in enumerate(batch):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+            attention[i, : len(p) + len(r)] = 1
+        loss = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if callback is not None and callback(step + 1, loss.item()):
+            break
+    return losses
