@@ -1,10 +1,13 @@
 """`openrlhf-geo train` and `openrlhf-geo demo --quick` end to end (CPU, tiny model, tmp_path)."""
 
 import json
+import math
 
 import pytest
+import torch
 
 from openrlhf_geo import cli
+from openrlhf_geo.local import engine, rundir
 from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer, write_jsonl
 
 REWARD_FILE = '''
@@ -61,8 +64,9 @@ def test_train_writes_metrics_checkpoint_and_model_then_resumes(setup):
     out = tmp / "out"
     rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0 = evaluation before training
-    assert {"accuracy", "reward", "loss", "salt/pr", "salt/n_eff", "salt/alpha", "eval/accuracy"} <= rows[-1].keys()
-    assert "salt/gram_noise" in rows[-1]  # sketch features: --salt.gram defaults to shrink and reaches SALT
+    assert {"accuracy", "reward", "loss", "salt/pr", "salt/n_eff_out", "salt/alpha", "eval/accuracy"} <= rows[
+        -1
+    ].keys()
     assert (out / "checkpoint.pt").exists() and (out / "model" / "config.json").exists()
     assert (out / "model" / "tokenizer.json").exists()
 
@@ -73,11 +77,101 @@ def test_train_writes_metrics_checkpoint_and_model_then_resumes(setup):
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["accuracy"] >= 0  # resumed at 2, appended 3
 
 
+def same_numbers(a, b):
+    """Rows equal on every shared key but timings (NaN == NaN)."""
+    keys = {k for k in a.keys() & b.keys() if not k.startswith("time/") and k not in ("salt/solve_ms", "geo/time_s")}
+    assert keys, "no shared metrics"
+    for key in keys:
+        x, y = a[key], b[key]
+        assert x == y or (x is None and y is None) or (math.isnan(x) and math.isnan(y)), key
+
+
+def test_a_used_output_dir_is_never_replaced_silently_and_a_crashed_run_resumes(setup, capsys):
+    tmp, out = setup, setup / "out"
+    assert cli.main(train_argv(tmp, 2, "--ckpt.save_steps", "1")) == 0
+    first = read_rows(out / "metrics.jsonl")
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != rundir.LOCK}
+    capsys.readouterr()
+
+    refusals = [
+        ([], "already holds a run (checkpoint.prev.pt, checkpoint.pt, metrics.jsonl, model)"),  # a fresh run
+        (
+            ["--ckpt.load_enable", "--actor.adam.lr", "1e-3", "--train.seed", "7"],
+            "lr 1e-06 -> 0.001, --train.seed 42 -> 7",
+        ),
+        (["--ckpt.load_enable", "--rollout.max_new_tokens", "6"], "--rollout.max_new_tokens 5 -> 6"),
+    ]
+    for extra, message in refusals:
+        assert cli.main(train_argv(tmp, 2, *extra)) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != rundir.LOCK} == files
+
+    with rundir.claim(out, resume=True):  # another run holds the directory
+        assert cli.main(train_argv(tmp, 3, "--ckpt.load_enable")) == 1
+        assert "another run is writing it" in capsys.readouterr().err
+
+    # a crash: the step-2 checkpoint cut short and the metrics line being written cut off
+    (out / "checkpoint.pt").write_bytes(files["checkpoint.pt"][:5000])
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text() + '{"step": 3, "accura')
+    assert cli.main(train_argv(tmp, 3, "--ckpt.load_enable", "--eval.steps", "3")) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:4: dropped a truncated last line" in err
+    assert "checkpoint.pt: unreadable" in err and "resuming from" in err and "checkpoint.prev.pt (step 1)" in err
+    # the safe ones pass, reported
+    assert "resuming with changed flags: --ckpt.save_steps 1 -> -1, --eval.steps 2 -> 3, --train.steps 2 -> 3" in err
+    rows = read_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    same_numbers(rows[2], first[2])  # step 2 again from the step-1 checkpoint: the same numbers
+
+    assert cli.main(train_argv(tmp, 1, "--ckpt.overwrite")) == 0
+    assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [0, 1]
+    assert not (out / "checkpoint.prev.pt").exists() and not (out / "checkpoint.pt.bad").exists()
+
+
+def test_resume_without_a_checkpoint_needs_an_empty_dir(setup, capsys):
+    tmp, out = setup, setup / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert cli.main(train_argv(tmp, 1, "--ckpt.load_enable")) == 1
+    assert "has no checkpoint to resume but holds metrics.jsonl" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert cli.main(train_argv(tmp, 1, "--ckpt.load_enable", "--ckpt.output_dir", str(tmp / "empty"))) == 0
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_named(setup, capsys):
+    assert cli.main(train_argv(setup, 1)) == 0
+    config = json.loads((setup / "cfg" / "config.json").read_text())
+    (setup / "cfg" / "config.json").write_text(json.dumps({**config, "hidden_size": 48}))  # same path, other model
+    assert cli.main(train_argv(setup, 2, "--ckpt.load_enable")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"openrlhf-geo train: {setup / 'out' / 'checkpoint.pt'}: its state does not fit this model")
+
+
+def test_non_finite_weights_stop_the_run_and_keep_the_last_good_checkpoint(setup, capsys, monkeypatch):
+    step = engine.Trainer.step
+
+    def poisoned(self):
+        row = step(self)
+        if self.global_step == 2:
+            with torch.no_grad():
+                next(self.model.parameters())[0, 0] = float("nan")
+        return row
+
+    monkeypatch.setattr(engine.Trainer, "step", poisoned)
+    out = setup / "out"
+    assert cli.main(train_argv(setup, 3, "--ckpt.save_steps", "1", "--eval.steps", "-1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("openrlhf-geo train: step 2: model.") and "holds NaN/inf; not writing" in err
+    assert rundir.load_checkpoint(out)["step"] == 1 and not (out / "model").exists()
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--salt.base", "rloo"], "supports --salt.base group_norm or dr_grpo"),
-        (["--diagnostics.features", "exact"], "--diagnostics.features is for runs without SALT"),
+        (["--salt.diagnostics", "--advantage_estimator", "salt"], "--salt.diagnostics is for runs without SALT"),
         (["--rollout.n_samples_per_prompt", "1"], "--rollout.n_samples_per_prompt must be >= 2"),
         (["--actor.model_name_or_path", "somewhere"], "exactly one of --actor.model_name_or_path and --actor.config"),
         (["--reward.noise.type", "flip"], "--reward.noise.rate must be in (0, 1)"),
@@ -101,15 +195,103 @@ def test_train_rejects_inconsistent_flags_naming_them(setup, capsys, extra, mess
     assert message in capsys.readouterr().err
 
 
+def with_model(argv, path):
+    """`argv` loading the model directory `path` in place of --actor.config and --actor.tokenizer."""
+    i = argv.index("--actor.config")
+    return [*argv[:i], "--actor.model_name_or_path", str(path), *argv[i + 4 :]]
+
+
+BAD_LINES = {
+    "json": b'{"question": "1+1=", "label": "2"}\n{"q\n',
+    "utf8": b'{"question": "1+1=", "label": "\xff"}\n',
+    "null": b'{"question": "1+1=", "label": null}\n',
+    "field": b'{"label": "2"}\n',
+}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data.prompt_dataset", "{t}/json.jsonl"], "--data.prompt_dataset {t}/json.jsonl:2: not JSON"),
+        (["--eval.dataset", "{t}/utf8.jsonl"], "--eval.dataset {t}/utf8.jsonl:1: not UTF-8 (byte 0xff at column 32)"),
+        (["--data.prompt_dataset", "{t}/null.jsonl"], "null.jsonl:1: 'label' must be a string or number (got null)"),
+        (["--data.prompt_dataset", "{t}/field.jsonl"], "field.jsonl:1: no 'question' field (--data.input_key"),
+        (["--data.prompt_dataset", "{t}/no.jsonl"], "--data.prompt_dataset {t}/no.jsonl: No such file"),
+        (["--actor.config", "{t}/no/config.json"], "--actor.config {t}/no/config.json: no such file or directory"),
+        (["--actor.model_name_or_path", "./no/model"], "--actor.model_name_or_path ./no/model: no such file or"),
+        (["--ckpt.output_dir", "{t}/train.jsonl"], "--ckpt.output_dir {t}/train.jsonl: is a file"),
+        (["--ckpt.output_dir", "{t}/train.jsonl/x"], "{t}/train.jsonl/x: cannot write there (Not a directory)"),
+        (["--rollout.temperature", "inf"], "--rollout.temperature must be a finite number (got inf)"),
+        (["--rollout.temperature", "nan"], "--rollout.temperature must be a finite number (got nan)"),
+        (["--rollout.temperature", "0"], "--rollout.temperature must be > 0 (got 0.0)"),
+        (["--rollout.temperature", "-1"], "--rollout.temperature must be > 0 (got -1.0)"),
+        (["--actor.adam.lr", "inf"], "--actor.adam.lr must be a finite number (got inf)"),
+        (["--eval.n_samples_per_prompt", "0"], "--eval.n_samples_per_prompt must be >= 1 (got 0)"),
+        (["--salt.dim", "50"], "--salt.dim must be a perfect square >= 16 (got 50)"),
+        (["--geoalign.enable", "--geoalign.projector.steps", "2.5"], "projector.steps: invalid int value: '2.5'"),
+        (["--geoalign.enable", "--geoalign.projector.steps", "1e3"], "projector.steps: invalid int value: '1e3'"),
+        (["--rollout.temprature", "0.5"], "(did you mean --rollout.temperature?)"),
+        (["--diagnostics.dim", "64"], "unrecognized arguments: --diagnostics.dim 64 (did you mean --salt.dim?)"),
+        (["--train.device", "gpu"], "--train.device 'gpu': not a device"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag_file_or_value(setup, capsys, extra, message):
+    for name, data in BAD_LINES.items():
+        (setup / f"{name}.jsonl").write_bytes(data)
+    extra = [x.format(t=setup) for x in extra]
+    argv = train_argv(setup, 1, *extra)
+    if "--actor.model_name_or_path" in extra:
+        argv = with_model(argv[: -len(extra)], extra[1])
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("openrlhf-geo train: ") and len(err.strip().splitlines()) == 1, err
+    assert message.format(t=setup) in err
+    if "dataset" in message:
+        assert not (setup / "out").exists()  # inputs are checked before the output dir is touched
+
+
+def test_tensorboard_and_offline_wandb_log_upstream_names_with_one_progress_bar(setup, capsys, monkeypatch):
+    """A pretrained model directory, so transformers would show its own "Loading weights" bar if not silenced."""
+    from openrlhf_geo.eval.report import read_tensorboard
+
+    tmp = setup
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    capsys.readouterr()  # the bars of that save_pretrained
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    assert cli.main(with_model(train_argv(tmp, 2, "--use_tensorboard", "--use_wandb"), tmp / "model")) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err and "train:" in err
+
+    out = tmp / "out"
+    curves = read_tensorboard(out / "tensorboard")
+    rows = read_rows(out / "metrics.jsonl")
+    assert curves["train/accuracy"][0].tolist() == [1, 2] and curves["eval/accuracy"][0].tolist() == [0, 2]
+    torch.testing.assert_close(curves["train/loss"][1].tolist(), [r["loss"] for r in rows[1:]])
+    assert "train/step" not in curves and not any(tag.startswith("train/eval/") for tag in curves)
+    (record,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    assert b"train/accuracy" in data and b"eval/accuracy" in data and b"train/global_step" in data
+
+
 def test_demo_quick_writes_report_metrics_and_plots(tmp_path):
     assert cli.main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1"]) == 0
     report = (tmp_path / "report.md").read_text()
-    for section in ("## Final held-out accuracy", "## SALT geometry", "## GeoAlign detection"):
+    for section in ("## Final held-out accuracy", "## Paired differences", "## GeoAlign detection"):
         assert section in report
-    rows = read_rows(tmp_path / "metrics.jsonl")
-    assert {r["method"] for r in rows} == {"grpo", "salt", "grpo_noise", "geoalign_noise"}
-    assert all("salt/n_eff_out" in r for r in rows if r["method"] in ("grpo", "salt") and r["step"] > 0)
-    assert any("geo/auroc" in r for r in rows if r["method"] == "geoalign_noise")
-    for name in ("accuracy_vs_step", "pr_neff_vs_step", "alpha_vs_step", "gdi_corrupted_vs_clean"):
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["methods"]) == {"grpo", "salt", "grpo_noise", "geoalign_noise"}
+    runs = tmp_path / "runs"
+    for method in summary["methods"]:
+        rows = [r for r in read_rows(runs / method / "seed0" / "metrics.jsonl") if r["step"] > 0]
+        assert rows and all(r["method"] == method for r in rows)
+        if method in ("grpo", "salt"):  # GRPO logs the geometry of its own advantages (--salt.diagnostics)
+            assert all("salt/n_eff_out" in r and "salt/n_eff_in" in r for r in rows)
+        if method == "geoalign_noise":
+            assert all("geo/val_acc" in r and "geo/skipped_reason" in r for r in rows)
+    for name in ("eval_accuracy", "salt_pr", "salt_n_eff_in", "salt_alpha", "gdi_geoalign_noise"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "sft" / "sft.json").read_text())["steps"] >= 1

@@ -8,10 +8,20 @@ translates to a Ray run flag by flag. Example, continuing from the demo's SFT mo
         --advantage_estimator salt --salt.features exact --train.steps 50 --ckpt.output_dir runs/my_salt
 
 Writes `<ckpt.output_dir>/metrics.jsonl` (one JSON object per step), `checkpoint.pt` (resume with
-`--ckpt.load_enable`) and the final model + tokenizer (`save_pretrained`) in `<ckpt.output_dir>/model`.
+`--ckpt.load_enable`) and the final model + tokenizer (`save_pretrained`) in `<ckpt.output_dir>/model`; with
+`--use_tensorboard` / `--use_wandb` the same metrics as upstream's `train/<key>` and `eval/<key>` (`tracking`).
+
+A run never silently replaces another: a used output directory needs `--ckpt.load_enable` (resume) or
+`--ckpt.overwrite`, a lock keeps two runs out of one directory, and a resume refuses flags that would change the
+training (`rundir.SAFE_TO_CHANGE` lists the ones it accepts). Bad input is a one-line error naming the flag, file
+and line, without a traceback: exit status 2 for bad flags, 1 for bad files, an unusable output directory or
+checkpoint, or a run that must stop (e.g. non-finite weights, which are never written).
 """
 
 import argparse
+import contextlib
+import difflib
+import hashlib
 import importlib.util
 import json
 import math
@@ -21,13 +31,34 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import options
+from openrlhf_geo.local import rundir
 
 ESTIMATORS = ("group_norm", "dr_grpo", "salt")
 LOCAL_SALT_BASES = ("group_norm", "dr_grpo")
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors are ValueError (one line, no usage dump) and whose unknown flags get a close match."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [s for action in self._actions for s in action.option_strings]
+            unknown = next((x.split("=")[0] for x in extras if x.startswith("-")), None)
+            close = []
+            if unknown:  # the same last part under another group (--diagnostics.dim -> --salt.dim), else spelling
+                close = [f for f in flags if f.split(".")[-1] == unknown.split(".")[-1] and "." in unknown]
+                close = close or difflib.get_close_matches(unknown, flags, n=1)
+            hint = f" (did you mean {' or '.join(close[:3])}?)" if close else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="openrlhf-geo train", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     model = p.add_argument_group("model")
@@ -72,13 +103,6 @@ def build_parser():
     algo.add_argument("--algo.dynamic_filtering_enable", action="store_true", help="DAPO: drop all-equal groups")
     algo.add_argument("--algo.kl.init_coef", type=float, default=0.0, help="KL-to-reference loss coefficient")
     algo.add_argument("--algo.kl.estimator", choices=("k1", "k2", "k3"), default="k3")
-    algo.add_argument(
-        "--diagnostics.features",
-        choices=("exact", "sketch"),
-        default=None,
-        help="without SALT: compute LM-head features anyway and log PR and n_eff of the unmodified advantages",
-    )
-    algo.add_argument("--diagnostics.dim", type=int, default=4096, help="sketch dimension for --diagnostics.features")
 
     actor = p.add_argument_group("optimisation")
     actor.add_argument("--actor.adam.lr", type=float, default=1e-6)
@@ -90,6 +114,12 @@ def build_parser():
         "--actor.eps_clip_low_high", type=float, nargs=2, default=None, help="DAPO clip-higher: eps_low eps_high"
     )
     actor.add_argument("--actor.loss_agg_mode", choices=("token-mean", "seq-mean-token-mean"), default="token-mean")
+    actor.add_argument(
+        "--actor.entropy_coef",
+        type=float,
+        default=None,
+        help="entropy bonus lambda_ENT >= 0 (SALT Eq. 71), aggregated like the loss; 0 = log entropy_loss only",
+    )
     actor.add_argument("--train.steps", type=int, default=50, help="RL steps (rollout batches)")
     actor.add_argument("--train.batch_size", type=int, default=0, help="rollouts per AdamW step; 0 = all")
     actor.add_argument("--train.micro_batch_size", type=int, default=0, help="rows per backward; 0 = mini-batch")
@@ -102,6 +132,35 @@ def build_parser():
     ckpt.add_argument("--ckpt.output_dir", default="runs/train")
     ckpt.add_argument("--ckpt.save_steps", type=int, default=-1, help="checkpoint every N steps (and at the end)")
     ckpt.add_argument("--ckpt.load_enable", action="store_true", help="resume from <output_dir>/checkpoint.pt")
+    ckpt.add_argument(
+        "--ckpt.overwrite",
+        action="store_true",
+        help="start over in an output dir that holds an earlier run (deletes its checkpoints, logs and model)",
+    )
+
+    log = p.add_argument_group("logging (upstream's metric names: train/<key>, eval/<key>)")
+    log.add_argument(
+        "--logger.tensorboard_dir",
+        "--use_tensorboard",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard event files in DIR (default <ckpt.output_dir>/tensorboard); needs `tensorboard`",
+    )
+    log.add_argument(
+        "--logger.wandb.key",
+        "--use_wandb",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="KEY",
+        help="log to Weights & Biases (optionally logging in with API key KEY); WANDB_MODE=offline needs no network",
+    )
+    log.add_argument("--logger.wandb.project", default="openrlhf_geo")
+    log.add_argument("--logger.wandb.group", default=None)
+    log.add_argument("--logger.wandb.org", default=None)
+    log.add_argument("--logger.wandb.run_name", default=None, help="default: the output directory's name")
 
     options.add_args(p)
     return p
@@ -119,42 +178,129 @@ def validate(args):
         raise ValueError(
             f"the local engine supports --salt.base {' or '.join(LOCAL_SALT_BASES)} (got {args.salt.base})"
         )
-    if args.salt.enable and args.diagnostics.features is not None:
-        raise ValueError("--diagnostics.features is for runs without SALT; SALT logs its geometry itself")
     if (args.actor.model_name_or_path is None) == (args.actor.config is None):
         raise ValueError("give exactly one of --actor.model_name_or_path and --actor.config")
     if args.actor.config is not None and args.actor.tokenizer is None:
         raise ValueError("--actor.config needs --actor.tokenizer (a randomly initialised model has no tokenizer)")
-    checks = [
-        (args.rollout.n_samples_per_prompt >= 2, "--rollout.n_samples_per_prompt must be >= 2 (group baselines)"),
-        (args.rollout.batch_size >= 1, "--rollout.batch_size must be >= 1"),
-        (args.rollout.max_new_tokens >= 1, "--rollout.max_new_tokens must be >= 1"),
-        (args.rollout.temperature > 0, "--rollout.temperature must be > 0"),
-        (0 < args.rollout.top_p <= 1, "--rollout.top_p must be in (0, 1]"),
-        (args.train.steps >= 0, "--train.steps must be >= 0"),
-        (args.train.max_epochs >= 1, "--train.max_epochs must be >= 1"),
-        (args.algo.kl.init_coef >= 0, "--algo.kl.init_coef must be >= 0"),
-        (args.actor.adam.lr > 0, "--actor.adam.lr must be > 0"),
-        (args.actor.eps_clip > 0, "--actor.eps_clip must be > 0"),
+    r, t, o, e = args.rollout, args.train, args.actor, args.eval
+    checks = [  # (holds, message, the value it is about)
         (
-            args.actor.eps_clip_low_high is None or min(args.actor.eps_clip_low_high) > 0,
-            "--actor.eps_clip_low_high values must be > 0",
+            r.n_samples_per_prompt >= 2,
+            "--rollout.n_samples_per_prompt must be >= 2 (group baselines)",
+            r.n_samples_per_prompt,
         ),
+        (r.batch_size >= 1, "--rollout.batch_size must be >= 1", r.batch_size),
+        (r.max_new_tokens >= 1, "--rollout.max_new_tokens must be >= 1", r.max_new_tokens),
+        (r.temperature > 0, "--rollout.temperature must be > 0", r.temperature),
+        (0 < r.top_p <= 1, "--rollout.top_p must be in (0, 1]", r.top_p),
+        (t.steps >= 0, "--train.steps must be >= 0", t.steps),
+        (t.max_epochs >= 1, "--train.max_epochs must be >= 1", t.max_epochs),
+        (t.threads is None or t.threads >= 1, "--train.threads must be >= 1", t.threads),
         (
-            min(args.train.batch_size, args.train.micro_batch_size, args.rollout.micro_batch_size) >= 0,
+            min(t.batch_size, t.micro_batch_size, r.micro_batch_size) >= 0,
             "--train.batch_size, --train.micro_batch_size and --rollout.micro_batch_size must be >= 0",
+            (t.batch_size, t.micro_batch_size, r.micro_batch_size),
+        ),
+        (args.algo.kl.init_coef >= 0, "--algo.kl.init_coef must be >= 0", args.algo.kl.init_coef),
+        (o.adam.lr > 0, "--actor.adam.lr must be > 0", o.adam.lr),
+        (all(0 <= b < 1 for b in o.adam.betas), "--actor.adam.betas must be in [0, 1)", o.adam.betas),
+        (o.adam.weight_decay >= 0, "--actor.adam.weight_decay must be >= 0", o.adam.weight_decay),
+        (o.max_norm > 0, "--actor.max_norm must be > 0", o.max_norm),
+        (o.eps_clip > 0, "--actor.eps_clip must be > 0", o.eps_clip),
+        (
+            o.eps_clip_low_high is None or min(o.eps_clip_low_high) > 0,
+            "--actor.eps_clip_low_high values must be > 0",
+            o.eps_clip_low_high,
+        ),
+        (e.n_samples_per_prompt >= 1, "--eval.n_samples_per_prompt must be >= 1", e.n_samples_per_prompt),
+        (e.steps == -1 or e.steps >= 1, "--eval.steps must be >= 1, or -1 for never", e.steps),
+        (e.steps == -1 or e.dataset is not None, "--eval.steps needs --eval.dataset", e.steps),
+        (
+            args.ckpt.save_steps == -1 or args.ckpt.save_steps >= 1,
+            "--ckpt.save_steps must be >= 1, or -1 for the end only",
+            args.ckpt.save_steps,
         ),
     ]
-    for ok, message in checks:
+    for ok, message, value in checks:
         if not ok:
-            raise ValueError(message)
+            raise ValueError(f"{message} (got {value})")
     if args.reward.noise.type == "swap" and args.reward.pm1:
         raise ValueError("--reward.noise.type swap is for scalar rewards; use flip with --reward.pm1")
+    if args.train.device is not None:
+        try:
+            device = torch.device(args.train.device)
+        except RuntimeError:
+            raise ValueError(f"--train.device {args.train.device!r}: not a device (cpu, cuda, cuda:N)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--train.device {args.train.device}: CUDA is not available on this machine")
     return args
 
 
 def parse_args(argv):
-    return validate(options.nest(build_parser().parse_args(argv)))
+    """The validated nested namespace of `openrlhf-geo train ARGV`; ValueError naming the flag otherwise."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    for action in parser._actions:  # every float flag, the fork's included: inf/nan pass `> 0`-style checks
+        value = getattr(namespace, action.dest, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if action.type is float and any(v is not None and not math.isfinite(v) for v in values):
+            raise ValueError(f"{action.option_strings[0]} must be a finite number (got {value})")
+    return validate(options.nest(namespace))
+
+
+def read_dataset(path, input_key, label_key, flag):
+    """{"prompt", "answer"} rows of a jsonl dataset; ValueError naming the flag, file and line of a bad one."""
+    try:
+        f = open(path, "rb")
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror}") from None
+    rows = []
+    with f:
+        for number, raw in enumerate(f, 1):
+            where = f"{flag} {path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object (got {type(row).__name__})")
+            for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
+                if key not in row:
+                    raise ValueError(f"{where}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
+                value = row[key]
+                if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                    raise ValueError(f"{where}: {key!r} must be a string or number (got {json.dumps(value)})")
+            rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
+    if not rows:
+        raise ValueError(f"{flag} {path}: no rows")
+    return rows
+
+
+def check_local_path(flag, value):
+    """ValueError when `value` reads as a local path and does not exist, so that it never becomes a hub download.
+
+    Hub ids are `name` or `org/name`; a value starting with `.`, `/` or `~`, with a backslash or more than one `/`,
+    ending in .json, or whose parent directory exists here is a local path.
+    """
+    if value is None or Path(value).exists():
+        return
+    local = (
+        value.startswith((".", "/", "~"))
+        or "\\" in value
+        or value.count("/") > 1
+        or value.endswith(".json")
+        or ("/" in value and Path(value).parent.is_dir())
+    )
+    if local:
+        raise ValueError(f"{flag} {value}: no such file or directory")
 
 
 def load_python_reward(path):
@@ -204,18 +350,50 @@ def make_reward_fn(spec):
     return CachedMathVerify() if spec == "math_verify" else load_python_reward(spec)
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No transformers/hub progress bars inside (weight loading, shard writing): the run's own bar is the one shown."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(args, device):
+    """(model, tokenizer) from --actor.*; a local path that does not exist or a failed load is a ValueError naming
+    the flag (a hub id still downloads, with the hub's progress bar)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if args.actor.model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(args.actor.model_name_or_path, dtype=torch.float32)
-    else:
-        with torch.random.fork_rng():
-            torch.manual_seed(args.train.seed)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.actor.config))
-    tokenizer = AutoTokenizer.from_pretrained(args.actor.tokenizer or args.actor.model_name_or_path)
+    actor = args.actor
+    for flag, value in (
+        ("--actor.model_name_or_path", actor.model_name_or_path),
+        ("--actor.config", actor.config),
+        ("--actor.tokenizer", actor.tokenizer),
+    ):
+        check_local_path(flag, value)
+    source = ("--actor.model_name_or_path", actor.model_name_or_path)  # what is being loaded, for the error
+    try:
+        if actor.model_name_or_path is not None:
+            local = Path(actor.model_name_or_path).exists()
+            with _quiet_transformers() if local else contextlib.nullcontext():
+                model = AutoModelForCausalLM.from_pretrained(actor.model_name_or_path, dtype=torch.float32)
+        else:
+            source = ("--actor.config", actor.config)
+            with torch.random.fork_rng():
+                torch.manual_seed(args.train.seed)
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(actor.config))
+        if actor.tokenizer is not None:
+            source = ("--actor.tokenizer", actor.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(actor.tokenizer or actor.model_name_or_path)
+    except OSError as error:  # transformers' "not a model directory / not on the hub / offline" errors
+        raise ValueError(f"{source[0]} {source[1]}: {str(error).strip().splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token; rollouts need one to end")
+        raise ValueError(f"{source[0]} {source[1]}: the tokenizer has no EOS token; rollouts need one to end")
     return model.to(device), tokenizer
 
 
@@ -226,35 +404,46 @@ def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def fit(trainer, steps, out_dir, eval_steps=-1, eval_samples=1, save_steps=-1, tags=None, progress=None):
+def fit(
+    trainer,
+    steps,
+    out_dir,
+    eval_steps=-1,
+    eval_samples=1,
+    save_steps=-1,
+    tags=None,
+    progress=None,
+    config=None,
+    loggers=(),
+):
     """Run RL steps up to `steps` (continuing from trainer.global_step) -> the metric rows written.
 
     Writes one JSON object per step to <out_dir>/metrics.jsonl (plus `tags`, e.g. method and seed) and, with
     GeoAlign, each step's per-rollout GDI / corruption / flags to <out_dir>/gdi.jsonl; evaluates
     every `eval_steps` steps (and before the first step when starting fresh), checkpoints every `save_steps` and at
-    the end. `progress(row)` is called after each step.
+    the end (`rundir.save_checkpoint`, storing `config`, the run's flags). Each row also goes to every logger's
+    `log(step, row)` (`tracking`); `progress(row)` is called after each step. A fresh run (global_step 0) starts
+    the logs over; a resumed one keeps their rows up to its step (`rundir.trim_jsonl`) and appends.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tags = tags or {}
     rows = []
-    # a fresh run replaces old logs; a resumed one keeps the rows up to its checkpoint's step, then appends
     for name in ("metrics.jsonl", "gdi.jsonl"):
-        path = out_dir / name
-        if not path.exists():
-            continue
         if trainer.global_step == 0:
-            path.unlink()
+            (out_dir / name).unlink(missing_ok=True)
         else:
-            lines = path.read_text().splitlines(keepends=True)
-            path.write_text("".join(x for x in lines if json.loads(x)["step"] <= trainer.global_step))
+            rundir.trim_jsonl(out_dir / name, trainer.global_step)
 
     def write(row):
         row = {**tags, **row}
         rows.append(row)
         with (out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()}) + "\n")
+        for logger in loggers:
+            logger.log(row["step"], row)
 
+    saved = trainer.global_step if trainer.global_step > 0 else None  # a resumed state is already on disk
     if eval_steps > 0 and trainer.global_step == 0:
         write({"step": 0, **trainer.evaluate(eval_samples)})
     while trainer.global_step < steps:
@@ -267,53 +456,180 @@ def fit(trainer, steps, out_dir, eval_steps=-1, eval_samples=1, save_steps=-1, t
             row.update(trainer.evaluate(eval_samples))
         write(row)
         if save_steps > 0 and trainer.global_step % save_steps == 0:
-            trainer.save_checkpoint(out_dir / "checkpoint.pt")
+            rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
+            saved = trainer.global_step
         if progress is not None:
             progress(row)
-    trainer.save_checkpoint(out_dir / "checkpoint.pt")
+    if saved != trainer.global_step:
+        rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
     return rows
 
 
-def main(argv=None):
-    from openrlhf_geo.local.engine import Trainer
-    from openrlhf_geo.local.task import read_jsonl
+# flags naming files, stored resolved so that a resume from another working directory compares equal
+PATH_FLAGS = (
+    "actor.model_name_or_path",
+    "actor.config",
+    "actor.tokenizer",
+    "data.prompt_dataset",
+    "eval.dataset",
+    "reward.func",
+    "ckpt.output_dir",
+    "logger.tensorboard_dir",
+)
 
-    try:
-        args = parse_args(argv)
-    except ValueError as e:
-        print(f"openrlhf-geo train: {e}", file=sys.stderr)
-        return 2
+
+def run_config(args):
+    """The flags a checkpoint stores and a resume compares (`rundir.flag_config`), with existing paths resolved,
+    the content hash of the prompt dataset and of a .py reward, and the wandb API key masked."""
+    config = rundir.flag_config(args)
+    for key in PATH_FLAGS:
+        if config.get(key) and Path(config[key]).exists():
+            config[key] = str(Path(config[key]).resolve())
+    for key in ("data.prompt_dataset", "reward.func"):
+        path = Path(config[key])
+        config[f"content.{key}"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if config.get("logger.wandb.key"):
+        config["logger.wandb.key"] = "<given>"
+    for key in ("ckpt.load_enable", "ckpt.overwrite"):  # how this invocation starts, not what the run is
+        del config[key]
+    return config
+
+
+def check_resume_config(parser, checkpoint, config):
+    """Refuse (ValueError listing old -> new) a resume whose flags differ from the checkpoint's in a way that
+    changes the training; report the differences `rundir.SAFE_TO_CHANGE` allows."""
+    if checkpoint["config"] is None:
+        rundir.warn(f"{checkpoint['path']} stores no flags (an older format): cannot check that they match")
+        return
+    names = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+
+    def show(changes):
+        shown = [(names.get(k, k), *(v if v == rundir.ABSENT else repr(v) for v in (a, b))) for k, a, b in changes]
+        return ", ".join(f"{name} {a} -> {b}" for name, a, b in shown)
+
+    safe, unsafe = rundir.config_changes(checkpoint["config"], config)
+    if unsafe:
+        allowed = []  # a group whose flags are all safe is shown as --group.*
+        for key in rundir.SAFE_TO_CHANGE:
+            group = key.split(".")[0]
+            whole = all(k in rundir.SAFE_TO_CHANGE for k in names if k.split(".")[0] == group and k in config)
+            allowed.append(f"--{group}.*" if whole else names.get(key, key))
+        allowed = ", ".join(dict.fromkeys(allowed))
+        raise ValueError(
+            f"--ckpt.load_enable: {checkpoint['path']} was written with other flags, and these change the "
+            f"training: {show(unsafe)}. Resume with the original values (changes allowed: {allowed}) or start a "
+            "new run in another --ckpt.output_dir"
+        )
+    if safe:
+        print(f"resuming with changed flags: {show(safe)}", file=sys.stderr)
+
+
+def make_loggers(args, out, config, resumed_step):
+    """The TensorBoard / wandb loggers the --logger.* flags ask for (`tracking`)."""
+    from openrlhf_geo.local import tracking
+
+    loggers = []
+    if args.logger.tensorboard_dir is not None:
+        log_dir = args.logger.tensorboard_dir or out / "tensorboard"
+        loggers.append(tracking.TensorboardLogger(log_dir, resumed_step))
+    wandb = args.logger.wandb
+    if wandb.key is not None:
+        loggers.append(
+            tracking.WandbLogger(
+                out, config, wandb.project, wandb.run_name, wandb.group, wandb.org, wandb.key, resumed_step > 0
+            )
+        )
+    return loggers
+
+
+def train(args):
+    """The `openrlhf-geo train` run of validated `args` (after `parse_args`) -> exit status."""
+    from tqdm.auto import tqdm
+
+    from openrlhf_geo.local.engine import Trainer
+
     if args.train.threads:
         torch.set_num_threads(args.train.threads)
     device = torch.device(args.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tokenizer = load_model(args, device)
-    rows = read_jsonl(args.data.prompt_dataset, args.data.input_key, args.data.label_key)
-    eval_rows = read_jsonl(args.eval.dataset, args.data.input_key, args.data.label_key) if args.eval.dataset else None
-    trainer = Trainer(args, model, tokenizer, rows, make_reward_fn(args.reward.func), eval_rows)
+    rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
+    eval_rows = None
+    if args.eval.dataset:
+        eval_rows = read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset")
+    config = run_config(args)
     out = Path(args.ckpt.output_dir)
-    if args.ckpt.load_enable and (out / "checkpoint.pt").exists():
-        trainer.load_checkpoint(out / "checkpoint.pt")
-        print(f"resumed from {out / 'checkpoint.pt'} at step {trainer.global_step}")
+    with rundir.claim(out, args.ckpt.load_enable, args.ckpt.overwrite) as resuming:
+        checkpoint = None
+        if resuming:
+            checkpoint = rundir.load_checkpoint(out)
+            check_resume_config(build_parser(), checkpoint, config)
+            for name in ("metrics.jsonl", "gdi.jsonl"):  # as fit does, but before the model loads and the bar shows
+                rundir.trim_jsonl(out / name, checkpoint["step"])
+        model, tokenizer = load_model(args, device)
+        trainer = Trainer(args, model, tokenizer, rows, make_reward_fn(args.reward.func), eval_rows)
+        if checkpoint is not None:
+            try:
+                trainer.load_state_dict(checkpoint["state"])
+            except (KeyError, RuntimeError) as error:  # e.g. another architecture behind the same model path
+                detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+                raise rundir.CheckpointError(
+                    f"{checkpoint['path']}: its state does not fit this model and engine ({type(error).__name__}: "
+                    f"{detail})"
+                ) from None
+            print(f"resumed from {checkpoint['path']} at step {trainer.global_step}", file=sys.stderr)
+        else:
+            rundir.clear_run(out)  # only an earlier run's files (the directory was empty, or --ckpt.overwrite)
+        loggers = make_loggers(args, out, config, trainer.global_step)
+        bar = tqdm(
+            total=args.train.steps, initial=min(trainer.global_step, args.train.steps), desc="train", unit="step"
+        )
 
-    from tqdm.auto import tqdm
+        def progress(row):
+            bar.update(1)
+            bar.set_postfix(acc=f"{row['accuracy']:.2f}", loss=f"{row['loss']:.3f}")
 
-    bar = tqdm(total=args.train.steps, initial=trainer.global_step, desc="train", unit="step")
-
-    def progress(row):
-        bar.update(1)
-        bar.set_postfix(acc=f"{row['accuracy']:.2f}", loss=f"{row['loss']:.3f}")
-
-    fit(
-        trainer,
-        args.train.steps,
-        out,
-        args.eval.steps,
-        args.eval.n_samples_per_prompt,
-        args.ckpt.save_steps,
-        progress=progress,
-    )
-    bar.close()
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
-    print(f"wrote {out / 'metrics.jsonl'}, {out / 'checkpoint.pt'} and {out / 'model'}")
+        try:
+            fit(
+                trainer,
+                args.train.steps,
+                out,
+                args.eval.steps,
+                args.eval.n_samples_per_prompt,
+                args.ckpt.save_steps,
+                progress=progress,
+                config=config,
+                loggers=loggers,
+            )
+        finally:
+            bar.close()
+            for logger in loggers:
+                logger.close()
+        bad = rundir.find_nonfinite(model.state_dict())
+        if bad is not None:
+            raise rundir.CheckpointError(
+                f"step {trainer.global_step}: {bad} holds NaN/inf; not writing {out / 'model'}"
+            )
+        with _quiet_transformers():
+            model.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+    print(f"wrote {out / 'metrics.jsonl'}, {out / rundir.CHECKPOINT} and {out / 'model'}")
     return 0
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+    except ValueError as error:
+        print(f"openrlhf-geo train: {error}", file=sys.stderr)
+        return 2
+    try:
+        return train(args)
+    except ValueError as error:  # bad input found while setting up, or a run that must stop (e.g. NaN weights)
+        print(f"openrlhf-geo train: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"openrlhf-geo train: interrupted; --ckpt.load_enable resumes from the last checkpoint in "
+            f"{args.ckpt.output_dir}",
+            file=sys.stderr,
+        )
+        return 130

@@ -1,0 +1,345 @@
+"""The run directory of `openrlhf-geo train`: who may write it, checkpoints that survive a crash, resume checks.
+
+Layout of ``--ckpt.output_dir``::
+
+    .lock                 flock(2)-ed by the run writing the directory (a second run is refused, never queued)
+    checkpoint.pt         the newest checkpoint; checkpoint.prev.pt the one before it (the fallback);
+                          checkpoint.pt.bad one found unreadable at a resume, kept for inspection
+    metrics.jsonl         one JSON object per step; gdi.jsonl GeoAlign's per-rollout records
+    model/                the final model and tokenizer (save_pretrained)
+    tensorboard/          --use_tensorboard's default event directory
+
+A checkpoint is ``{"format", "version", "step", "config", "state", "digest"}``: `state` is `Trainer.state_dict()`,
+`config` the run's flags (`flag_config`), `digest` a SHA-256 over config and state. The digest is needed because
+torch's zip reader does not verify the CRC of the records it reads: a flipped bit in a tensor loads silently.
+"""
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+CHECKPOINT, PREVIOUS, LOCK = "checkpoint.pt", "checkpoint.prev.pt", ".lock"
+FORMAT, VERSION = "openrlhf-geo-local-checkpoint", 1
+# what a run writes; --ckpt.overwrite removes exactly these (wandb/ is left alone: offline runs may be unsynced)
+RUN_FILES = (
+    CHECKPOINT,
+    PREVIOUS,
+    f"{CHECKPOINT}.bad",
+    f"{CHECKPOINT}.tmp",
+    "metrics.jsonl",
+    "gdi.jsonl",
+    "model",
+    "tensorboard",
+)
+
+# Flags a resumed run may change: none of them alters the state a step produces from the state before it.
+SAFE_TO_CHANGE = {
+    "train.steps": "where the run stops; the local engine's learning rate does not depend on it",
+    "eval.steps": "evaluation samples from its own seeded, forked RNG and never touches the training state",
+    "eval.n_samples_per_prompt": "as --eval.steps",
+    "eval.dataset": "as --eval.steps (the eval curve then changes data at the resume step)",
+    "ckpt.save_steps": "when the state is written, not what it is",
+    "ckpt.output_dir": "where the run is (a moved directory resumes)",
+    "logger.tensorboard_dir": "logging only",
+    "logger.wandb.key": "logging only",
+    "logger.wandb.project": "logging only",
+    "logger.wandb.group": "logging only",
+    "logger.wandb.org": "logging only",
+    "logger.wandb.run_name": "logging only",
+    "train.threads": "the same arithmetic on more or fewer CPU threads (floating-point rounding may differ)",
+    "train.device": "the same algorithm on another device (rounding and the CUDA sampling stream differ)",
+    "geoalign.device": "as --train.device, for the GeoAlign projector",
+    "rollout.micro_batch_size": "chunks a no-grad forward whose rows are independent (same numbers up to rounding)",
+    "train.micro_batch_size": "gradient accumulation over the same mini-batch loss (same gradient up to rounding)",
+    "data.prompt_dataset": "the path only: its content is compared separately (content.data.prompt_dataset)",
+    "reward.func": "the path only: a .py reward's content is compared separately (content.reward.func)",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or must not be written (the message names the file and the step)."""
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- the directory
+
+
+@contextmanager
+def claim(out_dir, resume=False, overwrite=False):
+    """Create and lock `out_dir` for this process -> yields True to resume from its checkpoint, False to start fresh.
+
+    A fresh start needs an empty directory, or `overwrite` (the caller then clears the old run with `clear_run`
+    once its own inputs are checked). `resume` with a checkpoint present resumes; without one it starts fresh in
+    an empty directory and is an error in a non-empty one (unless `overwrite`). ValueError naming the flag.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--ckpt.output_dir {out_dir}: is a file, not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(out_dir / LOCK, "a+")
+    except OSError as error:
+        raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({error.strerror})") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            raise ValueError(
+                f"--ckpt.output_dir {out_dir}: another run is writing it ({owner}); wait for it or choose another"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        try:
+            yield _decide(out_dir, resume, overwrite)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _decide(out_dir, resume, overwrite):
+    held = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
+    has_checkpoint = (out_dir / CHECKPOINT).exists() or (out_dir / PREVIOUS).exists()
+    if resume and has_checkpoint:
+        return True
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        if resume:
+            raise ValueError(
+                f"--ckpt.load_enable: {out_dir} has no checkpoint to resume but holds {shown}; "
+                "pass --ckpt.overwrite to start over there, or choose another --ckpt.output_dir"
+            )
+        raise ValueError(
+            f"--ckpt.output_dir {out_dir} already holds a run ({shown}); resume it with --ckpt.load_enable, "
+            "replace it with --ckpt.overwrite, or choose another --ckpt.output_dir"
+        )
+    if resume:
+        print(f"--ckpt.load_enable: no checkpoint in {out_dir}, starting fresh", file=sys.stderr)
+    return False
+
+
+def clear_run(out_dir):
+    """Delete what an earlier run wrote in `out_dir` (RUN_FILES); anything else stays."""
+    for name in RUN_FILES:
+        path = Path(out_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def find_nonfinite(tree, prefix=""):
+    """Dotted name of the first floating-point tensor in a nested dict/list holding NaN or inf, else None."""
+    if isinstance(tree, torch.Tensor):
+        return prefix if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        found = find_nonfinite(value, f"{prefix}.{key}" if prefix else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _digest(tree, h):
+    """Feed a nested structure of tensors and plain data to hash `h`, independently of how it was serialized."""
+    if isinstance(tree, torch.Tensor):
+        t = tree.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(tree, dict):
+        h.update(f"{{{len(tree)}".encode())
+        for key, value in tree.items():
+            _digest(key, h)
+            _digest(value, h)
+    elif isinstance(tree, (list, tuple)):  # a tuple may come back as either; the content is what matters
+        h.update(f"[{len(tree)}".encode())
+        for value in tree:
+            _digest(value, h)
+    else:
+        h.update(f"{type(tree).__name__}:{tree!r};".encode())
+    return h
+
+
+def save_checkpoint(out_dir, state, config=None):
+    """Write `state` (Trainer.state_dict()) and the run's `config` to <out_dir>/checkpoint.pt -> its path.
+
+    Atomic: a temporary file is written and fsync-ed, the current checkpoint becomes checkpoint.prev.pt, then the
+    new one is renamed into place, so a kill at any moment leaves a readable checkpoint. Refuses (CheckpointError
+    naming the step and tensor) a state with a NaN/inf floating-point tensor: the last good checkpoint stays.
+    """
+    out_dir = Path(out_dir)
+    path = out_dir / CHECKPOINT
+    step = state.get("global_step")
+    bad = find_nonfinite(state)
+    if bad is not None:
+        raise CheckpointError(f"step {step}: {bad} holds NaN/inf; not writing {path} (the last checkpoint is kept)")
+    body = {"step": step, "config": config, "state": state}
+    record = {"format": FORMAT, "version": VERSION, **body, "digest": _digest(body, hashlib.sha256()).hexdigest()}
+    tmp = out_dir / f"{CHECKPOINT}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if path.exists():
+        os.replace(path, out_dir / PREVIOUS)
+    os.replace(tmp, path)
+    directory = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the renames durable
+    finally:
+        os.close(directory)
+    return path
+
+
+def read_checkpoint(path):
+    """{"step", "config", "state"} of one checkpoint file; CheckpointError naming the file when it cannot be used.
+
+    A plain `Trainer.state_dict()` written by the engine's own save is accepted with config None (no flags to check).
+    """
+    try:
+        with warnings.catch_warnings():  # torch warns about foreign pickles before refusing them
+            warnings.simplefilter("ignore")
+            record = torch.load(path, map_location="cpu", weights_only=True)  # RNG states stay on the CPU
+    except Exception as error:  # torch.load raises many types on a damaged file (zip, pickle, EOF, OS errors)
+        if error.__class__.__name__ == "UnpicklingError":
+            detail = "it holds objects other than tensors and plain data"
+        else:
+            first = str(error).strip().splitlines()[0].split(". ")[0][:160] if str(error).strip() else ""
+            detail = f"{type(error).__name__}: {first}" if first else type(error).__name__
+        raise CheckpointError(f"{path}: unreadable: truncated, corrupted or not a checkpoint ({detail})") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: not an openrlhf-geo checkpoint (holds a {type(record).__name__})")
+    if record.get("format") != FORMAT:
+        if {"global_step", "model", "optimizer"} <= record.keys():
+            return {"step": record["global_step"], "config": None, "state": record}
+        raise CheckpointError(f"{path}: not an openrlhf-geo checkpoint (keys {sorted(map(str, record))[:6]})")
+    if record.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {record.get('version')!r}, this code reads {VERSION}")
+    body = {key: record.get(key) for key in ("step", "config", "state")}
+    if record.get("digest") != _digest(body, hashlib.sha256()).hexdigest():
+        raise CheckpointError(f"{path}: corrupted (its content does not match the digest written with it)")
+    return body
+
+
+def load_checkpoint(out_dir):
+    """The newest usable checkpoint of `out_dir` -> {"step", "config", "state", "path"}.
+
+    Falls back to checkpoint.prev.pt with a warning when checkpoint.pt is unreadable (the bad file is moved aside
+    to checkpoint.pt.bad so that the next save does not rotate it over the good one); CheckpointError naming the
+    files when neither can be used.
+    """
+    out_dir = Path(out_dir)
+    problems = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = out_dir / name
+        if not path.exists():
+            continue
+        try:
+            checkpoint = read_checkpoint(path)
+        except CheckpointError as error:
+            problems.append(str(error))
+            continue
+        if problems:
+            os.replace(out_dir / CHECKPOINT, out_dir / f"{CHECKPOINT}.bad")
+            warn(f"{problems[0]}; moved it to {CHECKPOINT}.bad and resuming from {path} (step {checkpoint['step']})")
+        elif name == PREVIOUS:
+            warn(f"{out_dir / CHECKPOINT} is missing (a kill between renames?); resuming from {path}")
+        return {**checkpoint, "path": path}
+    if not problems:
+        raise CheckpointError(f"{out_dir}: no {CHECKPOINT} or {PREVIOUS}")
+    raise CheckpointError("; ".join(problems) + ". Start over with --ckpt.overwrite (or restore a copy)")
+
+
+# ---------------------------------------------------------------- logs
+
+
+def trim_jsonl(path, step):
+    """Keep the rows of a jsonl log with "step" <= `step` (a resumed run rewrites what follows its checkpoint).
+
+    A truncated last line (a kill mid-write: no newline, not JSON) is dropped with a warning; any other line that
+    is not a JSON object with a "step" is a ValueError naming file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = path.read_bytes().split(b"\n")
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+            if number == len(lines):  # no newline after it: the write was cut off
+                warn(f"{path}:{number}: dropped a truncated last line")
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON line ({error}); fix or delete it to resume") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number}: expected a JSON object with an integer 'step'; fix it to resume")
+        if row["step"] <= step:
+            kept.append(line + b"\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- flags
+
+
+def flag_config(args):
+    """The nested argparse namespace as {"group.flag": plain value} (tuples as lists), for storing and comparing."""
+    out = {}
+
+    def visit(prefix, value):
+        if isinstance(value, SimpleNamespace):
+            value = vars(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(f"{prefix}.{key}" if prefix else key, item)
+        elif isinstance(value, (list, tuple)):
+            out[prefix] = [v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for v in value]
+        else:
+            out[prefix] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+    visit("", args)
+    return out
+
+
+ABSENT = "(no such flag)"
+
+
+def config_changes(old, new):
+    """Flags whose values differ between a checkpoint's config and this run's -> (safe, unsafe), each a list of
+    (key, old, new). A key on one side only (a flag added or removed by another version of this code, which the
+    user cannot pass) counts as safe, with the value ABSENT on the other side, so that it is reported, not refused.
+    """
+    safe, unsafe = [], []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key, ABSENT), new.get(key, ABSENT)
+        if a != b:
+            allowed = key in SAFE_TO_CHANGE or ABSENT in (a, b)
+            (safe if allowed else unsafe).append((key, a, b))
+    return safe, unsafe
