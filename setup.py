@@ -30,9 +30,8 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["openrlhf-geo=openrlhf_geo.cli:main"]},
-    classifiers=[
-        "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
-    ],
-    license="Apache-2.0",
+    classifiers=["Programming Language :: Python :: 3"],
+    # PEP 639: an SPDX expression (setuptools >= 77, see pyproject.toml) and no license classifier, which
+    # setuptools now reports as deprecated.
+    license_expression="Apache-2.0",
 )

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -275,3 +276,150 @@ def test_reward_function_without_model_path_says_which_variable(monkeypatch):
     monkeypatch.setattr(armorm, "_default", None)
     with pytest.raises(ValueError, match=armorm.ENV_MODEL):
         armorm.reward_func(["q a"], ["q "], [None])
+
+
+def _fake_scores(conversations):
+    return torch.arange(len(conversations), dtype=torch.float32)
+
+
+@pytest.fixture
+def serve():
+    """Start a server with a stand-in scorer on 127.0.0.1:<ephemeral>; returns its base URL."""
+    servers = []
+
+    def start(**options):
+        server = armorm.make_server(armorm.BatchingScorer(_fake_scores, max_wait_s=0.0), "127.0.0.1", 0, **options)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _post_raw(url, body, headers=()):
+    """(status, JSON reply) of a POST with a raw body; HTTP errors are returned, not raised."""
+    request = urllib.request.Request(url + "/get_reward", body, {"Content-Type": "application/json", **dict(headers)})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+GOOD = json.dumps({"query": ["hi there", "hi you"], "prompts": ["hi ", "hi "]}).encode()
+
+
+def test_serve_rm_cli_binds_localhost_by_default_and_reads_the_token_from_env(monkeypatch):
+    bound = {}
+
+    def record_and_stop(server, *args, **kwargs):
+        bound["address"] = server.server_address
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args: _fake_scores)
+    monkeypatch.setattr(armorm._Server, "serve_forever", record_and_stop)
+    monkeypatch.setenv(armorm.ENV_AUTH_TOKEN, "from-env")
+    made = []
+    real_make_server = armorm.make_server
+    monkeypatch.setattr(armorm, "make_server", lambda *a, **k: made.append(k) or real_make_server(*a, **k))
+    assert armorm.main(["--model", "unused", "--port", "0", "--read-timeout", "7"]) == 0
+    assert bound["address"][0] == "127.0.0.1"
+    assert (made[0]["auth_token"], made[0]["read_timeout"]) == ("from-env", 7)
+    assert (made[0]["max_body_bytes"], made[0]["max_queries"]) == (armorm.MAX_BODY_BYTES, armorm.MAX_QUERIES)
+    assert armorm.main(["--model", "unused", "--port", "0", "--auth_token", "from-flag"]) == 0
+    assert made[1]["auth_token"] == "from-flag"
+    with pytest.raises(SystemExit):
+        armorm.main(["--model", "unused", "--max-queries", "0"])
+
+
+def test_oversized_body_and_batch_get_413(serve):
+    url = serve(max_body_bytes=len(GOOD) + 10, max_queries=2)
+    assert _post_raw(url, GOOD) == (200, {"rewards": [0.0, 1.0], "scores": [0.0, 1.0], "extra_logs": {}})
+    status, reply = _post_raw(url, GOOD + b" " * 4096)  # whitespace is valid JSON padding: only the size is wrong
+    assert status == 413 and str(len(GOOD) + 10) in reply["error"]
+    three = json.dumps({"query": ["hi a", "hi b", "hi c"], "prompts": ["hi "] * 3}).encode()
+    assert len(three) <= len(GOOD) + 10
+    status, reply = _post_raw(url, three)
+    assert status == 413 and "3 entries" in reply["error"]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b'{"query": [], "prompts": []}', "empty"),
+        (b'{"query": ["hi a"', "Expecting"),
+        (b'{"query": ["hi \xff"], "prompts": ["hi "]}', "decode"),
+        (b"[1, 2]", "object"),
+        (b'{"query": ["hi a"], "prompts": [3]}', "prompts"),
+        (b'{"query": "hi a", "prompts": ["hi ", "hi "]}', "differ in length"),
+    ],
+    ids=["empty-query", "truncated-json", "bad-utf8", "json-list", "non-string-prompt", "length-mismatch"],
+)
+def test_malformed_requests_get_400_not_500(serve, body, message):
+    status, reply = _post_raw(serve(), body)
+    assert status == 400 and message in reply["error"]
+
+
+def test_auth_token_bearer_or_url_credentials_else_401(serve):
+    import asyncio
+
+    import aiohttp
+
+    url = serve(auth_token="s3cret")
+    status, reply = _post_raw(url, GOOD)
+    assert status == 401 and "token" in reply["error"]
+    assert _post_raw(url, GOOD, {"Authorization": "Bearer wrong"})[0] == 401
+    assert _post_raw(url, GOOD, {"Authorization": "Basic !!notbase64"})[0] == 401
+    assert _post_raw(url, GOOD, {"Authorization": "Bearer s3cret"})[0] == 200
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:  # health checks need no token
+        assert response.status == 200
+
+    async def upstream_client(target):  # openrlhf.utils.agent's request, with the token in the URL
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.post(target, json=json.loads(GOOD)) as response:
+                return response.status, await response.json()
+
+    port = url.rsplit(":", 1)[1]
+    assert asyncio.run(upstream_client(f"http://:s3cret@127.0.0.1:{port}/get_reward"))[0] == 200
+    assert asyncio.run(upstream_client(f"http://127.0.0.1:{port}/get_reward"))[0] == 401
+
+
+def _read_until_closed(sock):
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_or_lying_clients_are_cut_off_at_the_read_deadline(serve):
+    import socket
+
+    url = serve(read_timeout=0.5)
+    port = int(url.rsplit(":", 1)[1])
+    # Lying client: announces 1000 body bytes, sends 10, then waits for the reply.
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as lying:
+        lying.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10)
+        reply = _read_until_closed(lying)  # before: the handler thread waited forever for the other 990 bytes
+    assert reply.startswith(b"HTTP/1.0 408") and b"got 10 of 1000" in reply
+    # Stalled client: the headers never end.
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
+        stalled.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\n")
+        reply = _read_until_closed(stalled)
+    assert reply.startswith(b"HTTP/1.0 408") and b"headers not received" in reply
+    # Trickling client: one header byte every 20 ms never trips a per-read timeout; the request deadline does.
+    request = b"POST /get_reward HTTP/1.1\r\nHost: x\r\n" + b"X-Padding: " + b"a" * 2000
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as slow:
+        sent = 0
+        try:
+            for byte in request:
+                slow.sendall(bytes([byte]))
+                sent += 1
+                time.sleep(0.02)
+        except OSError:  # the server closed the connection while we were still sending
+            pass
+    assert sent < len(request)  # cut off well before the 40 s this client would take
+    # Meanwhile the server still answers others.
+    assert _post_raw(url, GOOD)[0] == 200

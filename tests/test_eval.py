@@ -1,5 +1,6 @@
 """Evaluation: pass@k against brute-force enumeration, avg@n, benchmark loading, and a CPU end-to-end eval."""
 
+import importlib.util
 import itertools
 import json
 import math
@@ -172,18 +173,132 @@ def test_cpu_eval_end_to_end_writes_per_problem_and_summary_files(tiny_model, tm
         # the summary is recomputable from the per-problem file
         assert metrics["avg@2"] == pytest.approx(np.mean([r["correct"] for r in records]))
         assert metrics["pass@2"] == pytest.approx(np.mean([r["pass@2"] for r in records]))
+    captured = capsys.readouterr()
+    assert "math500:" in captured.out
+    assert "Loading weights" not in captured.err  # transformers' per-load progress bar is silenced
+
+
+def _fails_with_one_line(argv, capsys, *expected):
+    """main(argv) exits 2 with one stderr line containing every ``expected`` piece, and no traceback."""
+    assert harness.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openrlhf-geo eval: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for piece in expected:
+        assert piece in err, (piece, err)
+    return err
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Fail the test if anything gets as far as loading a model or a tokenizer."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loaded a model/tokenizer despite bad input")
+
+    monkeypatch.setattr(harness, "hf_generator", forbidden)
+    monkeypatch.setattr(harness, "vllm_generator", forbidden)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--n", "2", "--k", "4"], ["--k", "[4]"]),
+        (["--n", "0", "--k", "1"], ["--n", "got 0"]),
+        (["--benchmarks", "aime2099"], ["--benchmarks", "aime2099"]),
+        (["--benchmarks", ","], ["--benchmarks"]),
+        (["--temperature", "nan"], ["--temperature", "nan"]),
+        (["--temperature", "inf"], ["--temperature", "inf"]),
+        (["--temperature", "-0.5"], ["--temperature", "-0.5"]),
+        (["--temperature", "0", "--n", "2"], ["--temperature 0", "--n 2"]),
+        (["--top-p", "0"], ["--top-p", "got 0.0"]),
+        (["--verify-timeout", "0"], ["--verify-timeout", "got 0.0"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens", "got 0"]),
+        (["--batch-size", "-1"], ["--batch-size", "got -1"]),
+        (["--limit", "0"], ["--limit", "got 0"]),
+        (["--data", "math500"], ["--data", "'math500'"]),
+        (["--model", "/no/such/model"], ["--model /no/such/model", "no such local path"]),
+        (["--model", "./no-such-model"], ["--model ./no-such-model"]),
+        (["--model", "~/no-such-model"], ["--model ~/no-such-model"]),
+        (["--model", "runs/no/such-checkpoint"], ["--model runs/no/such-checkpoint"]),
+        pytest.param(
+            ["--backend", "vllm"],
+            ["--backend vllm", "not installed"],
+            marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed"),
+        ),
+    ],
+)
+def test_bad_flags_fail_at_once_in_one_line_naming_flag_and_value(flags, expected, tmp_path, capsys, no_generation):
+    argv = ["--model", "org/model", "--benchmarks", "math500", "--data-dir", str(FIXTURES)]
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")] + flags, capsys, *expected)
+
+
+def test_missing_data_says_where_it_looked(tmp_path, capsys, no_generation):
+    argv = ["--model", "org/model", "--benchmarks", "aime24", "--data-dir", str(tmp_path)]
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")], capsys, "aime24", "--from-hub")
+    argv = ["--model", "org/model", "--data", f"math500={tmp_path / 'nope.jsonl'}"]
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")], capsys, "nope.jsonl")
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("bad.jsonl", b'{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n', ["bad.jsonl:3:", "JSON"]),
+        (
+            "utf8.jsonl",
+            b'{"problem": "a", "answer": "1"}\n{"problem": "\xff", "answer": "2"}\n',
+            ["utf8.jsonl:2:", "UTF-8"],
+        ),
+        ("list.jsonl", b'{"problem": "a", "answer": "1"}\n[1, 2]\n', ["list.jsonl:2:", "JSON object"]),
+        ("bad.json", b'[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b"\n]\n', ["bad.json:4:", "JSON"]),
+        ("utf8.json", b'[\n{"problem": "\xc3\x28", "answer": "1"}]', ["utf8.json:2:", "UTF-8"]),
+        ("scalar.json", b"42", ["scalar.json", "list of JSON objects"]),
+        ("field.jsonl", b'{"problem": "a", "answer": "1"}\n{"question": "b", "answer": "2"}\n', ["record 1"]),
+        ("data.csv", b"problem,answer\n", ["data.csv", "unsupported"]),
+    ],
+)
+def test_malformed_data_files_are_reported_with_file_and_line(
+    name, content, expected, tmp_path, capsys, no_generation
+):
+    (tmp_path / name).write_bytes(content)
+    argv = ["--model", "org/model", "--data", f"math500={tmp_path / name}", "--output-dir", str(tmp_path / "out")]
+    _fails_with_one_line(argv, capsys, *expected)
+
+
+def test_unwritable_output_dir_fails_before_anything_loads(tmp_path, capsys, no_generation):
+    (tmp_path / "file").write_text("not a directory")
+    argv = ["--model", "org/model", "--benchmarks", "math500", "--data-dir", str(FIXTURES)]
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "file" / "out")], capsys, "--output-dir", "file")
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "file")], capsys, "--output-dir")
+
+
+def test_each_benchmark_is_written_when_it_finishes(tiny_model, tmp_path, monkeypatch, capsys):
+    """The second benchmark's generation dies: the first one's records and summary are already on disk."""
+    loads = []
+
+    def one_benchmark_then_crash(model, args):
+        loads.append(model)
+
+        def generate(prompts):
+            if len(loads) > 1 or any("A)" in p for p in prompts):  # gpqa_diamond lists its choices
+                raise RuntimeError("the GPU fell over")
+            return [["\\boxed{1}"] * args.n for _ in prompts], [[False] * args.n for _ in prompts]
+
+        return generate
+
+    monkeypatch.setattr(harness, "hf_generator", one_benchmark_then_crash)
+    out = tmp_path / "eval"
+    argv = ["--model", str(tiny_model), "--benchmarks", "math500,gpqa_diamond", "--data-dir", str(FIXTURES)]
+    with pytest.raises(RuntimeError, match="fell over"):
+        harness.main(argv + ["--output-dir", str(out), "--backend", "hf", "--n", "1"])
+    assert loads == [str(tiny_model)]  # the model loads once for all benchmarks
+    records = [json.loads(line) for line in (out / "math500.jsonl").read_text().splitlines()]
+    assert len(records) == 5 and records[0]["correct"] == [True]  # fixture problem 0's answer is 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["benchmarks"]) == {"math500"} and "math500/pass@1" in summary["metrics"]
+    assert not (out / "gpqa_diamond.jsonl").exists() and not (out / "summary.json.partial").exists()
     assert "math500:" in capsys.readouterr().out
-
-
-def test_eval_rejects_k_larger_than_n_and_unknown_benchmarks(tmp_path):
-    with pytest.raises(ValueError, match="--k"):
-        harness.main(["--model", "m", "--n", "2", "--k", "4", "--output-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="--benchmarks"):
-        harness.main(["--model", "m", "--benchmarks", "aime2099", "--output-dir", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match="--from-hub"):
-        harness.main(
-            ["--model", "m", "--benchmarks", "aime24", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path)]
-        )
 
 
 def test_prompt_uses_chat_template_or_plain_text_and_placement(tiny_model):

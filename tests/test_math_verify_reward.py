@@ -2,7 +2,9 @@
 
 import asyncio
 import importlib.util
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +17,7 @@ from openrlhf_geo.rewards import split_query
 
 LONG_REASONING = "Let me think about this carefully. " * 6000  # ~200k characters before the answer
 PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: hangs without a timeout
+MANY_BOXES = 100_000  # the bad-input probe: 100k `\boxed{1}` took about a minute to extract (quadratic scan)
 
 # (response, gold, correct, status)
 CASES = [
@@ -225,3 +228,93 @@ def test_split_query_recovers_the_response(prompt, response, template, cut):
 def test_split_query_refuses_to_guess():
     with pytest.raises(ValueError, match="cannot locate the prompt"):
         split_query("completely different text", "the prompt")
+
+
+def _reference_extract_last_boxed(text):
+    """Character-by-character reference (the original quadratic scan): the answer extract_last_boxed must give."""
+    last, i = None, 0
+    while True:
+        starts = [(pos, cmd) for cmd in mv.BOX_COMMANDS if (pos := text.find(cmd, i)) >= 0]
+        if not starts:
+            return last
+        pos, cmd = min(starts)
+        j = pos + len(cmd)
+        while j < len(text) and text[j] in " \t":
+            j += 1
+        if j >= len(text) or text[j] != "{":
+            i = pos + len(cmd)
+            continue
+        depth, k = 0, j
+        while k < len(text):
+            if text[k] == "\\":
+                k += 2
+                continue
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            if depth == 0:
+                break
+            k += 1
+        if depth != 0 or k >= len(text):
+            return None
+        last, i = text[j + 1 : k], k + 1
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from(["\\boxed", "\\fbox", "\\", "{", "}", " ", "\t", "x", "boxed", "\\{"]), max_size=40))
+def test_extract_last_boxed_matches_the_character_by_character_reference(pieces):
+    text = "".join(pieces)
+    assert mv.extract_last_boxed(text) == _reference_extract_last_boxed(text)
+
+
+def _best_time(fn, repeats=5):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_extraction_is_linear_in_the_number_of_boxes():
+    # The quadratic scan took ~16x longer for 4x the boxes; linear takes ~4x. Best-of-5 damps a shared machine.
+    small, large = "\\boxed{1}" * (MANY_BOXES // 4), "\\boxed{2}" * MANY_BOXES
+    assert mv.extract_last_boxed(large) == "2" and len(large) < mv.MAX_RESPONSE_CHARS
+    ratio = _best_time(lambda: mv.extract_last_boxed(large)) / _best_time(lambda: mv.extract_last_boxed(small))
+    assert ratio < 8, f"4x the boxes took {ratio:.1f}x as long"
+
+
+def test_pathological_batch_returns_within_its_per_item_timeouts():
+    """200 items, 5 of them 100k boxes ending in a power tower: those time out, the rest score, nothing waits on
+    extraction or on worker restarts outside the per-item timeout."""
+    timeout, workers = 1.0, 2
+    bad = "\\boxed{1}" * MANY_BOXES + PATHOLOGICAL
+    responses = [bad if i % 40 == 7 else f"so \\boxed{{{i}}}" for i in range(200)]
+    with mv.MathVerifyReward(timeout=timeout, workers=workers) as reward:
+        reward.verdicts(["\\boxed{1}"], ["1"])  # start the pool outside the measured time
+        start = time.perf_counter()
+        verdicts = reward.verdicts(responses, [str(i) for i in range(200)])
+        elapsed = time.perf_counter() - start
+    statuses = [v.status for v in verdicts]
+    assert statuses.count("timeout") == 5 and statuses.count("correct") == 195
+    assert all(v.answer == "9^{9^{9^{9}}}" for v in verdicts if v.status == "timeout")
+    # 5 timeouts on 2 workers block about 3 s plus background restarts; the quadratic scan took minutes here.
+    assert elapsed < 5 * timeout + 40, elapsed
+
+
+def test_bad_items_get_an_error_verdict_with_a_reason_not_an_exception(scorer, caplog):
+    import numpy as np
+
+    too_long = "x" * mv.MAX_RESPONSE_CHARS + "\\boxed{1}"
+    responses = [None, 7, b"\\boxed{1}", too_long, "\\boxed{nan}", "\\boxed{nan}", "\\boxed{1}", "\\boxed{1}"]
+    golds = ["1", "1", "1", "1", float("nan"), np.float32("nan"), float("inf"), ["1"]]
+    with caplog.at_level(logging.WARNING, logger=mv.__name__):
+        rewards, stats = scorer(responses, golds)
+        verdicts = scorer.verdicts(responses, golds)
+    torch.testing.assert_close(rewards, torch.zeros(len(responses)))
+    assert [v.status for v in verdicts] == ["error"] * 4 + ["bad_gold"] * 4
+    assert stats["error"] == 4 and stats["bad_gold"] == 4 and stats["correct"] == 0
+    reasons = [v.reason for v in verdicts]
+    assert "NoneType" in reasons[0] and "int" in reasons[1] and "bytes" in reasons[2]
+    assert str(mv.MAX_RESPONSE_CHARS) in reasons[3]
+    assert "nan" in reasons[4] and "nan" in reasons[5] and "inf" in reasons[6] and "list" in reasons[7]
+    assert sum("math-verify item" in r.getMessage() for r in caplog.records) == 2 * len(responses)
+    assert scorer.verdicts(["\\boxed{2}"], [2])[0].status == "correct"  # numbers are fine golds

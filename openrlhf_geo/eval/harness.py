@@ -5,16 +5,25 @@ Data comes from local files: ``--data-dir DIR`` holding ``<benchmark>.jsonl|.jso
 Generation uses vLLM when importable and a GPU is present, HF ``generate`` otherwise (``--backend`` to force).
 Every sample is scored with the boxed-answer math-verify reward (GPQA: the boxed letter choice).
 
-Writes to ``--output-dir``: ``<benchmark>.jsonl`` (one record per problem: prompt, responses, extracted answers,
-verdicts, pass@k) and ``summary.json`` (config, per-benchmark metrics, and a flat ``metrics`` map such as
-``{"math500/avg@16": ..., "math500/pass@1": ...}`` that ``openrlhf-geo report`` reads).
+Writes to ``--output-dir`` as each benchmark finishes: ``<benchmark>.jsonl`` (one record per problem: prompt,
+responses, extracted answers, verdicts, pass@k) and ``summary.json`` (config, per-benchmark metrics of the
+benchmarks finished so far, and a flat ``metrics`` map such as ``{"math500/avg@16": ..., "math500/pass@1": ...}``
+that ``openrlhf-geo report`` reads). The model loads once for all benchmarks.
+
+Bad input fails before any generation with a one-line ``openrlhf-geo eval: error: ...`` naming the flag, file
+(and line) or value, and exit status 2: out-of-range flags, a local-looking ``--model`` path that does not exist,
+an ``--output-dir`` that cannot be created or written, malformed JSON or non-UTF-8 data files.
 """
 
 import argparse
+import importlib.util
 import json
+import math
+import os
 import random
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +78,43 @@ class Problem:
     num_choices: int = 0
 
 
+def _decode_utf8(data, path, line_offset=0):
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = line_offset + data.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+
+
 def load_records(path):
-    """Records of a ``.jsonl``, ``.json`` (a list, or ``{"data": [...]}``) or ``.parquet`` file."""
+    """Records (dicts) of a ``.jsonl``, ``.json`` (a list, or ``{"data": [...]}``) or ``.parquet`` file.
+
+    Malformed JSON, invalid UTF-8 or a record that is not an object raise ValueError naming ``path:line``.
+    """
     path = Path(path)
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(path.read_bytes().splitlines(), 1):  # bytes split on \n and \r only
+            text = _decode_utf8(line, path, number - 1)
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+        return records
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        return data["data"] if isinstance(data, dict) else data
+        try:
+            data = json.loads(_decode_utf8(path.read_bytes(), path))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from None
+        records = data["data"] if isinstance(data, dict) and "data" in data else data
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise ValueError(f'{path}: expected a list of JSON objects (or {{"data": [...]}})')
+        return records
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -107,9 +145,9 @@ def to_problems(records, name, seed=0):
     spec = BENCHMARKS[name]
     problems = []
     for i, record in enumerate(records):
-        question = str(_field(record, spec.problem_keys, "problem", name)).strip()
+        question = str(_field(record, spec.problem_keys, "problem", f"{name} record {i}")).strip()
         if spec.kind == "math":
-            answer = _math_answer(_field(record, spec.answer_keys, "answer", name), name)
+            answer = _math_answer(_field(record, spec.answer_keys, "answer", f"{name} record {i}"), name)
             problems.append(Problem(i, question, answer, "math"))
             continue
         if "choices" in record:
@@ -175,8 +213,8 @@ def _needs_special_tokens(tokenizer):
     return not getattr(tokenizer, "chat_template", None)
 
 
-def generate_vllm(model, prompts, args):
-    """(P, n) response texts and truncation flags with vLLM."""
+def vllm_generator(model, args):
+    """``generate(prompts) -> (texts, truncated)``, each (P, n), with vLLM; the model loads once, here."""
     from vllm import LLM, SamplingParams
 
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, "auto")
@@ -184,19 +222,26 @@ def generate_vllm(model, prompts, args):
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed
     )
-    # Token ids, not text: vLLM would add a second BOS in front of a chat template that already has one.
-    ids = llm.get_tokenizer()(prompts, add_special_tokens=_needs_special_tokens(llm.get_tokenizer()))["input_ids"]
-    outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params)
-    texts = [[o.text for o in out.outputs] for out in outputs]
-    truncated = [[o.finish_reason == "length" for o in out.outputs] for out in outputs]
-    return texts, truncated
+    tokenizer = llm.get_tokenizer()
+
+    def generate(prompts):
+        # Token ids, not text: vLLM would add a second BOS in front of a chat template that already has one.
+        ids = tokenizer(prompts, add_special_tokens=_needs_special_tokens(tokenizer))["input_ids"]
+        outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params)
+        texts = [[o.text for o in out.outputs] for out in outputs]
+        truncated = [[o.finish_reason == "length" for o in out.outputs] for out in outputs]
+        return texts, truncated
+
+    return generate
 
 
-def generate_hf(model, prompts, args):
-    """(P, n) response texts and truncation flags with HF ``generate`` (left padding, batches of prompts)."""
+def hf_generator(model, args):
+    """``generate(prompts) -> (texts, truncated)``, each (P, n), with HF ``generate`` (left padding, batches of
+    prompts); the model loads once, here, without transformers' "Loading weights" progress bar."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype or "")
@@ -204,33 +249,41 @@ def generate_hf(model, prompts, args):
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else {}
+    eos = lm.generation_config.eos_token_id
+    stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None}
+    special = _needs_special_tokens(tokenizer)
     torch.manual_seed(args.seed)
-    sampling = (
-        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else {}
-    )
-    texts, truncated = [], []
-    for start in tqdm(range(0, len(prompts), args.batch_size), desc="generate", unit="batch", file=sys.stderr):
-        batch = prompts[start : start + args.batch_size]
-        special = _needs_special_tokens(tokenizer)
-        inputs = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=special).to(device)
-        with torch.no_grad():
-            out = lm.generate(
-                **inputs,
-                max_new_tokens=args.max_new_tokens,
-                num_return_sequences=args.n,
-                pad_token_id=tokenizer.pad_token_id,
-                do_sample=bool(sampling),
-                **{k: v for k, v in sampling.items() if k != "do_sample"},
-            )
-        new = out[:, inputs["input_ids"].shape[1] :].cpu()
-        eos = lm.generation_config.eos_token_id
-        stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None}
-        for p in range(len(batch)):
-            rows = new[p * args.n : (p + 1) * args.n]
-            texts.append([tokenizer.decode(r, skip_special_tokens=True) for r in rows])
-            truncated.append([not any(int(t) in stops for t in r) for r in rows])
-    return texts, truncated
+
+    def generate(prompts):
+        texts, truncated = [], []
+        for start in tqdm(range(0, len(prompts), args.batch_size), desc="generate", unit="batch", file=sys.stderr):
+            batch = prompts[start : start + args.batch_size]
+            inputs = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=special).to(device)
+            with torch.no_grad():
+                out = lm.generate(
+                    **inputs,
+                    max_new_tokens=args.max_new_tokens,
+                    num_return_sequences=args.n,
+                    pad_token_id=tokenizer.pad_token_id,
+                    do_sample=bool(sampling),
+                    **sampling,
+                )
+            new = out[:, inputs["input_ids"].shape[1] :].cpu()
+            for p in range(len(batch)):
+                rows = new[p * args.n : (p + 1) * args.n]
+                texts.append([tokenizer.decode(r, skip_special_tokens=True) for r in rows])
+                truncated.append([not any(int(t) in stops for t in r) for r in rows])
+        return texts, truncated
+
+    return generate
 
 
 def evaluate(problems, texts, truncated, ks, scorer):
@@ -302,74 +355,110 @@ def build_parser():
 def _backend(choice):
     if choice != "auto":
         return choice
-    import importlib.util
-
     import torch
 
     return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def _looks_local(model):
+    # Hub ids are `name` or `namespace/name`; anything else can only be a path on this machine.
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+
+
+def check_args(args):
+    """Flag values, the model path and the output directory, checked before anything loads; ValueError names the
+    flag and value. Creates ``--output-dir`` and proves it writable. Returns (benchmark names, {name: data path})."""
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     unknown = [b for b in names if b not in BENCHMARKS]
-    if unknown:
-        raise ValueError(f"--benchmarks: unknown {unknown}; choose from {sorted(BENCHMARKS)}")
-    if args.n < 1 or any(not 1 <= k <= args.n for k in args.k):
-        raise ValueError(f"--k values must lie in [1, --n={args.n}] (got {args.k})")
-    if args.temperature == 0 and args.n > 1:
-        raise ValueError(f"--temperature 0 is greedy: --n {args.n} samples would be identical; use --n 1")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1 (got {args.limit})")
+    if unknown or not names:
+        raise ValueError(f"--benchmarks {args.benchmarks!r}: unknown {unknown}; choose from {sorted(BENCHMARKS)}")
     data_paths = {}
     for item in args.data:
         name, sep, path = item.partition("=")
         if not sep or name not in BENCHMARKS:
             raise ValueError(f"--data expects NAME=PATH with NAME in {sorted(BENCHMARKS)} (got {item!r})")
         data_paths[name] = path
-    problems = {b: load_benchmark(b, data_paths, args.data_dir, args.from_hub, args.seed) for b in names}
-    problems = {b: p[: args.limit] if args.limit else p for b, p in problems.items()}
-    empty = [b for b, p in problems.items() if not p]
-    if empty:
-        raise ValueError(f"--benchmarks: no problems in {empty}")
-    backend = _backend(args.backend)
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = {
-        b: [
-            render_prompt(
-                tokenizer,
-                p.question,
-                args.system_prompt if p.kind == "math" else args.choice_prompt,
-                args.prompt_placement,
-            )
-            for p in ps
-        ]
-        for b, ps in problems.items()
-    }
-    flat_prompts = [q for b in names for q in prompts[b]]
-    generate = generate_vllm if backend == "vllm" else generate_hf
-    texts, truncated = generate(args.model, flat_prompts, args)
-
+    if args.n < 1:
+        raise ValueError(f"--n (samples per problem) must be >= 1 (got {args.n})")
+    if any(not 1 <= k <= args.n for k in args.k):
+        raise ValueError(f"--k values must lie in [1, --n={args.n}] (got {args.k})")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, 0 meaning greedy (got {args.temperature})")
+    if args.temperature == 0 and args.n > 1:
+        raise ValueError(f"--temperature 0 is greedy: --n {args.n} samples would be identical; use --n 1")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in (0, 1] (got {args.top_p})")
+    if not (math.isfinite(args.verify_timeout) and args.verify_timeout > 0):
+        raise ValueError(f"--verify-timeout must be a finite number of seconds > 0 (got {args.verify_timeout})")
+    for flag, value in (
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--batch-size", args.batch_size),
+        ("--tensor-parallel-size", args.tensor_parallel_size),
+        ("--limit", 1 if args.limit is None else args.limit),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {value})")
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm: vllm is not installed (pip install vllm, or --backend hf)")
+    if _looks_local(args.model) and not Path(args.model).expanduser().exists():
+        raise ValueError(f"--model {args.model}: no such local path (hub ids look like namespace/name)")
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output-dir {out}: cannot create or write there ({error.strerror or error})") from None
+    return names, data_paths
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        names, data_paths = check_args(args)
+        problems = {b: load_benchmark(b, data_paths, args.data_dir, args.from_hub, args.seed) for b in names}
+        problems = {b: p[: args.limit] if args.limit else p for b, p in problems.items()}
+        empty = [b for b, p in problems.items() if not p]
+        if empty:
+            raise ValueError(f"--benchmarks: no problems in {empty}")
+
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except OSError as error:
+            raise ValueError(f"--model {args.model}: {error}") from None
+    except (ValueError, OSError) as error:  # bad input: one line, no traceback
+        print("openrlhf-geo eval: error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 2
+
+    backend = _backend(args.backend)
+    generate = (vllm_generator if backend == "vllm" else hf_generator)(args.model, args)
+    out = Path(args.output_dir)
     summary = {"model": args.model, "backend": backend, "config": vars(args), "benchmarks": {}, "metrics": {}}
-    at = 0
     with MathVerifyReward(timeout=args.verify_timeout) as scorer:
         for b in names:
-            size = len(problems[b])
-            records, metrics = evaluate(problems[b], texts[at : at + size], truncated[at : at + size], args.k, scorer)
-            at += size
+            prompts = [
+                render_prompt(
+                    tokenizer,
+                    p.question,
+                    args.system_prompt if p.kind == "math" else args.choice_prompt,
+                    args.prompt_placement,
+                )
+                for p in problems[b]
+            ]
+            texts, truncated = generate(prompts)
+            records, metrics = evaluate(problems[b], texts, truncated, args.k, scorer)
             with open(out / f"{b}.jsonl", "w") as f:
-                for record, prompt in zip(records, prompts[b]):
+                for record, prompt in zip(records, prompts):
                     f.write(json.dumps({**record, "prompt": prompt}) + "\n")
             summary["benchmarks"][b] = metrics
             summary["metrics"].update(
                 {f"{b}/{key}": value for key, value in metrics.items() if key.startswith(("avg@", "pass@"))}
             )
+            # Rewritten after every benchmark, atomically: a reader never sees a half-written summary.
+            (out / "summary.json.partial").write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(out / "summary.json.partial", out / "summary.json")
             print(f"{b}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {out / 'summary.json'}")
     return 0

@@ -2,8 +2,8 @@
 
 ArmoRM is a Llama-3 backbone with 19 regression heads mixed by a prompt-conditioned gating network; its remote code
 returns the preference score as ``output.score``. OpenRLHF's value-head loader reads a single linear head instead
-and mis-scores it (upstream issue #486). Here: ``AutoModelForSequenceClassification`` with
-``trust_remote_code=True``, the RM's own chat template over ``[user, assistant]`` messages, ``output.score``.
+and mis-scores it. Here: ``AutoModelForSequenceClassification`` with ``trust_remote_code=True``, the RM's own
+chat template over ``[user, assistant]`` messages, ``output.score``.
 
 ArmoRM's remote code imports ``LLAMA_INPUTS_DOCSTRING``, which transformers 5 removed; loading restores that
 constant (an empty docstring) first, so the unmodified checkpoint loads on transformers 5.15.
@@ -14,7 +14,10 @@ with that id (causal attention leaves real tokens untouched) and equal one-at-a-
 Two ways to use it with upstream OpenRLHF 0.11.2 (``--reward.remote_url``):
 
 * HTTP (recommended; the RM gets its own GPU): ``openrlhf-geo serve-rm --model PATH --port 5000`` then
-  ``--reward.remote_url http://HOST:5000/get_reward``. Concurrent requests are merged into batches.
+  ``--reward.remote_url http://HOST:5000/get_reward``. Concurrent requests are merged into batches. The server
+  listens on 127.0.0.1 unless ``--host`` says otherwise (``--host 0.0.0.0`` for trainers on other nodes; then
+  also set ``--auth-token``, which upstream's client sends when the URL carries it:
+  ``http://:TOKEN@HOST:5000/get_reward``).
 * reward-function file, loaded inside every vLLM engine actor (budget its GPU memory next to vLLM's):
   ``--reward.remote_url $(python -c "import openrlhf_geo.rewards.armorm as m; print(m.__file__)")`` with
   OPENRLHF_GEO_ARMORM_MODEL (path or hub id, required), OPENRLHF_GEO_ARMORM_DEVICE (default cuda if available),
@@ -26,11 +29,17 @@ re-rendered with ArmoRM's own template.
 """
 
 import argparse
+import base64
+import binascii
+import contextlib
+import hmac
 import json
 import logging
 import os
 import queue
 import re
+import socket
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -43,6 +52,13 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ENV_MODEL, ENV_DEVICE = "OPENRLHF_GEO_ARMORM_MODEL", "OPENRLHF_GEO_ARMORM_DEVICE"
 ENV_DTYPE, ENV_BATCH_SIZE = "OPENRLHF_GEO_ARMORM_DTYPE", "OPENRLHF_GEO_ARMORM_BATCH_SIZE"
+ENV_AUTH_TOKEN = "OPENRLHF_GEO_RM_AUTH_TOKEN"
+# serve-rm limits (flags override them). Upstream's rollouts send one query per request; a 64k-token query is
+# ~0.3 MB of JSON, so these leave room for batch clients while bounding what one request can make the server hold.
+MAX_BODY_BYTES = 64 * 2**20  # larger request bodies get 413 before being read
+MAX_QUERIES = 4096  # more conversations in one request get 413
+READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this, or the connection is dropped
+LINGER_S = 1.0  # after an early refusal, how long unread body bytes are drained so the client sees the reply
 # End-of-turn markers a policy's decoded response may end with (skip_special_tokens=False upstream).
 END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>")
 _CHATML = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S)
@@ -227,39 +243,136 @@ class BatchingScorer:
                 at += len(conversations)
 
 
-def _conversations_from_payload(payload):
-    """Conversations of an upstream request ``{"query": [...], "prompts": [...], "labels": [...]}``."""
-    queries = payload.get("query")
+def _conversations_from_payload(payload, max_queries=MAX_QUERIES):
+    """Conversations of an upstream request ``{"query": [...], "prompts": [...], "labels": [...]}``.
+
+    Raises ValueError (the server's 400) for a malformed request and OverflowError (413) for more than
+    ``max_queries`` queries.
+    """
+    if not isinstance(payload, dict):
+        raise ValueError(f'request JSON must be an object with a "query" list (got a {type(payload).__name__})')
+    queries, prompts = payload.get("query"), payload.get("prompts")
     if isinstance(queries, str):
         queries = [queries]
-    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-        raise ValueError('request JSON needs "query": a list of strings')
-    prompts = payload.get("prompts")
-    if prompts is None:
-        return [conversation_from_query(q) for q in queries]
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise ValueError('request JSON needs "query": a list of strings')
+    if not queries:
+        raise ValueError('"query" is empty: send at least one query')
+    if len(queries) > max_queries:
+        raise OverflowError(f'"query" has {len(queries)} entries, more than this server accepts ({max_queries})')
+    if prompts is None:
+        return [conversation_from_query(q) for q in queries]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError('"prompts" must be a list of strings')
     if len(prompts) != len(queries):
         raise ValueError(f'"prompts" ({len(prompts)}) and "query" ({len(queries)}) differ in length')
     return [conversation_from_query(q, p) for q, p in zip(queries, prompts)]
 
 
-def make_server(batcher, host="127.0.0.1", port=5000):
+def _token_matches(header, token):
+    """Whether an Authorization header carries ``token``: ``Bearer TOKEN``, or Basic with TOKEN as the password
+    (what aiohttp, upstream's client, sends for a ``http://:TOKEN@host`` URL)."""
+    scheme, _, value = (header or "").partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            value = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # upstream fires one request per rollout at once; the default backlog (5) drops them
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], ConnectionError):  # the client hung up mid-reply: routine, no traceback
+            logger.debug("client %s disconnected", client_address)
+            return
+        super().handle_error(request, client_address)
+
+
+def make_server(
+    batcher,
+    host="127.0.0.1",
+    port=5000,
+    *,
+    max_body_bytes=MAX_BODY_BYTES,
+    max_queries=MAX_QUERIES,
+    read_timeout=READ_TIMEOUT_S,
+    auth_token=None,
+):
     """HTTP server speaking upstream's remote-RM protocol (``openrlhf.utils.agent``'s HTTP client).
 
     ``POST /get_reward`` (or ``/``) with ``{"query": [...], "prompts": [...], "labels": [...]}`` →
-    ``{"rewards": [...], "scores": [...], "extra_logs": {}}``; ``GET /health`` → ``{"status": "ok"}``.
-    Port 0 picks a free port (``server.server_address[1]``). Run with ``server.serve_forever()``.
+    ``{"rewards": [...], "scores": [...], "extra_logs": {}}``; ``GET /health`` → ``{"status": "ok"}`` (no token).
+    Errors are JSON ``{"error": ...}``: 400 malformed request (bad JSON, empty or ill-typed ``query``), 401 missing
+    or wrong token (when ``auth_token`` is set), 408 headers/body not received within ``read_timeout`` seconds
+    (or fewer body bytes than Content-Length), 411 no Content-Length, 413 body over ``max_body_bytes`` or more
+    than ``max_queries`` queries, 500 scoring failed. Port 0 picks a free port (``server.server_address[1]``).
+    Run with ``server.serve_forever()``.
+
+    Why the standard library rather than upstream's FastAPI/uvicorn: neither is a dependency of this package's
+    base install, and the hardening needed here (a hard per-request read deadline, body/batch caps, a token)
+    is a few lines on ``ThreadingHTTPServer``; one thread per connection suits a server whose work happens in
+    the batcher thread anyway.
     """
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_queries", max_queries)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+    if not read_timeout > 0:
+        raise ValueError(f"read_timeout must be > 0 seconds (got {read_timeout!r})")
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token must be a non-empty string or None")
 
     class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code, body):
+        # Per socket operation (bounds writes to a client that stops reading); longer than the read deadline
+        # below, so reads end at that deadline, with a 408 reply, rather than at a silent per-read timeout.
+        timeout = 2 * read_timeout
+
+        def setup(self):
+            super().setup()
+            # A client that trickles its headers/body, or sends fewer bytes than its Content-Length, would hold
+            # this thread; at the deadline reading stops (reads see end-of-file) and the request fails fast.
+            self.expired = False
+            self.deadline = threading.Timer(read_timeout, self._stop_reading)
+            self.deadline.start()
+
+        def _stop_reading(self):
+            self.expired = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RD)
+
+        def finish(self):
+            self.deadline.cancel()
+            super().finish()
+
+        def _reply(self, code, body, headers=()):
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")  # aiohttp's response.json() requires it
             self.send_header("Content-Length", str(len(data)))
+            for key, value in headers:
+                self.send_header(key, value)
             self.end_headers()
             self.wfile.write(data)
+
+        def _refuse(self, code, message, headers=()):
+            """Reply before reading the body, then close: unread bytes would turn the close into a reset that
+            can hide the reply from the client, so drain them for up to LINGER_S first."""
+            self.close_connection = True
+            self._reply(code, {"error": message}, [("Connection", "close"), *headers])
+            self.wfile.flush()
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_WR)
+                self.connection.settimeout(LINGER_S)
+                stop = time.monotonic() + LINGER_S
+                while time.monotonic() < stop and self.connection.recv(65536):
+                    pass
 
         def do_GET(self):
             if self.path.rstrip("/") == "/health":
@@ -268,13 +381,38 @@ def make_server(batcher, host="127.0.0.1", port=5000):
                 self._reply(404, {"error": f"unknown path {self.path}; POST /get_reward"})
 
         def do_POST(self):
+            if self.expired:  # the headers were cut off by the deadline
+                self._refuse(408, f"request headers not received within {read_timeout:g} s")
+                return
             if self.path.rstrip("/") not in ("", "/get_reward"):
-                self._reply(404, {"error": f"unknown path {self.path}; POST /get_reward"})
+                self._refuse(404, f"unknown path {self.path}; POST /get_reward")
+                return
+            if auth_token is not None and not _token_matches(self.headers.get("Authorization"), auth_token):
+                self._refuse(
+                    401, "missing or wrong token: send 'Authorization: Bearer TOKEN'", [("WWW-Authenticate", "Bearer")]
+                )
+                return
+            length = self.headers.get("Content-Length")
+            if length is None or not length.strip().isdigit():
+                self._refuse(411 if length is None else 400, f"need a valid Content-Length header (got {length!r})")
+                return
+            if int(length) > max_body_bytes:
+                self._refuse(413, f"request body of {length} bytes exceeds this server's {max_body_bytes}")
+                return
+            length, body = int(length), bytearray()
+            with contextlib.suppress(TimeoutError):  # a stalled read; the deadline ends a trickling one
+                while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
+                    body += chunk
+            self.deadline.cancel()
+            if len(body) < length:
+                self._refuse(408, f"got {len(body)} of {length} body bytes within {read_timeout:g} s")
                 return
             try:
-                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                conversations = _conversations_from_payload(payload)
-            except (ValueError, AttributeError) as error:
+                conversations = _conversations_from_payload(json.loads(body), max_queries)
+            except OverflowError as error:
+                self._reply(413, {"error": str(error)})
+                return
+            except ValueError as error:  # bad JSON or UTF-8, or a malformed request
                 self._reply(400, {"error": str(error)})
                 return
             try:
@@ -288,9 +426,7 @@ def make_server(batcher, host="127.0.0.1", port=5000):
         def log_message(self, format, *args):
             logger.debug("%s " + format, self.address_string(), *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return _Server((host, port), Handler)
 
 
 _default = None
@@ -329,19 +465,49 @@ def main(argv=None):
     """``openrlhf-geo serve-rm --model PATH [--port 5000] ...``: serve ArmoRM scores for ``--reward.remote_url``."""
     parser = argparse.ArgumentParser(prog="openrlhf-geo serve-rm", description=main.__doc__)
     parser.add_argument("--model", required=True, help="ArmoRM path or hub id (RLHFlow/ArmoRM-Llama3-8B-v0.1)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines (set --auth-token)")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
     parser.add_argument("--max-length", type=int, default=8192, help="tokens kept per conversation (BOS + tail)")
     parser.add_argument("--max-wait-ms", type=float, default=10.0, help="how long to gather concurrent requests")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests get HTTP 413")
+    parser.add_argument("--max-queries", type=int, default=MAX_QUERIES, help="more queries per request get 413")
+    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, help="seconds to receive a request")
+    parser.add_argument(
+        "--auth-token",
+        "--auth_token",
+        default=os.environ.get(ENV_AUTH_TOKEN) or None,
+        help=f"require 'Authorization: Bearer TOKEN' (or http://:TOKEN@host URLs); default ${ENV_AUTH_TOKEN}",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must lie in [0, 65535] (got {args.port})")
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-queries", args.max_queries)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1 (got {value})")
+    if not args.read_timeout > 0:
+        parser.error(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scorer = ArmoRMScorer(args.model, args.device, args.dtype, args.batch_size, args.max_length)
     batcher = BatchingScorer(scorer, max_batch=4 * args.batch_size, max_wait_s=args.max_wait_ms / 1000)
-    server = make_server(batcher, args.host, args.port)
-    logger.info("serving %s on http://%s:%d/get_reward", args.model, args.host, server.server_address[1])
+    server = make_server(
+        batcher,
+        args.host,
+        args.port,
+        max_body_bytes=args.max_body_bytes,
+        max_queries=args.max_queries,
+        read_timeout=args.read_timeout,
+        auth_token=args.auth_token,
+    )
+    logger.info(
+        "serving %s on http://%s:%d/get_reward (%s)",
+        args.model,
+        args.host,
+        server.server_address[1],
+        "token required" if args.auth_token else "no token",
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -9,10 +9,16 @@ intervals, ...); nothing here decides equivalence by hand.
 Rewards: mode ``grpo`` gives 1 / 0, mode ``dapo`` gives +1 / -1 (correct / anything else).
 
 Timeouts: math-verify's own timeouts use ``signal.alarm``, which only works in the main thread, while OpenRLHF
-calls reward functions from worker threads (``asyncio.to_thread``) inside Ray actors. So each item runs in a
-small pool of worker processes and the caller waits at most ``timeout`` seconds per item; a worker that
-overruns is killed and replaced (about a second to restart), and the item scores as incorrect with status
+calls reward functions from worker threads (``asyncio.to_thread``) inside Ray actors. So the caller does only
+bounded, linear work (type checks, the MAX_RESPONSE_CHARS cap, box extraction) and hands ``parse`` + ``verify``
+to a small pool of worker processes, waiting at most ``timeout`` seconds per item; a worker that overruns is
+killed and replaced in the background (about a second to restart), and the item scores as incorrect with status
 ``timeout``.
+
+Bad input is a per-item verdict with a ``reason`` (and a logged warning), never an exception for the batch: a
+response that is not a string or is longer than MAX_RESPONSE_CHARS is ``error``; a gold answer that is NaN/inf,
+neither string nor number, or longer than MAX_RESPONSE_CHARS is ``bad_gold``. A missing gold (None) still raises:
+that is a configuration error (``--data.label_key``), not a bad item.
 
 Use with upstream OpenRLHF 0.11.2 (``openrlhf.utils.agent.SingleTurnAgentExecutor`` loads
 ``reward_func(queries, prompts, labels)`` from the file given to ``--reward.remote_url``)::
@@ -30,8 +36,10 @@ Options for that path come from environment variables (pass them to Ray workers 
 
 import logging
 import math
+import numbers
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -41,7 +49,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from math_verify import parse, verify
+logger = logging.getLogger(__name__)
 
 MODES = {"grpo": (1.0, 0.0), "dapo": (1.0, -1.0)}
 STATUSES = ("correct", "wrong", "no_box", "bad_gold", "timeout", "error")
@@ -49,52 +57,46 @@ BOX_COMMANDS = ("\\boxed", "\\fbox")
 ENV_MODE, ENV_TIMEOUT, ENV_WORKERS = "OPENRLHF_GEO_MATH_MODE", "OPENRLHF_GEO_MATH_TIMEOUT", "OPENRLHF_GEO_MATH_WORKERS"
 # A new worker imports sympy/antlr (about a second); give it this long before declaring the pool broken.
 WORKER_START_TIMEOUT = 120.0
+# Longest response (and gold) scored, in characters: about 4x a 64k-token generation budget at ~4 characters per
+# token. Longer input scores 0 with status error/bad_gold before any parsing; extracting the box of a response this
+# long takes milliseconds in the caller.
+MAX_RESPONSE_CHARS = 1_000_000
+_BOX_START = re.compile("(?:" + "|".join(re.escape(cmd) for cmd in BOX_COMMANDS) + r")[ \t]*\{")
+_BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.S)  # an escape pair (``\{``, ``\\``, ``\frac``...) or a brace
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome for one (response, gold) pair: ``status`` is one of STATUSES; ``answer`` the extracted box content."""
+    """Outcome for one (response, gold) pair: ``status`` is one of STATUSES; ``answer`` the extracted box content;
+    ``reason`` says what was wrong with the input or the worker (None for a plain verdict)."""
 
     correct: bool
     status: str
     answer: str | None = None
+    reason: str | None = None
 
 
 def extract_last_boxed(text):
     """Content of the last top-level ``\\boxed{...}``/``\\fbox{...}`` in ``text``; None if absent or unclosed.
 
     Nested boxes count as part of their enclosing box (``\\boxed{\\boxed{5}}`` gives ``\\boxed{5}``). A backslash
-    escapes the next character, so ``\\{`` and ``\\}`` do not count as braces.
+    escapes the next character, so ``\\{`` and ``\\}`` do not count as braces. One left-to-right pass: linear in
+    ``len(text)`` (each character is looked at by one regex scan).
     """
     last, i = None, 0
-    while True:
-        starts = [(text.find(cmd, i), cmd) for cmd in BOX_COMMANDS]
-        starts = [(pos, cmd) for pos, cmd in starts if pos >= 0]
-        if not starts:
-            return last
-        pos, cmd = min(starts)
-        j = pos + len(cmd)
-        while j < len(text) and text[j] in " \t":
-            j += 1
-        if j >= len(text) or text[j] != "{":
-            i = pos + len(cmd)  # another macro (`\boxedtext`) or a brace-less box: not an answer
-            continue
-        depth, k = 0, j
-        while k < len(text):
-            ch = text[k]
-            if ch == "\\":
-                k += 2
-                continue
-            if ch == "{":
+    while (start := _BOX_START.search(text, i)) is not None:
+        depth = 0
+        for token in _BRACE_OR_ESCAPE.finditer(text, start.end() - 1):
+            if token.group() == "{":
                 depth += 1
-            elif ch == "}":
+            elif token.group() == "}":
                 depth -= 1
                 if depth == 0:
+                    last, i = text[start.end() : token.start()], token.end()
                     break
-            k += 1
-        if depth != 0 or k >= len(text):
+        else:
             return None  # the last box is unclosed (truncated response): no answer
-        last, i = text[j + 1 : k], k + 1
+    return last
 
 
 def gold_expression(gold):
@@ -107,18 +109,46 @@ def gold_expression(gold):
     return gold
 
 
-def score_answer(response, gold):
-    """Verdict for one pair, no timeout of its own (callers bound it). Both sides are parsed as ``\\boxed{x}``."""
+def prepare(response, gold):
+    """The bounded, linear part of scoring (run in the caller): a final Verdict, or ``(answer, gold_latex)`` for
+    ``verify_answer``. Checks types and the MAX_RESPONSE_CHARS cap before any parsing."""
+    if isinstance(gold, numbers.Real) and not math.isfinite(gold):
+        return Verdict(False, "bad_gold", reason=f"gold answer is {gold!r}")
+    if not isinstance(gold, (str, numbers.Number)):
+        return Verdict(False, "bad_gold", reason=f"gold answer is a {type(gold).__name__}, not a string or number")
+    gold = str(gold)
+    if len(gold) > MAX_RESPONSE_CHARS:
+        return Verdict(False, "bad_gold", reason=f"gold answer has {len(gold)} characters > {MAX_RESPONSE_CHARS}")
+    if not isinstance(response, str):
+        return Verdict(False, "error", reason=f"response is a {type(response).__name__}, not a string")
+    if len(response) > MAX_RESPONSE_CHARS:
+        return Verdict(False, "error", reason=f"response has {len(response)} characters > {MAX_RESPONSE_CHARS}")
     answer = extract_last_boxed(response)
     if answer is None:
         return Verdict(False, "no_box")
     gold_latex = gold_expression(gold)
-    gold_parsed = parse("\\boxed{" + gold_latex + "}", parsing_timeout=None) if gold_latex else []
+    if not gold_latex:
+        return Verdict(False, "bad_gold", answer)
+    return answer, gold_latex
+
+
+def verify_answer(answer, gold_latex):
+    """math-verify's verdict on an extracted answer, no timeout of its own (callers bound it). Both sides are
+    parsed as ``\\boxed{x}``."""
+    from math_verify import parse, verify  # here: only the worker processes need sympy/antlr (~0.5 s to import)
+
+    gold_parsed = parse("\\boxed{" + gold_latex + "}", parsing_timeout=None)
     if not gold_parsed:
         return Verdict(False, "bad_gold", answer)
     pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     correct = bool(pred_parsed) and verify(gold_parsed, pred_parsed, timeout_seconds=None)
     return Verdict(correct, "correct" if correct else "wrong", answer)
+
+
+def score_answer(response, gold):
+    """Verdict for one pair in this thread, no timeout (``prepare`` then ``verify_answer``)."""
+    prepared = prepare(response, gold)
+    return prepared if isinstance(prepared, Verdict) else verify_answer(*prepared)
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -131,17 +161,17 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
 
-def _safe_score(response, gold):
+def _safe_verify(answer, gold_latex):
     try:
-        return score_answer(response, gold)
-    except Exception:  # a sympy/antlr failure on one item must not take down the batch
-        return Verdict(False, "error", extract_last_boxed(response))
+        return verify_answer(answer, gold_latex)
+    except Exception as error:  # a sympy/antlr failure on one item must not take down the batch
+        return Verdict(False, "error", answer, f"math-verify raised {type(error).__name__}: {error}"[:500])
 
 
 def _worker_main(read_fd, write_fd):
-    """Worker process loop: receive (response, gold), send a Verdict back; exit when the parent goes away."""
+    """Worker process loop: receive (answer, gold_latex), send a Verdict back; exit when the parent goes away."""
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    score_answer("\\boxed{1}", "1")  # math-verify builds its parsers lazily; keep that out of the first item's time
+    verify_answer("1", "1")  # math-verify builds its parsers lazily; keep that out of the first item's time
     outbox.send("ready")
     while True:
         try:
@@ -150,7 +180,7 @@ def _worker_main(read_fd, write_fd):
             return
         if item is None:
             return
-        outbox.send(_safe_score(*item))
+        outbox.send(_safe_verify(*item))
 
 
 class _Worker:
@@ -196,7 +226,8 @@ class MathVerifyReward:
 
     Args:
         mode: ``grpo`` (1/0) or ``dapo`` (+1/-1).
-        timeout: seconds allowed per item (measured from hand-off to a worker, queueing excluded).
+        timeout: seconds allowed per item (measured from hand-off to a worker, queueing excluded); the caller's
+            own work per item (checks, box extraction) is linear and capped by MAX_RESPONSE_CHARS.
         workers: worker processes (default min(8, CPU count)); items beyond that queue for a free worker.
     Thread-safe; the pool starts on first use and stops on ``close()``, garbage collection or interpreter exit.
     """
@@ -227,26 +258,45 @@ class MathVerifyReward:
                 self._idle = idle
 
     def _score_in_worker(self, response, gold):
-        worker = self._idle.get()
+        prepared = prepare(response, gold)
+        if isinstance(prepared, Verdict):
+            return prepared
+        idle = self._idle
+        worker = idle.get()
+        if isinstance(worker, Exception):  # a replacement failed to start: tell every caller, do not hang
+            idle.put(worker)
+            raise RuntimeError(f"math-verify worker pool is broken: {worker}") from worker
         try:
-            worker.outbox.send((response, gold))
+            worker.outbox.send(prepared)
             if worker.inbox.poll(self.timeout):
                 verdict = worker.inbox.recv()
-                self._idle.put(worker)
+                idle.put(worker)
                 return verdict
-            status = "timeout"
-        except (EOFError, OSError):  # the worker died (e.g. out of memory)
-            status = "error"
+            status, reason = "timeout", None
+        except (EOFError, OSError) as error:  # the worker died (e.g. out of memory)
+            status, reason = "error", f"math-verify worker died ({type(error).__name__})"
         worker.kill()
-        replacement = _Worker().wait_ready()
+        # Restart in the background: this item's caller returns now, the next one waits for a free worker.
+        threading.Thread(target=self._replace, args=(worker, idle), name="math-verify-restart", daemon=True).start()
+        return Verdict(False, status, prepared[0], reason)
+
+    def _replace(self, dead, idle):
+        try:
+            replacement = _Worker().wait_ready()
+        except (RuntimeError, OSError) as error:
+            idle.put(error)
+            return
         with self._lock:
-            self._all.remove(worker)
+            if self._idle is not idle:  # the pool was closed meanwhile
+                replacement.kill()
+                return
+            self._all.remove(dead)
             self._all.append(replacement)
-        self._idle.put(replacement)
-        return Verdict(False, status, extract_last_boxed(response))
+        idle.put(replacement)
 
     def verdicts(self, responses, golds):
-        """One Verdict per (response, gold); ``golds`` entries may be strings or numbers, not None."""
+        """One Verdict per (response, gold); ``golds`` entries may be strings or numbers, not None. Items with bad
+        input (see the module docstring) get a verdict with a ``reason``, logged as a warning."""
         responses, golds = list(responses), list(golds)
         if len(responses) != len(golds):
             raise ValueError(f"responses and golds differ in length ({len(responses)} vs {len(golds)})")
@@ -257,8 +307,13 @@ class MathVerifyReward:
                 )
         self._start()
         if len(responses) == 1:  # upstream's path: one item per call from many threads
-            return [self._score_in_worker(responses[0], golds[0])]
-        return list(self._threads.map(self._score_in_worker, responses, golds))
+            verdicts = [self._score_in_worker(responses[0], golds[0])]
+        else:
+            verdicts = list(self._threads.map(self._score_in_worker, responses, golds))
+        for i, verdict in enumerate(verdicts):
+            if verdict.reason is not None:
+                logger.warning("math-verify item %d scored %s: %s", i, verdict.status, verdict.reason)
+        return verdicts
 
     def __call__(self, responses, golds):
         """Rewards (B,) float32 (mode's values) and stats: ``accuracy`` plus a count per status in STATUSES."""
