@@ -84,7 +84,7 @@ def bench_features(reps, token_counts=(64, 256), dims=(1024, 4096), chunks=(64, 
 
 def powerlaw_features(m, dim, gen, rank=1024):
     """(m, dim) float32 whose Gram spectrum decays like λ_j ∝ 1/j over `rank` directions: PR ≈ 21 / 32 / 34 at
-    m = 256 / 1024 / 4096, the few-dozen-directions regime of real rollouts (docs/architecture.md §4: PR ≈ 15 of 256 on real rollouts)."""
+    m = 256 / 1024 / 4096, the few-dozen-directions regime of real rollouts (docs/architecture.md §4)."""
     r = min(m, rank)
     spectrum = torch.arange(1, r + 1, dtype=torch.float32).rsqrt()
     return (torch.randn(m, r, generator=gen) * spectrum) @ torch.randn(r, dim, generator=gen) / math.sqrt(dim)

@@ -4,7 +4,7 @@ SALT's Gram is built from G_i = (1/T_i) Σ_t e_t h_tᵀ / τ, the gradient of re
 log_softmax(z_t/τ)[y_t] w.r.t. lm_head.weight (V, d), with e_t = onehot(y_t) − softmax(z_t/τ) and h_t the lm_head
 input. `method="exact"` returns vec(G_i) (tiny models, tests). `method="sketch"` returns the Kronecker sketch
 φ_i = vec(S_e G_i S_hᵀ) = (1/T_i) Σ_t (S_e e_t) ⊗ (S_h h_t) / τ with fixed seeded Rademacher projections S_e (k, V),
-S_h (k, d), k = sqrt(dim): E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F, and no V×d tensor is ever formed (DESIGN.md §4).
+S_h (k, d), k = sqrt(dim): E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F, and no V×d tensor is ever formed (docs/architecture.md §4).
 
 Both run on the tensors the experience forward already has (logits, final hidden states), chunked over tokens so
 the extra memory is O(chunk_size·V + B·S) (+ R·D for the output).
@@ -13,6 +13,9 @@ the extra memory is O(chunk_size·V + B·S) (+ R·D for the output).
 import functools
 import math
 import operator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -267,3 +270,87 @@ def last_token_hidden(hidden: torch.Tensor, mask: torch.Tensor, segment_ids: tor
     if not bool(torch.isfinite(out).all()):
         raise ValueError("hidden holds NaN or inf at a response's last masked token")
     return out
+
+
+@dataclass(frozen=True)
+class GeometrySpec:
+    """What an experience forward returns per response besides log-probs (built by `GeometryPipeline.spec`)."""
+
+    features: str | None = None  # SALT proxy features, "sketch" | "exact"; None: not needed
+    dim: int = 4096  # sketch dimension (k x k)
+    seed: int = 0  # sketch projections
+    entropy: bool = False  # normalized token-entropy sums (SALT --salt.variant entropy-alpha)
+    hidden: bool = False  # last-response-token final hidden state (GeoAlign)
+
+
+@contextmanager
+def lm_head_input(model, enabled=True):
+    """Capture the lm_head input (final post-norm hidden states) of the forward run inside the block.
+
+    Yields a namespace whose `.hidden` is (B, S, d) padded or (1, T, d) packed after the forward. The hook sits on
+    `get_output_embeddings()` of the unwrapped model (DeepSpeed engine / PEFT both forward to it).
+    """
+    captured = SimpleNamespace(hidden=None)
+    if not enabled:
+        yield captured
+        return
+    head = getattr(model, "module", model).get_output_embeddings()
+    if head is None:
+        raise RuntimeError(f"{type(model).__name__} has no output embeddings (lm_head) to read hidden states from")
+    handle = head.register_forward_hook(lambda _module, inputs, _output: setattr(captured, "hidden", inputs[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+ENTROPY_CHUNK = 256  # positions per chunk of the token-entropy pass (peak extra memory: chunk x V floats)
+
+
+@torch.no_grad()
+def response_geometry(spec, logits, hidden, labels, producing, response, temperature=1.0, segment_ids=None, rows=None):
+    """Per-response geometry of one forward, small float32 CPU tensors: {"features" (R, D), "hidden" (R, d),
+    "entropy" (R,)}, each only when `spec` asks for it. Both engines call this on their own layouts.
+
+    logits (B, S, V) padded or (1, T, V) packed: the temperature-scaled logits (the sampling distribution);
+    hidden: the lm_head input of the same forward, same layout; labels: label at position s = token s+1;
+    producing (B, S) bool: positions whose logits produced a response token; response (B, S) bool: positions holding
+    a response token; segment_ids: response id per position (packed; None = padded, R = B); rows: R (responses past
+    the last one with a token get zero rows).
+    features: `lm_head_features` of each response's tokens with `hidden / temperature`, the exact gradient of the
+    temperature-scaled log-probs (SALT Eq. 19). hidden: the lm_head input at the response's last token (GeoAlign
+    §4: the last-token hidden state). entropy: sum over the response's tokens of H(softmax(z)) / log V (SALT App.
+    F.3 entropy-alpha's H_t is its token-weighted mean, computed by the pipeline).
+    """
+    rows = rows if rows is not None else producing.shape[0]
+    out = {}
+    if spec.features is not None:
+        scaled = hidden / temperature if temperature != 1.0 else hidden
+        feats = lm_head_features(
+            logits, scaled, labels, producing, spec.features, spec.dim, spec.seed, segment_ids=segment_ids
+        )
+        out["features"] = _pad_rows(feats, rows).float().cpu()
+    if spec.hidden:
+        out["hidden"] = _pad_rows(last_token_hidden(hidden, response, segment_ids), rows).float().cpu()
+    if spec.entropy:
+        out["entropy"] = _entropy_sums(logits, producing, segment_ids, rows).cpu()
+    return out
+
+
+def _pad_rows(x, rows):
+    """(R', ·) -> (rows, ·): responses after the last one with a token (packed layout) get zero rows."""
+    missing = rows - x.shape[0]
+    return torch.cat([x, x.new_zeros(missing, *x.shape[1:])]) if missing else x
+
+
+def _entropy_sums(logits, mask, segment_ids, rows):
+    """(rows,) float32: per response, sum over masked positions of token entropy / log V (chunks of positions)."""
+    r, c = mask.nonzero(as_tuple=True)
+    owner = r if segment_ids is None else segment_ids[r, c]
+    sums = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    for start in range(0, len(r), ENTROPY_CHUNK):
+        part = slice(start, start + ENTROPY_CHUNK)
+        z = logits[r[part], c[part]].float()
+        entropy = torch.distributions.Categorical(logits=z, validate_args=False).entropy()
+        sums.index_add_(0, owner[part], entropy)
+    return sums / math.log(logits.shape[-1])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 PINNED_VERSION = "0.11.2"
 # Written into openrlhf/__init__.py by patches/openrlhf.__init__.diff; bump both together when the diffs change.
-FORK_ID = "openrlhf==0.11.2+openrlhf-geo.1"
+FORK_ID = "openrlhf==0.11.2+openrlhf-geo.2"
 UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
 CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"
@@ -260,7 +260,7 @@ def worker_runtime_env() -> dict:
     """Ray runtime_env fields for ray.init: ship this driver's openrlhf and openrlhf_geo, check them at start-up.
 
     Only py_modules reach other nodes. Under `ray job submit`, pass only env_vars (or working_dir) at job level:
-    a field set at both levels is an error (DESIGN.md §3).
+    a field set at both levels is an error (docs/architecture.md §3).
     """
     import openrlhf
 

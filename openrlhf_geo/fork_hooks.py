@@ -2,49 +2,35 @@
 
 One flag's path through the fork, by the upstream file whose diff makes the call:
     cli/train_ppo_ray.py      options.add_args(parser), validate_args(args)  -> args.salt / .geoalign / .reward.noise
+                              / .baseline
     trainer/ray/ppo_actor.py  actor_spec(args) -> GeometrySpec: what the experience forward also returns
+                              policy_loss(args, PolicyLoss) -> the actor's loss (--baseline.policy_loss)
     models/actor.py           lm_head_input(), response_geometry(): features and hidden states of that same forward
     trainer/ppo_utils/experience_maker.py   (RemoteExperienceMaker, in the trainer process)
         ExperienceGeometry.take_actor_outputs   per-response geometry onto each micro-batch (side attribute)
         ExperienceGeometry.start_batch          reward noise (--reward.noise.*) where rewards are known
-        GeometryBatch.curate                    GeoAlign, after rewards and before group statistics
-        GeometryBatch.salt                      SALT a' on the group-normalized sequence advantages
+        GeometryBatch.curate                    GeoAlign or PF-PPO, after rewards and before group statistics
+        GeometryBatch.salt                      Seed-GRPO, then SALT a', on the group-normalized advantages
         GeometryBatch.finish                    replacement multiplicities on advantage rows; metrics into `info`
     trainer/ppo_trainer.py    save_geometry_state / load_geometry_state: projector + RNG states in checkpoints
 
-Replacement semantics (GeoAlign `replace`/`amplify`): slot i of the batch holds a copy of rollout source[i]. The
-fork keeps every rollout's row and (1) gives slot i the reward of source[i] before the group statistics, (2) runs
-SALT on the slots, (3) sets row r's sequence advantage to the mean a' of the slots it fills and multiplies row r's
-token advantages by its multiplicity m_r = #slots filled (0 for a replaced rollout; `zero` mode: weight 0). PPO's
-per-token surrogate (clip, dual-clip, IS correction) is positively homogeneous in the advantage, so this equals
-physically duplicating the donor rollouts for the policy loss under `--actor.loss_agg_mode seq-mean-token-mean`
-(the sample count is unchanged) when the rollout batch is one optimizer step; with several steps per batch the
-donor's extra weight lands in the donor's step instead of the replaced rollout's, so the summed step gradients at
-fixed parameters agree and only the order of updates differs. Under `token-mean` the token normalizer differs:
-duplication counts sum_r m_r T_r tokens, the fork sum_r T_r, so the fork's gradient is the duplicated one times
-(sum_r m_r T_r)/(sum_r T_r), a positive scalar per optimizer step. KL-loss and entropy terms are not advantage
-weighted and keep the original rollouts. tests/test_fork_pipeline.py checks all of this against a duplicated batch.
+The per-step logic (reward noise, GeoAlign, SALT, replacement multiplicities, metrics, state) is
+`openrlhf_geo.pipeline`, shared with the local engine; this module only adapts upstream's objects to it.
+tests/test_fork_pipeline.py checks the replacement semantics against an explicitly duplicated batch, and
+tests/test_pipeline.py that the fork and the local engine produce identical advantages and metrics.
 """
-
-import math
-from contextlib import contextmanager
-from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from openrlhf_geo import options
-from openrlhf_geo.features import last_token_hidden, lm_head_features
-from openrlhf_geo.geoalign import CurationPlan, Projector, curate
-from openrlhf_geo.rewards.noise import flip_binary, swap_to_extremes
-from openrlhf_geo.salt import salt_advantages
+from openrlhf_geo import baselines, features, options
+from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
+from openrlhf_geo.pipeline import GeometryPipeline, check_finite
 
 # Estimators whose per-prompt sequence advantages reach the loss unchanged (no batch whitening afterwards), so
 # GeoAlign's replacement can be expressed as multiplicities on advantage rows.
 GEOALIGN_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
-ENTROPY_CHUNK = 256  # positions per chunk of the token-entropy pass (peak extra memory: chunk x V floats)
 
 
 # ── parse time (cli/train_ppo_ray.py) ──
@@ -59,6 +45,9 @@ def validate_args(args) -> None:
             f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT and GeoAlign "
             "read every response's features and last hidden state from one forward: use --ds.ring_attn_size 1"
         )
+    baseline = options.baseline_config(args)
+    if baseline is not None:
+        _validate_baseline(args, baseline)
     if not geo.enable:
         return
     config = options.geoalign_config(args)
@@ -82,18 +71,111 @@ def validate_args(args) -> None:
         )
 
 
+def _validate_baseline(args, baseline) -> None:
+    """The --baseline.* settings the fork cannot run."""
+    if baseline.par_references:
+        raise ValueError(
+            "--baseline.par_references: PAR needs, every step, reward-model scores of M reference responses per "
+            "prompt sampled from the frozen initial policy; the fork's experience maker has no such generation pass "
+            "(it would need the initial weights in vLLM beside the policy's). Run PAR on the local engine "
+            "(`openrlhf-geo train --baseline.par_references M`)"
+        )
+    if baseline.drops_rollouts:
+        raise ValueError(
+            f"--baseline.curation {baseline.curation} drops rollouts, which OpenRLHF's fixed n_samples_per_prompt "
+            "groups, micro-batches and DeepSpeed accumulation steps cannot take: in the fork use PF-PPO with "
+            "--baseline.pf_ppo_keep_count (the pair refills the filtered slots); PODS and dropping PF-PPO run on "
+            "the local engine"
+        )
+    estimator = args.algo.advantage.estimator
+    if (baseline.curation or baseline.seed_grpo_alpha is not None) and estimator not in GEOALIGN_ESTIMATORS:
+        flag = "--baseline.curation" if baseline.curation else "--baseline.seed_grpo_alpha"
+        raise ValueError(
+            f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(GEOALIGN_ESTIMATORS)} "
+            f"(or salt with one of them as --salt.base) (got {estimator!r})"
+        )
+    eps_low = (args.actor.eps_clip_low_high or (args.actor.eps_clip,))[0]
+    if baseline.policy_loss == "clip_cov" and not eps_low <= 1:
+        raise ValueError(f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})")
+    if baseline.policy_loss != "ppo":
+        ignored = {
+            "--actor.dual_clip": args.actor.dual_clip is not None,
+            "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
+            "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
+        }
+        given = [flag for flag, on in ignored.items() if on]
+        if given:
+            raise ValueError(
+                f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
+                f"{given[0]} would be silently ignored: drop it"
+            )
+
+
+def policy_loss(args, upstream):
+    """The actor's policy loss (ActorPPOTrainer.actor_loss_fn): upstream's PolicyLoss `upstream`, or with
+    --baseline.policy_loss clip_cov | kl_cov a BaselinePolicyLoss taking its clip ratios and aggregation."""
+    baseline = options.baseline_config(args) if _section(args, "baseline") is not None else None
+    if baseline is None or baseline.policy_loss == "ppo":
+        return upstream
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    generator = torch.Generator().manual_seed(args.train.seed + rank)  # Clip-Cov's draw, one stream per rank
+    return BaselinePolicyLoss(
+        baseline, upstream.clip_eps_low, upstream.clip_eps_high, upstream.token_level_loss, generator
+    )
+
+
+class BaselinePolicyLoss:
+    """Clip-Cov / KL-Cov (`baselines.policy_loss`) with upstream PolicyLoss's call signature and return tuple
+    (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), aggregated by upstream's `aggregate_loss` with the
+    micro-batch's loss_batch_info (dp_size, batch_num_tokens, global_batch_size), as PolicyLoss aggregates.
+
+    clip_ratio: the share of valid tokens the PPO clip cuts off (Clip-Cov; upstream's definition), 0 for KL-Cov,
+    which has no ratio clip; ppo_kl as upstream's; vllm_kl and is_filter_ratio None (no IS correction).
+    """
+
+    def __init__(self, config, clip_eps_low, clip_eps_high, token_level_loss, generator):
+        self.config, self.clip_eps_low, self.clip_eps_high = config, clip_eps_low, clip_eps_high
+        self.token_level_loss, self.generator = token_level_loss, generator
+
+    def __call__(
+        self,
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask=None,
+        rollout_log_probs=None,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    ):
+        from openrlhf.models.loss import aggregate_loss
+
+        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask.bool()
+        per_token, stats = baselines.policy_loss(
+            self.config,
+            log_probs,
+            old_log_probs,
+            advantages,
+            mask,
+            self.clip_eps_low,
+            self.clip_eps_high,
+            self.generator,
+        )
+        loss = aggregate_loss(
+            per_token,
+            mask.to(per_token.dtype),
+            token_level_loss=self.token_level_loss,
+            dp_size=dp_size,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size,
+        )
+        clip_ratio = torch.tensor(stats.get("clip_cov/ppo_clip_frac", 0.0), device=log_probs.device)
+        valid = mask.float()
+        ppo_kl = ((old_log_probs - log_probs).detach() * valid).sum() / valid.sum().clamp(min=1)
+        return loss, clip_ratio, ppo_kl, None, None
+
+
 # ── the experience forward (trainer/ray/ppo_actor.py, models/actor.py) ──
-
-
-@dataclass(frozen=True)
-class GeometrySpec:
-    """What the experience forward returns per response besides log-probs."""
-
-    features: str | None = None  # SALT proxy features, "sketch" | "exact"; None: not needed
-    dim: int = 4096  # sketch dimension (k x k)
-    seed: int = 0  # sketch projections
-    entropy: bool = False  # normalized token-entropy sums (SALT --salt.variant entropy-alpha)
-    hidden: bool = False  # last-response-token final hidden state (GeoAlign)
 
 
 def actor_spec(args) -> GeometrySpec | None:
@@ -101,53 +183,21 @@ def actor_spec(args) -> GeometrySpec | None:
     from openrlhf_geo.fork import check_worker
 
     check_worker()
-    salt, geo = _section(args, "salt"), _section(args, "geoalign")
-    salt_on = salt is not None and salt.enable
-    if not (salt_on or (geo is not None and geo.enable)):
+    if _section(args, "salt") is None:
         return None
-    return GeometrySpec(
-        features=salt.features if salt_on else None,
-        dim=salt.dim if salt_on else 4096,
-        seed=salt.seed if salt_on else 0,
-        entropy=salt_on and salt.variant == "entropy-alpha",
-        hidden=geo is not None and geo.enable,
-    )
-
-
-@contextmanager
-def lm_head_input(model, enabled=True):
-    """Capture the lm_head input (final post-norm hidden states) of the forward run inside the block.
-
-    Yields a namespace whose `.hidden` is (B, S, d) padded or (1, T, d) packed after the forward. The hook sits on
-    `get_output_embeddings()` of the unwrapped model (DeepSpeed engine / PEFT both forward to it).
-    """
-    captured = SimpleNamespace(hidden=None)
-    if not enabled:
-        yield captured
-        return
-    head = getattr(model, "module", model).get_output_embeddings()
-    if head is None:
-        raise RuntimeError(f"{type(model).__name__} has no output embeddings (lm_head) to read hidden states from")
-    handle = head.register_forward_hook(lambda _module, inputs, _output: setattr(captured, "hidden", inputs[0]))
-    try:
-        yield captured
-    finally:
-        handle.remove()
+    return options.geometry_config(args).spec
 
 
 @torch.no_grad()
 def response_geometry(
     spec, logits, hidden, labels, action_mask, attention_mask, indices=None, temperature=1.0, ring_attn_group=None
 ):
-    """Per-response outputs of one experience forward, small CPU tensors: features (B, D), hidden (B, d), entropy (B,).
+    """Actor.forward's layout -> `features.response_geometry`: features (B, D), hidden (B, d), entropy (B,).
 
     logits (B, S, V) padded or (1, T, V) packed, already divided by `temperature` (Actor.forward does it in place);
     hidden: the lm_head input of the same forward, same layout; labels: Actor.forward's rolled sequences (label at
     position s = token s+1), same layout; action_mask (B, A): column j <-> position S-1-A+j (whose logits produced
     token S-A+j); attention_mask (B, S); indices (T,): packed position -> flat padded position (None = padded).
-    features: the SALT proxy (`lm_head_features`) of each response's action tokens; `hidden / temperature` makes
-    them the exact gradient of the temperature-scaled log-probs. hidden: the lm_head input at the response's last
-    token. entropy: sum over action tokens of H(softmax(z)) / log V.
     """
     if ring_attn_group is not None:
         raise ValueError("SALT / GeoAlign geometry is not available with ring attention (--ds.ring_attn_size > 1)")
@@ -163,37 +213,9 @@ def response_geometry(
     if indices is not None:  # packed: the same masks on the (1, T) stream, each token tagged with its row
         producing, response = producing.flatten()[indices][None], response.flatten()[indices][None]
         segment_ids = (indices // seqlen)[None]
-    out = {}
-    if spec.features is not None:
-        scaled = hidden / temperature if temperature != 1.0 else hidden
-        feats = lm_head_features(
-            logits, scaled, labels, producing, spec.features, spec.dim, spec.seed, segment_ids=segment_ids
-        )
-        out["features"] = _pad_rows(feats, batch).float().cpu()
-    if spec.hidden:
-        out["hidden"] = _pad_rows(last_token_hidden(hidden, response, segment_ids), batch).float().cpu()
-    if spec.entropy:
-        out["entropy"] = _entropy_sums(logits, producing, segment_ids, batch).cpu()
-    return out
-
-
-def _pad_rows(rows, batch):
-    """(R, ·) -> (batch, ·): responses after the last one with a token (packed layout) get zero rows."""
-    missing = batch - rows.shape[0]
-    return torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])]) if missing else rows
-
-
-def _entropy_sums(logits, mask, segment_ids, batch):
-    """(batch,) float32: per response, sum over masked positions of token entropy / log V (chunks of positions)."""
-    rows, cols = mask.nonzero(as_tuple=True)
-    owner = rows if segment_ids is None else segment_ids[rows, cols]
-    sums = torch.zeros(batch, dtype=torch.float32, device=logits.device)
-    for start in range(0, len(rows), ENTROPY_CHUNK):
-        part = slice(start, start + ENTROPY_CHUNK)
-        z = logits[rows[part], cols[part]].float()
-        entropy = torch.distributions.Categorical(logits=z, validate_args=False).entropy()
-        sums.index_add_(0, owner[part], entropy)
-    return sums / math.log(logits.shape[-1])
+    return features.response_geometry(
+        spec, logits, hidden, labels, producing, response, temperature, segment_ids, rows=batch
+    )
 
 
 # ── the experience maker (trainer/ppo_utils/experience_maker.py), in the trainer process ──
@@ -205,31 +227,43 @@ def _section(args, name):
 
 
 class ExperienceGeometry:
-    """SALT / GeoAlign / reward-noise state of one RemoteExperienceMaker: the flags, GeoAlign's warm-started
-    projector and the RNGs. `start_batch` hands out the steps of one rollout batch (a GeometryBatch)."""
+    """The `GeometryPipeline` of one RemoteExperienceMaker (flags, GeoAlign's projector, random streams, running
+    statistics). `start_batch` hands out the adapter for one rollout batch (a GeometryBatch).
 
-    def __init__(self, args=None):
-        salt, geo = _section(args, "salt"), _section(args, "geoalign")
-        noise = _section(_section(args, "reward"), "noise")
-        self.salt = salt if salt is not None and salt.enable else None
-        self.geoalign = options.geoalign_config(args) if geo is not None and geo.enable else None
-        self.noise = noise if noise is not None and noise.type != "none" else None
-        self.active = any(x is not None for x in (self.salt, self.geoalign, self.noise))
-        if not self.active:
+    tokenizer: the experience maker's, to decode responses for Seed-GRPO's answer clusters, which it checks with a
+    math-verify worker pool (`reward_from_env`: OPENRLHF_GEO_MATH_TIMEOUT / _WORKERS, as the math reward).
+    """
+
+    def __init__(self, args=None, tokenizer=None):
+        self.pipeline, self.n_samples, self.steps = None, None, 0
+        self.tokenizer, self.verifier = tokenizer, None
+        if _section(args, "salt") is None:
             return
-        self.n_samples = args.rollout.n_samples_per_prompt
-        # SALT's randomized variants and GeoAlign's init / validation split / replacement draws share one stream.
-        self.generator = torch.Generator().manual_seed(args.train.seed)
-        self.noise_generator = torch.Generator().manual_seed(self.noise.seed if self.noise else 0)
-        self.projector = None
+        self.n_samples = args.rollout.n_samples_per_prompt  # also for the reward / advantage checks
+        config = options.geometry_config(args)
+        if not config.active:
+            return
+        self.pipeline = GeometryPipeline(config)
+        if config.baseline is not None and config.baseline.seed_grpo_alpha is not None:
+            from openrlhf_geo.rewards.math_verify import reward_from_env
+
+            self.verifier = reward_from_env()  # its worker processes start at the first check
+        # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): --train.batch_size counts samples
+        self.partition_prompts = config.salt.group_prompts if config.salt is not None else None
+        if self.partition_prompts is None:
+            self.partition_prompts = max(args.train.batch_size // self.n_samples, 1)
 
     @classmethod
     def disabled(cls):
         return cls(None)
 
     @property
+    def active(self) -> bool:
+        return self.pipeline is not None
+
+    @property
     def needs_actor_outputs(self) -> bool:
-        return self.salt is not None or self.geoalign is not None
+        return self.active and self.pipeline.config.spec is not None
 
     def take_actor_outputs(self, samples_list, outputs):
         """Policy-actor results per micro-batch -> log-probs; the (log-probs, geometry) pairs leave their geometry
@@ -248,49 +282,34 @@ class ExperienceGeometry:
         return log_probs
 
     def start_batch(self, experiences):
-        """Begin one rollout batch (all rewards known): inject reward noise; returns the batch's remaining steps."""
-        batch = GeometryBatch(self, experiences)
-        if self.noise is not None:
-            batch.inject_reward_noise()
-        return batch
-
-    def projector_for(self, in_dim):
-        """GeoAlign's projector, created at the first batch and trained in place afterwards (warm start)."""
-        if self.projector is None:
-            self.projector = Projector(in_dim, self.geoalign, self.generator)
-        elif self.projector.layers[0].in_features != in_dim:
-            raise RuntimeError(f"hidden size changed from {self.projector.layers[0].in_features} to {in_dim}")
-        return self.projector
-
-    def state_dict(self) -> dict:
-        state = {"generator": self.generator.get_state(), "noise_generator": self.noise_generator.get_state()}
-        if self.projector is not None:
-            state["projector"] = self.projector.state_dict()
-            state["projector_in_dim"] = self.projector.layers[0].in_features
-        return state
-
-    def load_state_dict(self, state) -> None:
-        if "projector" in state and self.geoalign is not None:
-            self.projector = Projector(state["projector_in_dim"], self.geoalign)
-            self.projector.load_state_dict(state["projector"])
-        # after building the projector: its init must not advance the restored stream
-        self.generator.set_state(state["generator"])
-        self.noise_generator.set_state(state["noise_generator"])
+        """Begin one rollout batch (all rewards known): reward noise; returns the batch's remaining steps."""
+        return GeometryBatch(self, experiences)
 
 
 class GeometryBatch:
-    """The fork's steps on one rollout batch inside compute_advantages_and_returns. Tensors are in upstream's
-    "prompt order" (rollout i of prompt g at g*n + i; row k of the concatenated micro-batches sits at indices[k])."""
+    """Adapter between upstream's Experience list and one `GeometryStep`. Tensors are in upstream's "prompt order"
+    (rollout i of prompt g at g*n + i; row k of the concatenated micro-batches sits at indices[k])."""
 
     def __init__(self, owner, experiences):
         self.owner, self.experiences = owner, experiences
+        if owner.n_samples is None:  # args without the fork's flags (upstream's own tests)
+            return
+        owner.steps += 1
+        self.indices = torch.tensor([i for exp in experiences for i in exp.index])
+        self.group_ids = torch.arange(len(self.indices)) // owner.n_samples
+        clean = self._prompt_order(torch.cat([exp.rewards for exp in experiences]))
+        check_finite("reward", clean, self.group_ids, owner.steps)  # every run, before any shaping or actor step
         if not owner.active:
             return
-        self.indices = torch.tensor([i for exp in experiences for i in exp.index])
-        self.size = len(self.indices)
-        self.plan = CurationPlan.identity(self.size)
-        self.corrupted = None
-        self.metrics = {}  # name -> (N,) float32, prompt order
+        pipeline = owner.pipeline
+        noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
+        self.step = pipeline.start(self.group_ids, corrupted)
+        if pipeline.noise.enabled:
+            # Training uses the corrupted `experience.rewards`; upstream copies them into info["reward"] after the
+            # length penalties (train/reward); train/noise/clean_reward logs the verifier's clean reward.
+            for exp in experiences:
+                exp.rewards = noisy[exp.index].to(exp.rewards.dtype)
+            self.step.metrics["noise/clean_reward"] = clean.float()
 
     def _prompt_order(self, rows):
         """Concatenated-row order (N, ...) -> prompt order."""
@@ -302,104 +321,68 @@ class GeometryBatch:
         """(N, ...) prompt order: the actor forward's per-response `key` of every micro-batch."""
         return self._prompt_order(torch.cat([getattr(exp, SIDE_ATTR)[key] for exp in self.experiences]))
 
-    def _record(self, prefix, stats, part=slice(None)):
-        for key, value in stats.items():
-            values = self.metrics.setdefault(f"{prefix}/{key}", torch.full((self.size,), math.nan))
-            values[part] = math.nan if value is None else float(value)
-
-    def inject_reward_noise(self):
-        """--reward.noise.{type,rate}: corrupt each prompt's rewards (before length penalties and group statistics).
-
-        Training uses the corrupted `experience.rewards`, and upstream copies them into info["reward"] after the
-        length penalties (train/reward); train/noise/clean_reward logs the verifier's clean reward and
-        train/noise/corrupted the realized corruption rate.
-        """
-        noise = self.owner.noise
-        clean = self._prompt_order(torch.cat([exp.rewards for exp in self.experiences]))
-        groups = torch.arange(self.size) // self.owner.n_samples
-        if noise.type == "flip":
-            noisy, self.corrupted = flip_binary(
-                clean, groups, noise.rate, self.owner.noise_generator, levels=noise.levels
-            )
-        else:
-            noisy, self.corrupted = swap_to_extremes(clean, groups, noise.rate, self.owner.noise_generator)
-        for exp in self.experiences:
-            exp.rewards = noisy[exp.index].to(exp.rewards.dtype)
-        self.metrics["noise/corrupted"] = self.corrupted.float()
-        self.metrics["noise/clean_reward"] = clean.float()
-
     def curate(self, rewards, indices):
-        """GeoAlign between rewards and group statistics: rewards (N,) prompt order -> slot rewards rewards[source]."""
-        config = self.owner.geoalign
-        if config is None:
+        """GeoAlign or PF-PPO between rewards and group statistics: rewards (N,) prompt order -> slot rewards."""
+        if not self.owner.active or self.owner.pipeline.curation is None:
             return rewards
         if not torch.equal(indices, self.indices):
             raise RuntimeError("experience order changed between start_batch and curate")
-        hidden = self._geometry("hidden")
-        groups = torch.arange(self.size) // self.owner.n_samples
-        projector = self.owner.projector_for(hidden.shape[1])
-        self.plan, stats = curate(
-            hidden, rewards, groups, config, self.owner.generator, projector=projector, corrupted=self.corrupted
-        )
-        if not bool(self.plan.keep.all()):
-            raise RuntimeError("GeoAlign dropped rollouts; the fork supports replace, zero and amplify")
-        self._record("geo", stats)
-        return rewards[self.plan.source]
+        geoalign = self.owner.pipeline.curation == "geoalign"
+        return self.step.curate(rewards, self._geometry("hidden") if geoalign else None)
+
+    def _responses(self):
+        """The N response texts in prompt order, decoded with the experience maker's tokenizer (special tokens
+        skipped): row b's response tokens are sequences[b, S-A:] under its action_mask (A columns)."""
+        tokens = []
+        for exp in self.experiences:
+            width = exp.action_mask.shape[1]
+            tokens += [seq[-width:][mask.bool()].tolist() for seq, mask in zip(exp.sequences, exp.action_mask)]
+        texts = self.owner.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        out = [None] * len(texts)
+        for row, i in enumerate(self.indices.tolist()):
+            out[i] = texts[row]
+        return out
 
     def salt(self, advantages):
-        """SALT on the group-normalized sequence advantages: (P, n) prompt order -> (P, n) with a' per slot.
-
-        Partitions of --salt.group_prompts prompts (0: the whole batch) each get one `salt_advantages` call on the
-        slots' features (a replaced slot uses its source's). Then each rollout's row value becomes the mean a' of
-        the slots it fills (identical copies agree up to solver rounding); `finish` multiplies by the count.
-        """
-        salt = self.owner.salt
-        if salt is None:
+        """Seed-GRPO, then SALT, on the group-normalized sequence advantages: (P, n) prompt order -> (P, n), each
+        row the mean a' of the slots it fills (`finish` multiplies the token advantages by the multiplicity)."""
+        if self.owner.n_samples is not None:
+            check_finite("advantage", advantages.reshape(-1), self.group_ids, self.owner.steps)
+        if not self.owner.active:
             return advantages
+        pipeline = self.owner.pipeline
         a = advantages.reshape(-1)
-        source = self.plan.source
-        features = self._geometry("features")[source]
-        if salt.variant == "entropy-alpha":  # needs the partition's mean normalized token entropy, in [0, 1]
-            tokens = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))[source]
-            entropy = self._geometry("entropy")[source]
-        new = torch.empty_like(a)
-        step = salt.group_prompts * self.owner.n_samples or self.size
-        for start in range(0, self.size, step):
-            part = slice(start, start + step)
-            mean_entropy = None
-            if salt.variant == "entropy-alpha":
-                mean_entropy = float(entropy[part].sum() / tokens[part].sum().clamp(min=1))
-            new[part], stats = salt_advantages(
-                a[part],
-                features[part],
-                salt.variant,
-                salt.alpha,
-                self.owner.generator,
-                entropy=mean_entropy,
-                gram=salt.gram,
+        if pipeline.baseline is not None and pipeline.baseline.seed_grpo_alpha is not None:
+            a = self.step.seed_grpo(a, self._responses(), self.owner.verifier)
+        if pipeline.salt is not None:
+            spec = pipeline.config.spec
+            lengths = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))
+            a = self.step.reweight(
+                a,
+                self._geometry("features"),
+                self._geometry("entropy") if spec.entropy else None,
+                lengths,
+                self.owner.partition_prompts,
             )
-            self._record("salt", stats, part)
-        weight = self.plan.weight.to(new.dtype)
-        count = torch.zeros_like(new).index_add_(0, source, weight)
-        total = torch.zeros_like(new).index_add_(0, source, weight * new)
-        new = torch.where(count > 0, total / count.clamp(min=1e-12), new)
-        return new.view_as(advantages)
+        value, _ = self.step.rows(a)
+        return value.view_as(advantages)
 
     def finish(self):
         """Multiply advantage rows by their multiplicity; per-sample metrics into `info`; drop the side geometry.
 
-        Batch-level stats are broadcast to (B,) per micro-batch (upstream's `info` rule: per-sample scalars), so
-        the sample-weighted mean upstream logs as train/<key> is the batch value (partition-size weighted for SALT).
+        Batch-level stats are per-slot (B,) per micro-batch (upstream's `info` rule: per-sample scalars), so the
+        sample-weighted mean upstream logs as train/<key> is the batch value (partition-size weighted for SALT).
+        String stats (geo/skipped_reason) are logged as their one-hot float twins (geo/skip_*).
         """
         if not self.owner.active:
             return
-        multiplicity = torch.zeros(self.size).index_add_(0, self.plan.source, self.plan.weight.float().cpu())
-        identity = torch.equal(multiplicity, torch.ones(self.size))
+        _, multiplicity = self.step.rows(torch.zeros(len(self.indices)))
+        identity = torch.equal(multiplicity, torch.ones_like(multiplicity))
         for exp in self.experiences:
             rows = torch.as_tensor(exp.index)
             if not identity:
                 exp.advantages = exp.advantages * multiplicity[rows].to(exp.advantages)[:, None]
-            for key, values in self.metrics.items():
+            for key, values in self.step.metrics.items():
                 exp.info[key] = values[rows].clone()
             exp.__dict__.pop(SIDE_ATTR, None)
 
@@ -408,14 +391,14 @@ class GeometryBatch:
 
 
 def save_geometry_state(trainer, client_states) -> None:
-    """Add the GeoAlign projector and RNG states to a checkpoint's client states (nothing when the steps are off)."""
+    """Add the pipeline's state (projector, RNG streams, running statistics) to a checkpoint's client states."""
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active:
-        client_states[STATE_KEY] = geometry.state_dict()
+        client_states[STATE_KEY] = geometry.pipeline.state_dict()
 
 
 def load_geometry_state(trainer, checkpoint_states) -> None:
     """Restore what `save_geometry_state` saved (a checkpoint without it leaves the fresh state)."""
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active and STATE_KEY in checkpoint_states:
-        geometry.load_state_dict(checkpoint_states[STATE_KEY])
+        geometry.pipeline.load_state_dict(checkpoint_states[STATE_KEY])

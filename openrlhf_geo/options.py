@@ -1,32 +1,36 @@
-"""The `--salt.*`, `--geoalign.*` and `--reward.noise.*` flags, shared by the fork and the local engine.
+"""The `--salt.*`, `--geoalign.*`, `--reward.noise.*`, `--baseline.*` flags, shared by the fork and the local engine.
 
 Both engines call `add_args(parser)` on their own argparse parser (the fork: upstream's train_ppo_ray parser,
-via patches/), then `validate(args)` on the nested namespace (`args.salt.variant`, `args.geoalign.alpha`, ...).
-Every new flag defaults to None so `validate` can tell "given" from "default" and reject flags that would be
-silently ignored (e.g. `--salt.variant` without `--advantage_estimator salt`).
+via patches/), then `validate(args)` on the nested namespace (`args.salt.variant`, `args.geoalign.alpha`, ...),
+then `geometry_config(args)` for the typed configs the pipeline runs. Values are validated in one place, the
+configs' `__post_init__` (SaltConfig, GeoAlignConfig, NoiseConfig, BaselineConfig); this module only checks which
+flags go together. Every new flag defaults to None so `validate` can tell "given" from "default" and reject flags that
+would be silently ignored (e.g. `--salt.variant` without `--advantage_estimator salt`).
 """
 
 import argparse
-import math
 from dataclasses import fields
 from types import SimpleNamespace
 
+from openrlhf_geo.baselines import CURATIONS, POLICY_LOSSES, BaselineConfig
 from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, GeoAlignConfig
-from openrlhf_geo.salt import GRAMS, VARIANTS
+from openrlhf_geo.pipeline import GeometryConfig
+from openrlhf_geo.rewards.noise import NOISE_TYPES, NoiseConfig
+from openrlhf_geo.salt import GRAMS, VARIANTS, SaltConfig
 
+# reinforce_baseline is listed so the error can say why it is refused: upstream whitens the whole batch after the
+# group statistics, which would re-centre and rescale SALT's a' (SALT §3 feeds a' to the loss unchanged).
 SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
-SALT_DEFAULTS = {
-    "base": "group_norm",
-    "variant": "full",
-    "features": "sketch",
-    "dim": 4096,
-    "seed": 0,
-    "group_prompts": 0,
-    "alpha": None,
+# SaltConfig fields set by --salt.<field>; `base` and `diagnostics` are flags of this module, not of the config.
+SALT_FIELDS = ("variant", "features", "dim", "seed", "gram", "group_prompts", "alpha")
+# --baseline.<flag> -> the --baseline.policy_loss it belongs to
+LOSS_FLAGS = {
+    "clip_cov_ratio": "clip_cov",
+    "clip_cov_lb": "clip_cov",
+    "clip_cov_ub": "clip_cov",
+    "kl_cov_ratio": "kl_cov",
+    "kl_cov_coef": "kl_cov",
 }
-NOISE_TYPES = ("none", "flip", "swap")
-# flag suffix under --geoalign.projector.* -> GeoAlignConfig field
-PROJECTOR_FIELDS = ("hidden_sizes", "out_dim", "steps", "lr", "val_acc", "val_frac", "warm_start")
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,7 +43,17 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="group-relative estimator whose sequence advantages SALT reweights (default group_norm)",
     )
     salt.add_argument(
-        "--salt.variant", choices=VARIANTS, default=None, help="full SALT or an App. F.3 ablation (default full)"
+        "--salt.variant",
+        choices=tuple(VARIANTS),
+        default=None,
+        help="full SALT or an App. F.3 ablation (default full)",
+    )
+    salt.add_argument(
+        "--salt.diagnostics",
+        action="store_true",
+        default=False,
+        help="without --advantage_estimator salt: compute SALT's geometry (PR, n_eff, r, ...) on the unchanged "
+        "advantages and log it as salt/* (the backbone rows of SALT Table 10); advantages are not modified",
     )
     salt.add_argument(
         "--salt.features",
@@ -55,17 +69,18 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--salt.gram",
         choices=GRAMS,
         default=None,
-        help="Gram estimate: shrink = noise-aware (debiased PR, SURE-thresholded off-diagonal; default with sketch "
-        "features) or raw F F^T/m (default with, and the only choice for, exact features)",
+        help="Gram estimate: raw F F^T/m (SALT Eq. 12; default) or shrink = noise-aware for sketch features "
+        "(debiased PR, SURE-thresholded off-diagonal; see benchmarks/README.md for when it helps)",
     )
     salt.add_argument(
         "--salt.group_prompts",
         type=int,
         default=None,
-        help="prompts per SALT partition of the rollout batch; 0 = the whole batch (default)",
+        help="prompts per SALT partition of the rollout batch (SALT's m = B*G); default: the optimizer mini-batch's "
+        "prompts (--train.batch_size / --rollout.n_samples_per_prompt, SALT §3.1 / Table 4); 0 = the whole batch",
     )
     salt.add_argument(
-        "--salt.alpha", type=float, default=None, help="fixed alpha_t, only with --salt.variant fixed-alpha"
+        "--salt.alpha", type=float, default=None, help="fixed alpha_t in [0, 1], only with --salt.variant fixed-alpha"
     )
 
     geo = parser.add_argument_group("GeoAlign (arXiv 2606.26917)")
@@ -90,8 +105,18 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="margin-weighted prototype (Eq. 5, default) or plain mean",
     )
-    geo.add_argument("--geoalign.max_flag_frac", type=float, default=None, help="cap on flagged fraction (0.2)")
-    geo.add_argument("--geoalign.min_scores", type=int, default=None, help="fewer GDI scores -> flag nothing (100)")
+    geo.add_argument(
+        "--geoalign.max_flag_frac",
+        type=float,
+        default=None,
+        help="opt-in cap on the flagged fraction (not in the paper; the reference code uses 0.2)",
+    )
+    geo.add_argument(
+        "--geoalign.min_scores",
+        type=int,
+        default=None,
+        help="opt-in: fewer GDI scores -> flag nothing (not in the paper; the reference code uses 100)",
+    )
     geo.add_argument(
         "--geoalign.max_pairs_per_side",
         type=int,
@@ -147,6 +172,46 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the two reward values flip swaps: 0 1 (default; GRPO) or -1 1 (DAPO)",
     )
     noise.add_argument("--reward.noise.seed", type=int, default=0, help="seed of the corruption draw")
+
+    base = parser.add_argument_group(
+        "comparison baselines (SALT arXiv 2606.05800 App. I / Table 4; GeoAlign arXiv 2606.26917 App. B.5)"
+    )
+    base.add_argument(
+        "--baseline.policy_loss",
+        choices=POLICY_LOSSES,
+        default=None,
+        help="per-token policy loss: ppo (default), clip_cov or kl_cov (Cui et al., arXiv 2505.22617)",
+    )
+    base.add_argument("--baseline.clip_cov_ratio", type=float, default=None, help="Clip-Cov token ratio (2e-4)")
+    base.add_argument("--baseline.clip_cov_lb", type=float, default=None, help="Clip-Cov covariance lower bound (1)")
+    base.add_argument("--baseline.clip_cov_ub", type=float, default=None, help="Clip-Cov covariance upper bound (5)")
+    base.add_argument("--baseline.kl_cov_ratio", type=float, default=None, help="KL-Cov token ratio (2e-3)")
+    base.add_argument("--baseline.kl_cov_coef", type=float, default=None, help="KL-Cov KL coefficient (1)")
+    base.add_argument(
+        "--baseline.curation",
+        choices=tuple(CURATIONS),
+        default=None,
+        help="rollout selection instead of GeoAlign: PF-PPO best-vs-random / best-vs-worst, or PODS max-variance",
+    )
+    base.add_argument("--baseline.pods_m", type=int, default=None, help="PODS: rollouts kept per prompt (required)")
+    base.add_argument(
+        "--baseline.pf_ppo_keep_count",
+        action="store_true",
+        default=None,
+        help="PF-PPO: the best and its partner refill the filtered slots instead of dropping them (the fork needs it)",
+    )
+    base.add_argument(
+        "--baseline.seed_grpo_alpha",
+        type=float,
+        default=None,
+        help="Seed-GRPO (arXiv 2505.12346): scale each prompt's advantages by 1 - alpha * SE / log G",
+    )
+    base.add_argument(
+        "--baseline.par_references",
+        type=int,
+        default=None,
+        help="PAR (arXiv 2502.18770): reference responses per prompt from the initial policy (local engine only)",
+    )
     return parser
 
 
@@ -163,94 +228,101 @@ def nest(namespace: argparse.Namespace) -> SimpleNamespace:
     return root
 
 
-def _given(ns) -> list[str]:
+def _given(ns, skip=("enable", "diagnostics")) -> list[str]:
     """Flags of a group that were set on the command line (all default to None)."""
-    return [k for k, v in vars(ns).items() if v is not None and k != "enable" and not isinstance(v, SimpleNamespace)]
+    return [k for k, v in vars(ns).items() if v is not None and k not in skip and not isinstance(v, SimpleNamespace)]
 
 
 def validate(args) -> None:
-    """Check flag combinations and fill defaults, in place; raise ValueError naming the flag.
+    """Check which flags go together, in place; raise ValueError naming the flag. Values are checked by building
+    the configs (`geometry_config`), which this calls once so a bad value fails at parse time too.
 
-    Afterwards `args.salt.enable` tells whether SALT runs, and `args.algo.advantage.estimator` holds the base
-    estimator (`salt` means `--salt.base` + SALT, so every upstream code path for that base stays unchanged).
+    Afterwards `args.salt.enable` tells whether SALT changes the advantages, and `args.algo.advantage.estimator`
+    holds the base estimator (`salt` means `--salt.base` + SALT, so every upstream code path for that base stays
+    unchanged).
     """
     estimator = args.algo.advantage.estimator
     salt = args.salt
     if estimator == "salt":
-        for key, default in SALT_DEFAULTS.items():
-            if getattr(salt, key) is None:
-                setattr(salt, key, default)
-        if salt.gram is None:
-            salt.gram = "shrink" if salt.features == "sketch" else "raw"
-        if salt.gram == "shrink" and salt.features != "sketch":
-            raise ValueError("--salt.gram shrink needs --salt.features sketch (exact features carry no sketch noise)")
-        if salt.features == "sketch":
-            side = math.isqrt(max(salt.dim, 0))
-            if salt.dim < 16 or side * side != salt.dim:
-                raise ValueError(f"--salt.dim must be a perfect square >= 16 (got {salt.dim})")
-        if salt.group_prompts < 0:
+        base = salt.base or "group_norm"
+        if base == "reinforce_baseline":
             raise ValueError(
-                f"--salt.group_prompts must be >= 0, 0 meaning the whole batch (got {salt.group_prompts})"
+                "--salt.base reinforce_baseline: upstream whitens the whole batch after the group statistics, which "
+                "would re-centre and rescale SALT's a' (the loss must consume a' unchanged); use group_norm, dr_grpo "
+                "or rloo"
             )
-        if (salt.variant == "fixed-alpha") != (salt.alpha is not None):
-            raise ValueError("--salt.alpha is required by, and only used with, --salt.variant fixed-alpha")
-        if salt.alpha is not None and not (salt.alpha >= 0 and math.isfinite(salt.alpha)):
-            raise ValueError(f"--salt.alpha must be a finite number >= 0 (got {salt.alpha})")
+        if salt.diagnostics:
+            raise ValueError(
+                "--salt.diagnostics is for runs without SALT; with --advantage_estimator salt the "
+                "geometry is logged anyway"
+            )
         salt.enable = True
-        args.algo.advantage.estimator = salt.base
+        args.algo.advantage.estimator = base
     else:
-        given = _given(salt)
+        salt_only = ("base", "variant", "alpha")  # diagnostics measure the plain coefficients: no variant
+        given = [k for k in _given(salt) if k in salt_only or not salt.diagnostics]
         if given:
-            raise ValueError(f"--salt.{given[0]} only applies with --advantage_estimator salt (got {estimator!r})")
+            needs = "--advantage_estimator salt" + ("" if given[0] in salt_only else " or --salt.diagnostics")
+            raise ValueError(f"--salt.{given[0]} only applies with {needs} (got {estimator!r})")
         salt.enable = False
 
     geo = args.geoalign
-    if geo.enable:
-        cfg = geoalign_config(args)
-        checks = [
-            (0 < cfg.alpha < 1, "--geoalign.alpha must be in (0, 1)", cfg.alpha),
-            (0 < cfg.max_flag_frac <= 1, "--geoalign.max_flag_frac must be in (0, 1]", cfg.max_flag_frac),
-            (cfg.min_scores >= 2, "--geoalign.min_scores must be >= 2 (a KDE needs two scores)", cfg.min_scores),
-            (cfg.max_pairs_per_side >= 0, "--geoalign.max_pairs_per_side must be >= 0", cfg.max_pairs_per_side),
-            (cfg.steps >= 1, "--geoalign.projector.steps must be >= 1", cfg.steps),
-            (cfg.lr > 0, "--geoalign.projector.lr must be > 0", cfg.lr),
-            (0 < cfg.val_acc <= 1, "--geoalign.projector.val_acc must be in (0, 1]", cfg.val_acc),
-            (0 < cfg.val_frac < 1, "--geoalign.projector.val_frac must be in (0, 1)", cfg.val_frac),
-            (
-                cfg.out_dim >= 1 and all(w >= 1 for w in cfg.hidden_sizes),
-                "--geoalign.projector widths must be >= 1",
-                (*cfg.hidden_sizes, cfg.out_dim),
-            ),
-        ]
-        for ok, message, value in checks:
-            if not ok:
-                raise ValueError(f"{message} (got {value})")
-    else:
+    if not geo.enable:
         given = _given(geo) + [f"projector.{k}" for k in _given(geo.projector)]
         if given:
             raise ValueError(f"--geoalign.{given[0]} only applies with --geoalign.enable")
 
-    noise = args.reward.noise
-    if noise.type == "none" and noise.rate != 0:
-        raise ValueError(f"--reward.noise.rate {noise.rate} needs --reward.noise.type flip or swap")
-    if noise.type != "none" and not 0 < noise.rate < 1:
-        raise ValueError(f"--reward.noise.rate must be in (0, 1) with --reward.noise.type {noise.type}")
-    if noise.type != "flip" and noise.levels is not None:
-        raise ValueError("--reward.noise.levels only applies with --reward.noise.type flip")
-    if noise.type == "flip":
-        noise.levels = tuple(noise.levels or (0.0, 1.0))
-        if noise.levels not in ((0.0, 1.0), (-1.0, 1.0)):
-            raise ValueError(f"--reward.noise.levels must be 0 1 or -1 1 (got {' '.join(map(str, noise.levels))})")
+    baseline = args.baseline
+    for flag, loss in LOSS_FLAGS.items():
+        if getattr(baseline, flag) is not None and baseline.policy_loss != loss:
+            raise ValueError(f"--baseline.{flag} only applies with --baseline.policy_loss {loss}")
+    if baseline.curation is not None and geo.enable:
+        raise ValueError(
+            f"--baseline.curation {baseline.curation} and --geoalign.enable both choose which rollouts to train on: "
+            "use one of them"
+        )
+    geometry_config(args)  # the configs' own checks, at parse time
 
 
-def geoalign_config(args) -> GeoAlignConfig:
-    """GeoAlignConfig from the preset plus every `--geoalign.*` flag that was given."""
+def salt_config(args) -> SaltConfig | None:
+    """SaltConfig from the `--salt.*` flags that were given (None when SALT is neither on nor in diagnostics)."""
+    salt = args.salt
+    if not (salt.enable or salt.diagnostics):
+        return None
+    given = {k: getattr(salt, k) for k in SALT_FIELDS if getattr(salt, k, None) is not None}
+    return SaltConfig(**given, apply=salt.enable)
+
+
+def geoalign_config(args) -> GeoAlignConfig | None:
+    """GeoAlignConfig from the preset plus every `--geoalign.*` flag that was given (None when GeoAlign is off)."""
     geo = args.geoalign
+    if not geo.enable:
+        return None
     overrides = {
         f.name: getattr(geo, f.name) for f in fields(GeoAlignConfig) if getattr(geo, f.name, None) is not None
     }
-    for key in PROJECTOR_FIELDS:
-        value = getattr(geo.projector, key, None)
+    for f in fields(GeoAlignConfig):
+        value = getattr(geo.projector, f.name, None)
         if value is not None:
-            overrides[key] = tuple(value) if key == "hidden_sizes" else value
+            overrides[f.name] = tuple(value) if isinstance(value, list) else value
     return GeoAlignConfig.preset(geo.preset or "math", **overrides)
+
+
+def baseline_config(args) -> BaselineConfig | None:
+    """BaselineConfig from the `--baseline.*` flags that were given (None when none was)."""
+    given = {k: v for k, v in vars(args.baseline).items() if v is not None}
+    return BaselineConfig(**given) if given else None
+
+
+def geometry_config(args) -> GeometryConfig:
+    """The pipeline's typed configuration, built from the validated flags (`args.train.seed` seeds its streams)."""
+    noise = args.reward.noise
+    return GeometryConfig(
+        salt=salt_config(args),
+        geoalign=geoalign_config(args),
+        baseline=baseline_config(args),
+        noise=NoiseConfig(
+            noise.type, noise.rate, tuple(noise.levels) if noise.levels is not None else None, noise.seed
+        ),
+        seed=args.train.seed,
+    )

@@ -41,8 +41,22 @@ n=$(ls "$STUB_OUT" | wc -l)
 printf '%s\\0' "$(basename "$0")" "$@" > "$STUB_OUT/$(printf %04d "$n")"
 if [[ "${1:-}" == - ]]; then cat > /dev/null; fi
 """
-SALT_SCRIPTS = ("train_math_grpo.sh", "train_math_dapo.sh", "sweep_rollout_scaling.sh", "sweep_fixed_alpha.sh")
-GEOALIGN_SCRIPTS = ("train_math_geoalign.sh", "train_hh_sft.sh", "train_hh_rl.sh")
+# SALT App. I / Table 4's entropy-control baselines: the GRPO recipe with these deviations (check_salt_table4)
+SALT_BASELINE_RECIPES = {
+    "train_math_clip_cov.sh": {"eps": (1.0, 1.0)},  # Table 4's Clip-Covariance clip ratios
+    "train_math_kl_cov.sh": {},
+    "train_math_entropy_bonus.sh": {"entropy_coef": 0.001},  # lambda_ENT: not in the text (the script says so)
+}
+# GeoAlign App. B.5's baselines the fork runs, in train_math_geoalign.sh's recipe (PODS and PAR: local engine only)
+GEOALIGN_BASELINE_SCRIPTS = ("train_math_pf_ppo.sh", "train_math_seed_grpo.sh")
+SALT_SCRIPTS = (
+    "train_math_grpo.sh",
+    "train_math_dapo.sh",
+    "sweep_rollout_scaling.sh",
+    "sweep_fixed_alpha.sh",
+    *SALT_BASELINE_RECIPES,
+)
+GEOALIGN_SCRIPTS = ("train_math_geoalign.sh", "train_hh_sft.sh", "train_hh_rl.sh", *GEOALIGN_BASELINE_SCRIPTS)
 SALT_SEEDS = ("2025", "2026", "2027", "2028", "2029")  # SALT App. H
 G_VALUES = (2, 4, 8, 16, 32, 64, 128, 256)  # SALT §4.4
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # SALT Fig. 4(b)
@@ -73,6 +87,15 @@ VARIANTS = {
     "sweep_rollout_scaling.sh": [{}],
     "sweep_fixed_alpha.sh": [{}],
     FORK_HELPERS_SCRIPT: [{}],
+    "train_math_clip_cov.sh": [{}, {"MODEL_SIZE": "7B", "DATASET": "dapo_math_17k", "SEED": "2026"}],
+    "train_math_kl_cov.sh": [{}, {"EVAL": "0"}],
+    "train_math_entropy_bonus.sh": [{}, {"ENTROPY_COEF": "0.005", "MODEL_SIZE": "7B"}],
+    "train_math_pf_ppo.sh": [
+        {},
+        {"PF_PPO_MODE": "bw"},
+        {"PF_PPO_MODE": "bw", "NOISE_RATE": "0.1", "MODEL_SIZE": "4B"},
+    ],
+    "train_math_seed_grpo.sh": [{}, {"NOISE_RATE": "0.05"}, {"SEED_GRPO_ALPHA": "1.0", "MODEL_SIZE": "4B"}],
 }
 CASES = [(script, env) for script, envs in VARIANTS.items() for env in envs]
 
@@ -89,6 +112,8 @@ SWITCHES = [
     ("train_math_geoalign.sh", {"NOISE_RATE": "0.05"}, ("reward.noise.",)),
     ("train_hh_rl.sh", {"GEOALIGN": "1"}, ("geoalign.",)),
     ("train_hh_rl.sh", {"NOISE_RATE": "0.05"}, ("reward.noise.",)),
+    ("train_math_pf_ppo.sh", {"PF_PPO_MODE": "bw"}, ("baseline.curation",)),
+    ("train_math_seed_grpo.sh", {"NOISE_RATE": "0.05"}, ("reward.noise.",)),
 ]
 
 
@@ -258,7 +283,8 @@ def test_jobs_set_only_working_dir_and_env_vars(calls):
     same field or env var at job level would be a hard error in Ray. Eval jobs reserve one GPU for the entrypoint."""
     upstream_env = {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
     jobs = [argv for made in calls.values() for argv in made if argv[0] == "ray"]
-    assert len(jobs) == (4 * 2 - 1) + 3 * 2 + 4 + 4 + 64 + 10
+    # + the SALT baselines (train + eval, KL-Cov's EVAL=0: train only) and the GeoAlign baselines (train only)
+    assert len(jobs) == (4 * 2 - 1) + 3 * 2 + 4 + 4 + 64 + 10 + (2 * 2 + 3 + 2 * 2) + (3 + 3)
     for argv in jobs:
         job = ray_submit(argv)
         is_eval = cli_argv(argv, "eval") is not None
@@ -330,6 +356,10 @@ def test_wandb_logging_follows_wandb_api_key(home):
         ("sweep_rollout_scaling.sh", {"G_LIST": "2 3"}, "G=3"),
         ("sweep_rollout_scaling.sh", {"METHODS": "ppo"}, "METHODS"),
         ("sweep_fixed_alpha.sh", {"ALPHAS": "0.5 2"}, "ALPHAS"),
+        ("train_math_entropy_bonus.sh", {"ENTROPY_COEF": "0"}, "ENTROPY_COEF"),
+        ("train_math_pf_ppo.sh", {"PF_PPO_MODE": "best"}, "PF_PPO_MODE"),
+        ("train_math_seed_grpo.sh", {"SEED_GRPO_ALPHA": "1.5"}, "SEED_GRPO_ALPHA"),
+        ("train_math_clip_cov.sh", {"MODEL_SIZE": "3B"}, "MODEL_SIZE"),
     ],
 )
 def test_bad_switch_values_fail_before_submitting_anything(home, script, env, variable):
@@ -435,12 +465,13 @@ def eval_files(args):
     return [Path(p) for p in args.eval.dataset.split(",")]
 
 
-def check_salt_table4(args):
-    """SALT Table 4's shared block (and §4.1) in 0.11.2's units: batch sizes in prompts (rollout) and samples."""
+def check_salt_table4(args, eps=(0.2, 0.2), entropy_coef=0):
+    """SALT Table 4's shared block (and §4.1) in 0.11.2's units: batch sizes in prompts (rollout) and samples; `eps`
+    and `entropy_coef` are the GRPO values a baseline's block replaces (SALT_BASELINE_RECIPES)."""
     assert args.rollout.n_samples_per_prompt in (8, *G_VALUES)  # 8 except in the rollout-scaling sweep
     assert args.rollout.temperature == args.eval.temperature == 0.6 and args.rollout.top_p == 1.0
     assert args.actor.adam.lr == 1e-6 and (args.actor.lr_scheduler, args.actor.lr_warmup_ratio) == ("constant", 0)
-    assert args.actor.entropy_coef == 0
+    assert args.actor.entropy_coef == entropy_coef
     assert args.algo.kl.use_loss and args.algo.kl.init_coef == 0.001 and args.algo.kl.estimator == "k3"
     assert args.rollout.max_new_tokens == 8192 and args.data.max_len == 1024 + 8192
     assert args.train.batch_size == 32 * 8  # mini-batch 32 prompts x 8 (the sweep keeps the samples fixed)
@@ -453,7 +484,7 @@ def check_salt_table4(args):
         assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.28) and args.actor.loss_agg_mode == "token-mean"
         assert tuple(args.algo.dynamic_filtering_range) == (0, 1)
     else:  # GRPO, Eq. 3
-        assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.2)
+        assert tuple(args.actor.eps_clip_low_high) == eps
         assert args.actor.loss_agg_mode == "seq-mean-token-mean"
     assert args.reward.overlong_buffer_len is None  # App. C.2: no overlong shaping
     assert args.salt.diagnostics != args.salt.enable  # baselines log SALT's geometry too
@@ -468,7 +499,10 @@ def check_recipe(script, env, args):
     assert args.actor.num_nodes == int(env.get("NUM_NODES", 1))
     assert Path(args.data.prompt_dataset).is_file() and all(p.is_file() for p in eval_files(args))
     if script in SALT_SCRIPTS:
-        check_salt_table4(args)
+        recipe = dict(SALT_BASELINE_RECIPES.get(script, {}))
+        if "ENTROPY_COEF" in env:  # the entropy-bonus script's lambda_ENT switch
+            recipe["entropy_coef"] = float(env["ENTROPY_COEF"])
+        check_salt_table4(args, **recipe)
         assert str(args.train.seed) == env.get("SEED", "2025") and env.get("SEED", "2025") in SALT_SEEDS
     if script in ("train_math_grpo.sh", "train_math_dapo.sh"):
         assert args.salt.enable == (env.get("SALT") == "1")
@@ -493,6 +527,38 @@ def check_recipe(script, env, args):
         assert [p.name for p in eval_files(args)] == ["geoalign_eval.jsonl"]
         if args.geoalign.enable:
             assert options.geoalign_config(args).alpha == 0.05
+    if script in SALT_BASELINE_RECIPES:  # GRPO's flags (train_math_grpo.sh), then Table 4's Clip-/KL-Covariance block
+        assert (args.rollout.batch_size, args.train.num_episodes, args.algo.advantage.estimator) == (
+            64,
+            2,
+            "group_norm",
+        )
+        assert args.actor.model_name_or_path.endswith(env.get("MODEL_SIZE", "1.5B"))
+        assert Path(args.data.prompt_dataset).name == f"{env.get('DATASET', 'math_train')}.jsonl"
+        baseline = options.baseline_config(args)
+        loss = {"train_math_clip_cov.sh": "clip_cov", "train_math_kl_cov.sh": "kl_cov"}.get(script, "ppo")
+        assert (baseline.policy_loss if baseline else "ppo") == loss
+        assert baseline is None or not baseline.in_pipeline  # a loss-level baseline: the advantages are GRPO's
+        if loss == "clip_cov":
+            assert (baseline.clip_cov_ratio, baseline.clip_cov_lb, baseline.clip_cov_ub) == (2e-4, 1.0, 5.0)
+        if loss == "kl_cov":
+            assert (baseline.kl_cov_ratio, baseline.kl_cov_coef) == (2e-3, 1.0)
+        if script == "train_math_entropy_bonus.sh":
+            assert args.actor.entropy_coef == float(env.get("ENTROPY_COEF", 0.001)) > 0
+    if script in GEOALIGN_BASELINE_SCRIPTS:  # train_math_geoalign.sh's GRPO recipe plus one baseline
+        assert args.algo.advantage.estimator == "group_norm" and not args.salt.enable and not args.geoalign.enable
+        rate = float(env.get("NOISE_RATE", 0))
+        assert (args.reward.noise.type, args.reward.noise.rate) == (("flip", rate) if rate else ("none", 0.0))
+        assert args.rollout.n_samples_per_prompt == 16 and args.data.input_key == "prompt_text"
+        assert args.actor.model_name_or_path == f"Qwen/Qwen3-{env.get('MODEL_SIZE', '1.7B')}"
+        assert (args.eval.temperature, args.eval.n_samples_per_prompt, args.eval.steps) == (1.0, 1, 10)
+        assert args.actor.loss_agg_mode == "seq-mean-token-mean"  # PF-PPO's keep_count equivalence needs it
+        baseline = options.baseline_config(args)
+        if script == "train_math_pf_ppo.sh":
+            assert baseline.curation == f"pf_ppo_{env.get('PF_PPO_MODE', 'br')}" and baseline.pf_ppo_keep_count
+            assert baseline.seed_grpo_alpha is None
+        else:
+            assert baseline.seed_grpo_alpha == float(env.get("SEED_GRPO_ALPHA", 0.5)) and baseline.curation is None
     if script == "train_hh_rl.sh":
         assert args.rollout.n_samples_per_prompt == 8
         assert args.data.input_key == "prompt" and not args.data.apply_chat_template  # HH's raw text
@@ -585,7 +651,8 @@ def test_salt_runs_are_evaluated_as_the_paper_reports(calls, evals):
             assert args.max_new_tokens == 8192 and args.prompt_placement == "system" and args.from_hub
             assert args.system_prompt == SYSTEM_PROMPT  # SALT App. C.2
             seen += 1
-    assert seen == 3 + 3 + 32 + 5  # train_math_grpo (EVAL=0 has none), train_math_dapo, the two sweeps
+    assert seen == 3 + 3 + 32 + 5 + 5  # train_math_grpo (EVAL=0 has none), train_math_dapo, the two sweeps, the
+    # SALT baselines (KL-Cov's EVAL=0 has none)
 
 
 class Parsed(Exception):

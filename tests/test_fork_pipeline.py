@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo import fork, fork_hooks
+from openrlhf_geo import fork, fork_hooks, pipeline
 from openrlhf_geo.geoalign import CurationPlan
 
 pytestmark = pytest.mark.fork
@@ -147,7 +147,7 @@ def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
         "--reward.noise.type flip --reward.noise.rate 0.25 --reward.noise.seed 5"
     ).split()
     args = parse(up, monkeypatch, argv)
-    salt, noise = args.salt, args.reward.noise
+    salt = args.salt
     assert (salt.base, salt.variant, salt.alpha, salt.features, salt.dim, salt.seed, salt.group_prompts) == (
         "dr_grpo",
         "fixed-alpha",
@@ -158,7 +158,7 @@ def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
         2,
     )
     assert args.algo.advantage.estimator == "dr_grpo"
-    config = fork_hooks.ExperienceGeometry(args).geoalign
+    config = fork_hooks.ExperienceGeometry(args).pipeline.geoalign
     assert (config.alpha, config.mode, config.gdi, config.prototype, config.max_flag_frac) == (
         0.1,
         "amplify",
@@ -169,8 +169,28 @@ def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
     assert (config.min_scores, config.max_pairs_per_side, config.device) == (8, 2, "cpu")
     assert (config.hidden_sizes, config.out_dim, config.steps, config.lr) == ((16, 8), 4, 5, 0.01)
     assert (config.val_acc, config.val_frac, config.warm_start) == (0.9, 0.3, False)
+    noise = fork_hooks.ExperienceGeometry(args).pipeline.noise
     assert (noise.type, noise.rate, noise.seed, noise.levels) == ("flip", 0.25, 5, (0.0, 1.0))
     assert args.reward.num_nodes == 1  # upstream's --reward.* flags live beside --reward.noise.*
+
+
+def test_every_baseline_flag_reaches_the_nested_args(up, monkeypatch):
+    argv = (
+        "--advantage_estimator group_norm --baseline.policy_loss clip_cov --baseline.clip_cov_ratio 0.001 "
+        "--baseline.clip_cov_lb 0.5 --baseline.clip_cov_ub 4 --baseline.curation pf_ppo_bw "
+        "--baseline.pf_ppo_keep_count --baseline.seed_grpo_alpha 0.25 --actor.eps_clip_low_high 1 1"
+    ).split()
+    config = fork_hooks.ExperienceGeometry(parse(up, monkeypatch, argv)).pipeline.baseline
+    assert (config.policy_loss, config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub) == (
+        "clip_cov",
+        0.001,
+        0.5,
+        4.0,
+    )
+    assert (config.curation, config.pf_ppo_keep_count, config.seed_grpo_alpha) == ("pf_ppo_bw", True, 0.25)
+    argv = "--advantage_estimator group_norm --baseline.policy_loss kl_cov --baseline.kl_cov_ratio 0.01 "
+    kl = parse(up, monkeypatch, [*argv.split(), "--baseline.kl_cov_coef", "2"])
+    assert (kl.baseline.kl_cov_ratio, kl.baseline.kl_cov_coef) == (0.01, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -182,13 +202,20 @@ def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
         ("--reward.noise.rate 0.1", "needs --reward.noise.type flip or swap"),
         ("--advantage_estimator group_norm --geoalign.enable --geoalign.mode drop", "--geoalign.mode drop changes"),
         ("--advantage_estimator reinforce_baseline --geoalign.enable", "needs a per-prompt group estimator"),
-        (
-            "--advantage_estimator salt --salt.base reinforce_baseline --geoalign.enable",
-            "(got 'reinforce_baseline' (from --salt.base))",
-        ),
+        ("--advantage_estimator salt --salt.base reinforce_baseline", "upstream whitens the whole batch after"),
+        ("--salt.diagnostics --salt.variant only-main", "--salt.variant only applies with --advantage_estimator"),
         ("--advantage_estimator group_norm --geoalign.enable --geoalign.device cuda", "starts without a GPU"),
         ("--advantage_estimator salt --ds.ring_attn_size 2 --vllm.num_engines 1", "--ds.ring_attn_size 2 splits"),
         ("--advantage_estimator bogus", "invalid choice: 'bogus'"),
+        ("--baseline.par_references 2", "PAR needs, every step, reward-model scores of M reference responses"),
+        ("--baseline.curation pods --baseline.pods_m 2", "--baseline.curation pods drops rollouts"),
+        ("--advantage_estimator group_norm --baseline.curation pf_ppo_br", "use PF-PPO with --baseline.pf_ppo_keep"),
+        ("--baseline.curation pf_ppo_br --baseline.pf_ppo_keep_count --geoalign.enable", "use one of them"),
+        ("--advantage_estimator reinforce_baseline --baseline.seed_grpo_alpha 0.5", "needs a per-prompt group"),
+        ("--baseline.policy_loss clip_cov --actor.dual_clip 3", "--actor.dual_clip would be silently ignored"),
+        ("--baseline.policy_loss kl_cov --actor.policy_loss_type gspo", "gspo would be silently ignored"),
+        ("--baseline.kl_cov_ratio 0.1", "--baseline.kl_cov_ratio only applies with --baseline.policy_loss kl_cov"),
+        ("--baseline.policy_loss clip_cov --actor.eps_clip_low_high 1.5 1.5", "a low PPO clip ratio <= 1 (got 1.5)"),
     ],
 )
 def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, message):
@@ -365,6 +392,15 @@ def rollouts(up, n_prompts, seed, rewards=None):
     return out
 
 
+class AnswerTokenizer:
+    """The experience maker's tokenizer stand-in: a response decodes to the boxed answer (sum of its tokens) % 3."""
+
+    pad_token_id = 0
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [f"\\boxed{{{sum(row) % 3}}}" for row in rows]
+
+
 class ActorGroup:
     """RayActorGroup stand-in: one 'rank' runs the patched PolicyModelActor.forward on every micro-batch."""
 
@@ -386,7 +422,7 @@ def make_maker(up, tiny_path, monkeypatch, argv, micro_batch=3):
     monkeypatch.setattr(up.experience_maker, "ray", NS(get=lambda x: x, put=lambda x: x))
     group = ActorGroup(up, load_actor(up, tiny_path), fork_hooks.actor_spec(args))
     kl = up.FixedKLController(0.0)
-    return up.experience_maker.RemoteExperienceMaker(group, None, None, None, kl, NS(args=args), NS(pad_token_id=0))
+    return up.experience_maker.RemoteExperienceMaker(group, None, None, None, kl, NS(args=args), AnswerTokenizer())
 
 
 def forward_batch(maker, samples):
@@ -419,7 +455,7 @@ def group_norm(r):
 @pytest.mark.parametrize("group_prompts", [0, 2])
 @pytest.mark.parametrize("variant", ["full", "rand-proj", "entropy-alpha"])
 def test_salt_advantages_equal_salt_core_on_the_same_inputs(up, tiny_path, monkeypatch, variant, group_prompts):
-    from openrlhf_geo.salt import salt_advantages
+    from openrlhf_geo.salt import entropy_alpha, salt_advantages
 
     argv = f"--advantage_estimator salt --salt.variant {variant} --salt.dim 64 --salt.group_prompts {group_prompts}"
     maker = make_maker(up, tiny_path, monkeypatch, argv.split())
@@ -428,20 +464,21 @@ def test_salt_advantages_equal_salt_core_on_the_same_inputs(up, tiny_path, monke
     experiences, geometry = forward_batch(maker, samples)
     result = maker.compute_advantages_and_returns(experiences)
 
-    generator = torch.Generator().manual_seed(7)  # --train.seed: the maker's stream
+    generator = torch.Generator().manual_seed(7 + 2)  # the pipeline's SALT stream: --train.seed + 2
     a, expected = group_norm(rewards), torch.empty(len(samples))
     tokens = torch.tensor([float(s.action_mask.sum()) for s in samples])
+    h_t = float(geometry["entropy"].sum() / tokens.sum()) if variant == "entropy-alpha" else None
     step = group_prompts * N_PER_PROMPT or len(samples)
     for start in range(0, len(samples), step):
         part = slice(start, start + step)
-        entropy = float(geometry["entropy"][part].sum() / tokens[part].sum()) if variant == "entropy-alpha" else None
+        entropy = entropy_alpha(h_t, h_t, h_t) if variant == "entropy-alpha" else None  # first step: H_min = H_max
         expected[part], _ = salt_advantages(
-            a[part], geometry["features"][part], variant, None, generator, entropy=entropy, gram="shrink"
+            a[part].double(), geometry["features"][part], variant, None, generator, entropy=entropy
         )
     assert not torch.allclose(expected, a, atol=1e-3)  # SALT changed the advantages: the check is not vacuous
     torch.testing.assert_close(row_advantages(result, len(samples)), expected)
     assert all(not hasattr(e, fork_hooks.SIDE_ATTR) for e in result)
-    for key in ("pr", "k", "n_eff", "alpha", "D_a", "D_g", "exp_norm", "main_norm"):
+    for key in ("pr", "k", "n_eff_in", "n_eff_out", "alpha", "D_a", "D_g", "U_perp", "U_perp_gain", "sign_flip"):
         assert all(e.info[f"salt/{key}"].shape == e.rewards.shape for e in result)
 
 
@@ -459,7 +496,7 @@ def stub_curate(plan_source, weight=None, calls=None):
             weight=torch.ones(n) if weight is None else torch.as_tensor(weight, dtype=torch.float),
             flagged=source != torch.arange(n),
         )
-        return plan, {"pairs": 12.0, "flag_frac": float(plan.flagged.float().mean()), "proj_val_acc": 1.0}
+        return plan, {"pairs": 12.0, "flag_frac": float(plan.flagged.float().mean()), "val_acc": 1.0}
 
     return curate
 
@@ -472,7 +509,7 @@ REWARDS = torch.tensor([1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.float)
 
 def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE, calls=calls))
+    monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE, calls=calls))
     argv = "--advantage_estimator group_norm --geoalign.enable --reward.noise.type flip --reward.noise.rate 0.5"
     maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=5)
     samples = rollouts(up, 3, seed=5, rewards=REWARDS)
@@ -496,7 +533,7 @@ def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monke
 
 
 def test_metrics_survive_the_replay_buffer_split_and_merge(up, tiny_path, monkeypatch):
-    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE))
+    monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE))
     maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)
     result = maker.make_experience_batch(rollouts(up, 3, seed=5, rewards=REWARDS))
     ex = up.experience
@@ -534,7 +571,7 @@ def merged(up, experiences):
 @pytest.mark.parametrize("salt", [False, True], ids=["grpo", "salt"])
 def test_replacement_gradients_equal_an_explicitly_duplicated_batch(up, tiny_path, monkeypatch, salt):
     estimator = "--advantage_estimator " + ("salt --salt.features exact" if salt else "group_norm")
-    monkeypatch.setattr(fork_hooks, "curate", stub_curate(SOURCE))
+    monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE))
     fork_maker = make_maker(up, tiny_path, monkeypatch, [*estimator.split(), "--geoalign.enable"], micro_batch=5)
     samples = rollouts(up, 3, seed=9, rewards=REWARDS)
     weighted = merged(up, fork_maker.make_experience_batch(samples))
@@ -591,6 +628,69 @@ def test_multiplicity_rows_equal_duplicated_rows_for_the_policy_loss(up, data, r
     torch.testing.assert_close(weighted, duplicated, atol=1e-6, rtol=1e-5)
 
 
+def actor_trainer(up, monkeypatch, argv):
+    """ActorPPOTrainer.__init__ as patched, on args from upstream's parser (no DeepSpeed, vLLM or process group)."""
+    args = parse(up, monkeypatch, ["--advantage_estimator", "group_norm", *argv])
+    monkeypatch.setattr(up.ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names its (unused) device
+    return up.ppo_actor.ActorPPOTrainer(NS(args=args), None, None, None, None)
+
+
+@pytest.mark.parametrize("token_level", [True, False], ids=["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_the_actor_trainers_baseline_loss_is_baselines_loss_with_upstreams_aggregation(
+    up, monkeypatch, loss, token_level
+):
+    """SALT App. I's Clip-Cov / KL-Cov in the patched ActorPPOTrainer: actor_loss_fn, called as training_step calls
+    it, returns baselines.py's per-token loss on the same tensors reduced as upstream's aggregate_loss reduces
+    (global token count or sample count, x dp_size), with PolicyLoss's return tuple."""
+    from openrlhf_geo import baselines
+
+    agg = "token-mean" if token_level else "seq-mean-token-mean"
+    flags = f"--baseline.policy_loss {loss} --actor.loss_agg_mode {agg} --actor.eps_clip_low_high 0.2 0.3"
+    if loss == "clip_cov":
+        flags += " --baseline.clip_cov_ratio 0.3 --baseline.clip_cov_lb -1 --baseline.clip_cov_ub 1"
+    trainer = actor_trainer(up, monkeypatch, flags.split())
+    assert isinstance(trainer.actor_loss_fn, fork_hooks.BaselinePolicyLoss)
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(5, 6, generator=g) * 2
+    new = old + 0.4 * torch.randn(5, 6, generator=g)
+    adv = torch.randn(5, 1, generator=g).expand(5, 6).contiguous()
+    mask = torch.rand(5, 6, generator=g) < 0.8
+    mask[0] = False  # a row with no valid token
+    info = {"dp_size": 2, "batch_num_tokens": torch.tensor(40.0), "global_batch_size": torch.tensor(9.0)}
+
+    logp = new.clone().requires_grad_()
+    got, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = trainer.actor_loss_fn(
+        logp, old, adv, action_mask=mask, rollout_log_probs=None, **info
+    )
+    got.backward()
+    expected_logp = new.clone().requires_grad_()
+    if loss == "clip_cov":  # the trainer's Clip-Cov stream: --train.seed (7) + rank 0
+        per_token, stats = baselines.clip_cov_policy_loss(
+            expected_logp, old, adv, mask, ratio=0.3, cov_lb=-1.0, cov_ub=1.0, clip_low=0.2, clip_high=0.3,
+            generator=torch.Generator().manual_seed(7),
+        )  # fmt: skip
+        assert stats["clip_cov/selected_frac"] > 0 and float(clip_ratio) == pytest.approx(
+            stats["clip_cov/ppo_clip_frac"]
+        )
+    else:
+        per_token, stats = baselines.kl_cov_policy_loss(expected_logp, old, adv, mask)  # SALT Table 4 defaults
+        assert float(clip_ratio) == 0.0  # KL-Cov has no ratio clip
+    m = mask.float()
+    if token_level:
+        expected = (per_token * m).sum() / 40.0 * 2
+    else:
+        rows = m.sum(1) > 0
+        expected = ((per_token * m).sum(1)[rows] / m.sum(1)[rows]).sum() / 9.0 * 2
+    expected.backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(logp.grad, expected_logp.grad)
+    torch.testing.assert_close(ppo_kl, ((old - new) * m).sum() / m.sum())
+    assert vllm_kl is None and is_filter_ratio is None
+    assert isinstance(actor_trainer(up, monkeypatch, []).actor_loss_fn, up.PolicyLoss)  # default: upstream's
+
+
 # ── checkpoints (trainer/ppo_trainer.py) ──
 
 
@@ -601,8 +701,8 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     )
     maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=4)
     first = maker.make_experience_batch(rollouts(up, 4, seed=3))
-    assert maker.geometry.projector is not None  # created and trained in the first batch
-    for key in ("pairs", "flag_frac", "proj_val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "precision", "recall"):
+    assert maker.geometry.pipeline.projector is not None  # created and trained in the first batch
+    for key in ("pairs", "flag_frac", "val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "precision", "recall"):
         assert all(e.info[f"geo/{key}"].shape == (len(e.index),) for e in first)  # real curate's metrics
     assert first[0].info["geo/pairs"][0] > 0 and "geo/auroc" in first[0].info
 
@@ -622,7 +722,7 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     resumed.experience_maker = resumed_maker
     resumed.best_eval_metric_key, resumed.best_eval_metric_value = "", -1.0
     resumed.restore_best_checkpoint_state(saved[0]["client_states"])
-    for a, b in zip(resumed_maker.geometry.projector.state_dict().values(), state["projector"].values()):
+    for a, b in zip(resumed_maker.geometry.pipeline.projector.state_dict().values(), state["projector"].values()):
         assert torch.equal(a, b)
     # same state => the next batch is processed identically
     batch = rollouts(up, 4, seed=4)
@@ -631,3 +731,122 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     for x, y in zip(after, after_resume):
         assert torch.equal(x.advantages, y.advantages)
         assert x.info["geo/proj_loss"].tolist() == pytest.approx(y.info["geo/proj_loss"].tolist(), nan_ok=True)
+
+
+# ── one pipeline, two engines: the fork's experience maker and the local engine agree ──
+
+# a high density factor so that 16 rollouts have anomalies to replace (the paper's 0.05 flags none this small)
+GEO_FAST = (
+    "--geoalign.alpha 0.9 --geoalign.projector.hidden_sizes 16 --geoalign.projector.out_dim 8 "
+    "--geoalign.projector.steps 3"
+)
+NOISE = "--reward.noise.type flip --reward.noise.rate 0.25 --reward.noise.seed 3"
+
+
+def _engine_cases():
+    from openrlhf_geo.salt import VARIANTS
+
+    cases = {"grpo+noise": f"--advantage_estimator group_norm {NOISE}"}
+    cases["grpo+diagnostics"] = "--advantage_estimator group_norm --salt.diagnostics --salt.features exact"
+    for variant in VARIANTS:
+        alpha = " --salt.alpha 0.5" if variant == "fixed-alpha" else ""
+        cases[f"salt-{variant}"] = f"--advantage_estimator salt --salt.variant {variant} --salt.features exact{alpha}"
+    for mode in ("replace", "zero", "amplify"):
+        cases[f"geoalign-{mode}+noise"] = f"--advantage_estimator group_norm --geoalign.enable --geoalign.mode {mode} "
+        cases[f"geoalign-{mode}+noise"] += f"{GEO_FAST} {NOISE}"
+    cases["salt+geoalign+noise"] = (
+        f"--advantage_estimator salt --salt.features exact --salt.group_prompts 2 --geoalign.enable {GEO_FAST} {NOISE}"
+    )
+    # the fork-capable comparison baselines (GeoAlign App. B.5): PF-PPO keeping the slot count, Seed-GRPO
+    keep = "--baseline.pf_ppo_keep_count"
+    cases["pf_ppo_br+noise"] = f"--advantage_estimator group_norm --baseline.curation pf_ppo_br {keep} {NOISE}"
+    cases["pf_ppo_bw+salt"] = f"--advantage_estimator salt --salt.features exact --baseline.curation pf_ppo_bw {keep}"
+    cases["seed_grpo"] = "--advantage_estimator group_norm --baseline.seed_grpo_alpha 0.6"
+    cases["seed_grpo+pf_ppo_bw+salt"] = (
+        f"--advantage_estimator salt --salt.features exact --baseline.seed_grpo_alpha 0.6 --baseline.curation "
+        f"pf_ppo_bw {keep}"
+    )
+    return cases
+
+
+def local_rollouts(samples):
+    """The same rollouts as one local-engine batch: prompts left-padded, responses right-padded (pad id 0)."""
+    from openrlhf_geo.local.engine import Rollouts
+
+    prompts, responses = [], []
+    for s in samples:
+        width = int(s.response_length)
+        prompts.append(s.sequences[0, :-width])
+        responses.append(s.sequences[0, -width:])
+    texts = AnswerTokenizer().batch_decode([r.tolist() for r in responses])  # what the fork's tokenizer decodes
+    p_width, r_width = max(map(len, prompts)), max(map(len, responses))
+    n = len(samples)
+    sequences = torch.zeros(n, p_width + r_width, dtype=torch.long)
+    attention = torch.ones(n, p_width + r_width, dtype=torch.long)
+    mask = torch.zeros(n, r_width, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        sequences[i, p_width - len(p) : p_width] = p
+        attention[i, : p_width - len(p)] = 0
+        sequences[i, p_width : p_width + len(r)] = r
+        mask[i, : len(r)] = True
+    return Rollouts(
+        sequences=sequences,
+        attention_mask=attention,
+        mask=mask,
+        group_ids=torch.arange(n) // N_PER_PROMPT,
+        prompts=[""] * n,
+        responses=texts,
+        answers=[""] * n,
+        prompt_width=p_width,
+    )
+
+
+def local_step(model, argv, samples, rewards):
+    """The local engine's step on `samples` -> (final advantages (N,), metrics): `_score` (reward noise), then
+    `learn` up to the loss (the optimizer update is replaced by a probe)."""
+    from openrlhf_geo.local import engine, train
+
+    args = train.parse_args(
+        [*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", "--actor.tokenizer", "unused", *argv]
+    )
+    reward_fn = lambda prompts, responses, answers: rewards.clone()  # noqa: E731
+    trainer = engine.Trainer(args, model, NS(pad_token_id=0, eos_token_id=1), [], reward_fn)
+    captured = []
+    trainer._update = lambda batch, advantages: captured.append(advantages.clone()) or {}
+    batch = local_rollouts(samples)
+    trainer.global_step = 1
+    trainer._score(batch)
+    metrics = trainer.learn(batch)
+    return captured[0], metrics
+
+
+@pytest.mark.parametrize("case", list(_engine_cases()))
+def test_fork_and_local_engine_give_identical_advantages_and_metrics(up, tiny_path, monkeypatch, case):
+    argv = _engine_cases()[case].split()
+    monkeypatch.setenv("OPENRLHF_GEO_MATH_WORKERS", "1")  # the fork's Seed-GRPO checks answers in a worker pool
+    samples = rollouts(up, 4, seed=21)
+    rewards = torch.tensor([s.rewards.item() for s in samples])
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    model = copy.deepcopy(maker.actor_model_group.rank.actor.model)  # the fork actor's exact weights
+    result = maker.make_experience_batch(copy.deepcopy(samples))
+    fork_advantages = row_advantages(result, len(samples))
+
+    local_advantages, metrics = local_step(model, argv, samples, rewards)
+    for key in ("geo/n_flagged", "salt/D_a", "noise/corrupted"):  # each method on in the case changed something
+        # diagnostics change nothing by design; no-proj's a' = a + α_t [a]₊ is a here, where n_eff >= 1 gives α_t = 0
+        assert metrics.get(key, 1.0) > 0 or case in ("grpo+diagnostics", "salt-no-proj"), key
+    assert metrics.get("baseline/pf_ppo/filtered_frac", 1.0) > 0 and metrics.get("baseline/seed_grpo/scale_min", 0) < 1
+    torch.testing.assert_close(local_advantages.float(), fork_advantages, atol=2e-5, rtol=1e-4)
+    fork_keys = {
+        k
+        for k in result[0].info
+        if k.split("/")[0] in ("salt", "geo", "noise", "baseline") and k != "noise/clean_reward"
+    }
+    assert fork_keys, "the case logs no geometry metric: nothing compared"
+    assert fork_keys <= set(metrics)
+    for key in sorted(fork_keys):
+        fork_value = torch.cat([e.info[key] for e in result]).double()
+        expected = float(fork_value.nanmean()) if bool(fork_value.isfinite().any()) else math.nan
+        if key.endswith(("time_s", "solve_ms")):
+            continue  # wall time
+        assert metrics[key] == pytest.approx(expected, rel=1e-3, abs=1e-4, nan_ok=True), key

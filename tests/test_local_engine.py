@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from openrlhf_geo.features import last_token_hidden, lm_head_features
-from openrlhf_geo.local import engine
+from openrlhf_geo.local import engine, rundir
 from openrlhf_geo.local.engine import Rollouts, Trainer
 from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer, reference_response
 from openrlhf_geo.local.train import parse_args
@@ -246,7 +246,7 @@ def test_kl_to_an_identical_reference_is_zero_with_zero_gradient(tokenizer):
 @pytest.mark.parametrize("method", ["exact", "sketch"])
 def test_engine_features_equal_lm_head_features_of_a_separate_forward(tokenizer, method):
     args = make_args("--advantage_estimator", "salt", "--salt.features", method, "--salt.dim", "64",
-                     "--rollout.temperature", "0.7")  # fmt: skip
+                     "--rollout.temperature", "0.7", "--geoalign.enable")  # fmt: skip
     model = tiny_model(tokenizer)
     prompts, responses = ["1+2=", "12+34=", "12+34="], ["\\boxed{3}", "\\boxed{46}", "4"]
     batch = hand_batch(tokenizer, prompts, responses, [1.0, 1.0, 0.0])
@@ -263,7 +263,9 @@ def test_engine_features_equal_lm_head_features_of_a_separate_forward(tokenizer,
                 logits[:, cols], hidden[:, cols], torch.tensor([resp]), mask, method, 64, 0, temperature=0.7
             )
             assert_close(batch.features[i : i + 1], expected, rtol=1e-4, atol=1e-6)
-            assert_close(batch.hidden[i : i + 1], last_token_hidden(hidden[:, cols], mask), rtol=1e-5, atol=1e-6)
+            # GeoAlign's input: the hidden state at the response's last token (the fork's definition too)
+            held = slice(len(ids), len(ids) + len(resp))
+            assert_close(batch.hidden[i : i + 1], last_token_hidden(hidden[:, held], mask), rtol=1e-5, atol=1e-6)
             lp = torch.log_softmax(logits[0, cols] / 0.7, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
             assert_close(batch.old_logprobs[i, : len(resp)], lp, rtol=1e-5, atol=1e-5)
 
@@ -296,25 +298,25 @@ def test_resume_reproduces_the_next_step(tokenizer, tmp_path):
 
     first = Trainer(args, tiny_model(tokenizer), tokenizer, rows, contains_five)
     first.step()
-    assert first.projector is not None  # GeoAlign ran, so its projector is part of the state
-    first.save_checkpoint(tmp_path / "checkpoint.pt")
+    assert first.pipeline.projector is not None  # GeoAlign ran, so its projector is part of the state
+    rundir.save_checkpoint(tmp_path, first.state_dict())
     torch.manual_seed(1234)  # a different global RNG state must not matter after loading
     resumed = Trainer(args, tiny_model(tokenizer, seed=7), tokenizer, rows, contains_five)
-    resumed.load_checkpoint(tmp_path / "checkpoint.pt")
+    resumed.load_state_dict(rundir.load_checkpoint(tmp_path)["state"])
     got = resumed.step()
 
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
-    for a, b in zip(straight.projector.parameters(), resumed.projector.parameters()):
+    for a, b in zip(straight.pipeline.projector.parameters(), resumed.pipeline.projector.parameters()):
         assert torch.equal(a, b)
     timing = {k for k in expected if k.startswith("time/") or k == "geo/time_s" or k == "salt/solve_ms"}
     same = {k: v for k, v in expected.items() if k not in timing}
     assert {k: got[k] for k in same} == pytest.approx(same, nan_ok=True)
 
 
-def test_replacement_fills_slots_with_donor_content(tokenizer):
+def test_select_copies_rows_with_their_content(tokenizer):
     batch = hand_batch(tokenizer, ["1+2="] * 3, ["\\boxed{3}", "4", "\\boxed{12}"], [1.0, 0.0, 1.0])
-    copied = batch.select(torch.tensor([0, 0, 2]))  # slot 1 replaced by rollout 0 (Best-Random donor)
+    copied = batch.select(torch.tensor([0, 0, 2]))  # DAPO's filter (and any row selection) keeps rows whole
     assert copied.responses == ["\\boxed{3}", "\\boxed{3}", "\\boxed{12}"]
     assert torch.equal(copied.sequences[1], batch.sequences[0]) and copied.rewards.tolist() == [1.0, 1.0, 1.0]
     assert copied.group_ids.tolist() == [0, 0, 0]
@@ -386,140 +388,230 @@ def test_dapo_step_with_clip_higher_runs_and_logs(tokenizer):
     assert metrics["reward"] >= -1 and metrics["accuracy"] <= 1
 
 
-# ---------------------------------------------------------------- SALT in the engine
+# ---------------------------------------------------------------- comparison baselines (SALT App. I, GeoAlign B.5)
+
+BASELINE_PROMPTS = ["1+2="] * 4 + ["4+4="] * 4
+BASELINE_RESPONSES = [
+    "\\boxed{3}",
+    "\\boxed{12}",
+    "3",
+    "\\boxed{3.0}",
+    "\\boxed{8}",
+    "\\boxed{9}",
+    "\\boxed{8}",
+    "\\boxed{7}",
+]
 
 
-@pytest.mark.parametrize("group_prompts", ["0", "2"])
-def test_engine_salt_equals_salt_advantages_per_prompt_partition(tokenizer, group_prompts):
-    """The engine hands each partition of --salt.group_prompts prompts (0 = the batch) to salt_advantages."""
-    from openrlhf_geo import salt
-
-    args = make_args(
-        "--advantage_estimator", "salt", "--salt.features", "exact", "--salt.group_prompts", group_prompts
+def capture_advantages(trainer, run_update=False):
+    """Replace (or wrap) the trainer's update to record the final per-row advantages it receives."""
+    captured, update = [], trainer._update
+    trainer._update = lambda batch, advantages: (
+        captured.append(advantages.clone()) or (update(batch, advantages) if run_update else {})
     )
+    return captured
+
+
+def np_group_norm(values, groups):
+    values, groups = np.asarray(values, dtype=np.float64), np.asarray(groups)
+    out = np.zeros_like(values)
+    for g in np.unique(groups):
+        v = values[groups == g]
+        out[groups == g] = (v - v.mean()) / (v.std(ddof=1) + 1e-9)
+    return out
+
+
+@pytest.mark.parametrize(
+    "curation, expected",
+    [
+        # PODS m = 2 (Xu et al., arXiv 2504.13818): the max-variance pair of each prompt, the rest dropped (0)
+        (["pods", "--baseline.pods_m", "2"], [-1, 0, 1, 0, 1, -1, 0, 0]),
+        # PF-PPO best-vs-worst (GeoAlign App. B.5): the best and the worst of each prompt
+        (["pf_ppo_bw"], [-1, 0, 1, 0, 1, -1, 0, 0]),
+    ],
+    ids=["pods", "pf_ppo_bw"],
+)
+def test_rollout_selection_baselines_drop_rollouts_from_the_group_statistics(tokenizer, curation, expected):
+    args = make_args("--baseline.curation", *curation)
     trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
-    g = torch.Generator().manual_seed(0)
-    group_ids = torch.tensor([5, 5, 5, 9, 9, 9, 2, 2, 2])  # prompts in batch order: 5, 9, 2 (unique sorts them)
-    batch = hand_batch(tokenizer, ["1+1="] * 9, ["1"] * 9, [0.0] * 9)
-    batch.group_ids, batch.features = group_ids, torch.randn(9, 12, generator=g)
-    advantages = torch.randn(9, generator=g)
-    got, stats = trainer._salt(advantages, batch)
-    parts = [torch.arange(9)] if group_prompts == "0" else [torch.tensor([6, 7, 8, 0, 1, 2]), torch.tensor([3, 4, 5])]
-    expected = torch.empty(9)
-    for rows in parts:
-        expected[rows] = salt.salt_advantages(advantages[rows], batch.features[rows])[0]
-    assert_close(got, expected)
-    assert stats["n_eff_out"] > 0 and "alpha" in stats
-    if group_prompts == "0":  # the weight diagnostics are those of the partition's own a, a', K and lengths
-        from openrlhf_geo import diagnostics
-
-        k = int(stats["k"])
-        weights = engine.salt_weight_stats(
-            advantages, expected, diagnostics.gram(batch.features), k, batch.mask.sum(1)
-        )
-        for key, value in weights.items():
-            assert stats[key] == pytest.approx(value, nan_ok=True), key
+    captured = capture_advantages(trainer)
+    rewards = [0.1, 0.5, 0.9, 0.3, 1.0, 0.0, 0.2, 0.7]
+    metrics = trainer.learn(hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, rewards))
+    # a kept pair (r_lo, r_hi): group-normalized to -/+ (r_hi - r_lo)/2 / (|r_hi - r_lo| / sqrt 2) = -/+ 1/sqrt 2
+    assert_close(captured[0], torch.tensor(expected, dtype=torch.float32) / math.sqrt(2), rtol=1e-5, atol=1e-6)
+    name = "pods" if curation[0] == "pods" else "pf_ppo"
+    assert metrics[f"baseline/{name}/kept_frac"] == pytest.approx(0.5)
 
 
-def brute_weight_stats(a, new, K, k, lengths):
-    """numpy float64 reading of salt_weight_stats: eigenvectors, ranks and shares computed directly."""
-    from scipy.stats import rankdata
-
-    _, vecs = np.linalg.eigh(K)
-    top_vecs = vecs[:, ::-1][:, :k]
-    diag_p = np.array([sum(top_vecs[i, j] ** 2 for j in range(k)) for i in range(len(a))])
-
-    def spearman(x, y):
-        return np.corrcoef(rankdata(x), rankdata(y))[0, 1]
-
-    order = sorted(range(len(a)), key=lambda i: -K[i, i])[:k]
-    moving = [i for i in range(len(a)) if a[i] != 0]
-    return {
-        "pk_rho_norm": spearman(diag_p, np.diag(K)),
-        "pk_rho_inv_len": spearman(diag_p, 1 / lengths),
-        "topnorm_share": sum(new[i] ** 2 for i in order) / sum(x**2 for x in new),
-        "kept": sum(x**2 for x in new) / sum(x**2 for x in a),
-        "sign_flip": sum(np.sign(new[i]) != np.sign(a[i]) for i in moving) / len(moving),
-    }
+def test_seed_grpo_scales_group_advantages_by_the_answer_entropy(tokenizer):
+    args = make_args("--baseline.seed_grpo_alpha", "0.5")
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
+    assert trainer.verifier is None  # a plain reward function: answer pairs are checked in this process
+    captured = capture_advantages(trainer)
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    metrics = trainer.learn(hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, rewards))
+    # prompt 0 answers 3, 12, (none), 3.0 -> clusters {3, 3.0}, {12}, {none}; prompt 1: 8, 9, 8, 7 -> {8, 8}, {9}, {7}
+    se = -np.log(np.array([2, 1, 1]) / 4).mean()  # the same for both prompts
+    expected = np_group_norm(rewards, [0] * 4 + [1] * 4) * (1 - 0.5 * se / np.log(4))
+    assert_close(captured[0], torch.tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    assert metrics["baseline/seed_grpo/semantic_entropy"] == pytest.approx(se)
+    assert metrics["baseline/answer_clusters/clusters_per_prompt"] == pytest.approx(3.0)
 
 
-@settings(max_examples=60)
-@given(st.integers(3, 12), st.integers(0, 2**31 - 1), st.data())
-def test_salt_weight_stats_match_a_numpy_reading(m, seed, data):
-    rng = np.random.default_rng(seed)
-    features = rng.standard_normal((m, 2 * m)) * rng.uniform(0.2, 3.0, size=(m, 1))  # distinct norms
-    K = features @ features.T / m
-    a = rng.standard_normal(m)
-    a[rng.random(m) < 0.2] = 0.0
-    a[0] = 1.0  # at least one nonzero advantage
-    new = a + rng.standard_normal(m)
-    k = data.draw(st.integers(1, m - 1))
-    lengths = rng.integers(1, 40, size=m).astype(float)
-    got = engine.salt_weight_stats(torch.tensor(a), torch.tensor(new), torch.tensor(K), k, torch.tensor(lengths))
-    expected = brute_weight_stats(a, new, K, k, lengths)
-    for key, value in expected.items():
-        if key == "pk_rho_inv_len" and np.ptp(lengths) == 0:
-            assert math.isnan(got[key])
-        else:
-            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+def test_seed_grpo_uses_the_math_rewards_worker_pool():
+    from openrlhf_geo.local.train import CachedMathVerify
+
+    reward = CachedMathVerify()
+    args = make_args("--baseline.seed_grpo_alpha", "0.5")
+    assert Trainer(args, tiny_model(build_tokenizer()), build_tokenizer(), [], reward).verifier is reward.scorer
 
 
-def test_diagonal_gram_puts_all_of_p_k_a_on_the_largest_norm_rollouts():
-    """Near-orthogonal features (diagonal K): the top-k eigenvectors are the k largest-norm coordinates, so P_k a is a
-    restricted to those rollouts; diag(P_k) ranks with the norms."""
-    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0], dtype=torch.float64)
-    a = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5], dtype=torch.float64)
-    top = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # the 3 largest norms
-    stats = engine.salt_weight_stats(a, top * a, torch.diag(norms), 3, torch.tensor([4, 20, 8, 16, 12]))
-    assert stats["topnorm_share"] == pytest.approx(1.0)
-    assert stats["kept"] == pytest.approx((1 + 0.25 + 0.25) / (1 + 1 + 0.25 + 4 + 0.25))
-    assert stats["sign_flip"] == pytest.approx(2 / 5)  # the two dropped advantages become 0
-    # diag(P_k) = [1, 0, 1, 0, 1]: ranks [4, 1.5, 4, 1.5, 4] against the norms' [5, 1, 4, 2, 3] (and 1/T's, the same)
-    assert stats["pk_rho_norm"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
-    assert stats["pk_rho_inv_len"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
-    with pytest.raises(ValueError, match="k must be in"):
-        engine.salt_weight_stats(a, a, torch.diag(norms), 0, torch.ones(5))
+def test_par_shapes_rewards_against_the_initial_policys_references(tokenizer):
+    """PAR (Fu et al., arXiv 2502.18770): r -> mean_m sigmoid(r - r_ref,m) before the group statistics, the M
+    references sampled from the frozen initial policy for each prompt and scored by the same reward function."""
+    args = make_args("--baseline.par_references", "3", "--rollout.max_new_tokens", "4", "--actor.adam.lr", "1e-2")
+    calls = []
+
+    def reward_fn(prompts, responses, answers):
+        calls.append(list(prompts))
+        scores = torch.tensor([0.25 * len(r) for r in responses])  # a deterministic scalar reward
+        calls.append(scores)
+        return scores
+
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], reward_fn)
+    captured = capture_advantages(trainer, run_update=True)
+    rewards = [1.0, 0.0, 0.5, 2.0, 1.0, 0.0, 1.5, 0.0]
+    metrics = trainer.learn(hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, rewards))
+    prompts, scores = calls
+    assert prompts == ["1+2="] * 3 + ["4+4="] * 3  # one reference pass: M = 3 per prompt
+    refs = scores.double().numpy().reshape(2, 3)
+    r = np.asarray(rewards)
+    shaped = np.array([(1 / (1 + np.exp(-(r[i] - refs[i // 4])))).mean() for i in range(8)])
+    expected = np_group_norm(shaped, [0] * 4 + [1] * 4)
+    assert_close(captured[0], torch.tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    assert metrics["baseline/par/reward_mean"] == pytest.approx(shaped.mean(), rel=1e-5)
+    # the references come from the initial policy: the update moved the model, not the reference
+    initial = tiny_model(tokenizer)
+    for (name, ref), q in zip(trainer.reference.named_parameters(), initial.parameters()):
+        assert torch.equal(ref, q), name
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), initial.parameters()))
 
 
-# ---------------------------------------------------------------- SFT warm-up
-
-
-def test_sft_loss_is_cross_entropy_of_response_tokens_and_eos_only(tokenizer):
-    """The first SFT loss (before any update) equals the hand-computed mean -log p over response tokens + EOS."""
-    model = tiny_model(tokenizer)
-    prompt, response = "37+48=", "7+8=15 carry 1, 3+4+1=8 so \\boxed{85}"
+def off_policy_update(tokenizer, *flags, advantages=None):
+    """One `_update` over a hand batch whose old log-probs are the current ones shifted by a fixed 0.3 sin pattern
+    (so the PPO ratio moves off 1) -> (trainer, batch, old log-probs, advantages, metrics)."""
+    args = make_args("--actor.max_norm", "1e9", "--actor.loss_agg_mode", "seq-mean-token-mean", *flags)
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
+    batch = hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, [0.0] * 8)
+    temperature = args.rollout.temperature
     with torch.no_grad():
-        expected = -unpadded_logprobs(model, tokenizer, prompt, response).mean().item()
-    losses = engine.sft(model, tokenizer, [{"prompt": prompt, "response": response}], steps=2, batch_size=1)
-    assert losses[0] == pytest.approx(expected, rel=1e-5)
-    assert losses[1] < losses[0]  # one AdamW step on the same row lowers its loss
+        logprobs, _, _ = engine.response_forward(
+            trainer.model, batch.sequences, batch.attention_mask, batch.prompt_width, temperature
+        )
+    shift = 0.3 * torch.sin(1.7 * torch.arange(logprobs.numel(), dtype=torch.float32)).view_as(logprobs)
+    batch.old_logprobs = logprobs + shift
+    if advantages is None:
+        advantages = torch.tensor([1.2, -0.4, -0.9, 0.1, 0.8, -1.1, 0.3, -0.2])
+    metrics = trainer._update(batch, advantages)
+    return trainer, batch, batch.old_logprobs, advantages, metrics
 
 
-def test_sft_rejects_an_empty_corpus(tokenizer):
-    with pytest.raises(ValueError, match="at least one"):
-        engine.sft(tiny_model(tokenizer), tokenizer, [], steps=1)
+def hand_rows(model, tokenizer, temperature=1.0):
+    """Per row, the response's (log-probs (T,), logits (T, V)) of an unpadded forward, with autograd."""
+    rows = []
+    for prompt, response in zip(BASELINE_PROMPTS, BASELINE_RESPONSES):
+        p = tokenizer(prompt)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / temperature
+        rows.append((torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1), logits))
+    return rows
 
 
-@pytest.mark.parametrize("final_lr_ratio", [None, 0.05])
-def test_sft_learning_rate_warms_up_then_stays_or_decays_to_the_final_ratio(tokenizer, monkeypatch, final_lr_ratio):
-    recorded = []
-    adamw_step = torch.optim.AdamW.step
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_cov_policy_losses_give_the_gradient_of_a_hand_computed_loss(tokenizer, loss):
+    """SALT App. I / Table 4's Clip-Cov and KL-Cov (Cui et al., arXiv 2505.22617) in `_loss_backward`: the gradient
+    equals that of the loss written out by hand (covariance over the valid tokens, seq-mean-token-mean)."""
+    flags = {  # Clip-Cov with ratio 1 detaches EVERY candidate (cov in [0, 1e6], not PPO-clipped): deterministic
+        "clip_cov": ["--baseline.clip_cov_ratio", "1", "--baseline.clip_cov_lb", "0", "--baseline.clip_cov_ub", "1e6"],
+        "kl_cov": ["--baseline.kl_cov_ratio", "0.2", "--baseline.kl_cov_coef", "0.7"],
+    }[loss]
+    trainer, batch, old, advantages, metrics = off_policy_update(tokenizer, "--baseline.policy_loss", loss, *flags)
+    reference = tiny_model(tokenizer)
+    rows = hand_rows(reference, tokenizer)
+    lengths = [len(lp) for lp, _ in rows]
+    lp = torch.cat([lp for lp, _ in rows])
+    old_flat = torch.cat([old[i, :n] for i, n in enumerate(lengths)]).double()
+    adv = torch.cat([advantages[i].repeat(n) for i, n in enumerate(lengths)]).double()
+    x = lp.detach().double().numpy()
+    cov = (x - x.mean()) * (adv.numpy() - adv.numpy().mean())
+    ratio = torch.exp(lp.double() - old_flat)
+    if loss == "kl_cov":
+        k = max(1, math.floor(0.2 * len(x)))
+        selected = torch.zeros(len(x), dtype=torch.bool)
+        selected[np.argsort(-cov, kind="stable")[:k]] = True
+        per_token = -adv * ratio + 0.7 * (lp.double() - old_flat).abs() * selected
+    else:
+        surrogate, clipped = -adv * ratio, -adv * ratio.clamp(0.8, 1.2)
+        ppo_clipped = (clipped > surrogate).numpy()
+        selected = torch.from_numpy(~ppo_clipped & (cov >= 0))
+        per_token = torch.where(selected, 0.0, torch.maximum(surrogate, clipped))
+        assert 0 < int(selected.sum()) < len(x) and ppo_clipped.any()  # both kinds of token occur
+        assert metrics["baseline/clip_cov/selected_frac"] == pytest.approx(float(selected.double().mean()), rel=1e-5)
+        assert metrics["clip_frac"] == pytest.approx(ppo_clipped.mean(), rel=1e-5)
+    loss_value = sum(part.mean() for part in per_token.split(lengths)) / len(lengths)
+    loss_value.backward()
+    for (name, p), q in zip(trainer.model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad.to(p.grad.dtype), rtol=1e-4, atol=1e-7, msg=name)
+    assert metrics["policy_loss"] == pytest.approx(float(loss_value.detach()), rel=1e-4)
 
-    def record(self, *args, **kwargs):
-        recorded.append(self.param_groups[0]["lr"])
-        return adamw_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", record)
-    rows = [{"prompt": "1+2=", "response": "\\boxed{3}"}]
-    lr, warmup, steps = 1e-3, 4, 11
-    engine.sft(tiny_model(tokenizer), tokenizer, rows, steps, 1, lr, warmup, final_lr_ratio=final_lr_ratio)
-    ramp = np.minimum(1.0, (np.arange(steps) + 1) / warmup)
-    if final_lr_ratio is None:
-        expected = lr * ramp
-    else:  # cos from 0 to pi over steps 0..10: 1 at the first step, the final ratio at the last
-        angles = np.linspace(0.0, np.pi, steps)
-        expected = lr * ramp * (final_lr_ratio + (1 - final_lr_ratio) * (1 + np.cos(angles)) / 2)
-        assert recorded[-1] == pytest.approx(lr * final_lr_ratio)
-    assert recorded == pytest.approx(expected.tolist(), rel=1e-12)
-    with pytest.raises(ValueError, match="final_lr_ratio must be in"):
-        engine.sft(tiny_model(tokenizer), tokenizer, rows, 1, final_lr_ratio=1.5)
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_entropy_bonus_gradient_is_minus_coef_times_the_aggregated_entropy(tokenizer, agg):
+    """SALT Eq. 70-71: J + lambda * 1/G sum_i 1/|o_i| sum_t H(s_it) (seq-mean-token-mean; token-mean averages all
+    tokens), H of the temperature-scaled policy; zero advantages isolate the bonus's gradient."""
+    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7", "--actor.loss_agg_mode", agg]
+    args = make_args("--actor.max_norm", "1e9", *flags)
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
+    batch = hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, [0.0] * 8)
+    with torch.no_grad():
+        batch.old_logprobs, _, _ = engine.response_forward(
+            trainer.model, batch.sequences, batch.attention_mask, batch.prompt_width, 0.7
+        )
+    metrics = trainer._update(batch, torch.zeros(8))
+    reference = tiny_model(tokenizer)
+    entropies = []
+    for _, logits in hand_rows(reference, tokenizer, temperature=0.7):
+        p = torch.softmax(logits.double(), -1)
+        entropies.append(-(p * torch.log(p)).sum(-1))
+    if agg == "seq-mean-token-mean":
+        mean_entropy = sum(h.mean() for h in entropies) / len(entropies)
+    else:
+        mean_entropy = torch.cat(entropies).mean()
+    (-0.5 * mean_entropy).backward()
+    for (name, p), q in zip(trainer.model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad.to(p.grad.dtype), rtol=1e-4, atol=1e-7, msg=name)
+    mean_entropy = float(mean_entropy.detach())
+    assert metrics["entropy_loss"] == pytest.approx(mean_entropy, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(-0.5 * mean_entropy, rel=1e-5)
+
+
+def test_token_entropy_matches_numpy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    got = engine.token_entropy(logits, prompt_width=2, temperature=0.5)
+    z = logits[:, 1:-1].numpy() / 0.5
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert_close(got.double(), torch.from_numpy(-(p * np.log(p)).sum(-1)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--actor.entropy_coef", "-0.1"], "--actor.entropy_coef must be >= 0"),
+        (["--baseline.policy_loss", "clip_cov", "--actor.eps_clip", "1.5"], "a low PPO clip ratio <= 1 \\(got 1.5\\)"),
+    ],
+)
+def test_bad_baseline_settings_are_rejected_before_training(tokenizer, flags, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(make_args(*flags), tiny_model(tokenizer), tokenizer, [], None)

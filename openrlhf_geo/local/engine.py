@@ -4,22 +4,26 @@
 
     rollout (HF generate, G samples per prompt) -> reward -> (reward noise) -> (DAPO dynamic filtering)
     -> old-policy forward: log-probs + SALT features + last-token hidden states from ONE forward
-    -> (GeoAlign curate: replace anomalous rollouts) -> group advantages (GRPO | Dr.GRPO) -> (SALT reweight)
-    -> clipped surrogate (token-mean | seq-mean-token-mean) + optional KL to the reference -> AdamW
+    -> (PAR: rewards vs the initial policy's reference responses)
+    -> (GeoAlign | PF-PPO | PODS curate: slot rewards) -> group advantages (GRPO | Dr.GRPO) -> (Seed-GRPO scale)
+    -> (SALT reweight) -> row advantages x multiplicities
+    -> clipped surrogate | Clip-Cov | KL-Cov (token-mean | seq-mean-token-mean)
+    + optional KL to the reference - optional entropy bonus -> AdamW
 
 Layout: a rollout batch holds N = prompts x G rows. `sequences` (N, S) = left-padded prompt (P columns) then the
 response (R = S - P columns, padded after EOS). Response-aligned tensors are (N, R): column t is the response token
 `sequences[:, P + t]`, produced by the logits / lm_head input at position P + t - 1. `mask` (N, R) marks the
 tokens that count: everything up to and including the first EOS.
 
-GeoAlign's Best-Random replacement is applied as physical duplication: slot i of the batch gets a copy of rollout
-`plan.source[i]` (tokens, reward, old log-probs, features), before the group statistics, so every normalizer
-(group mean/std, token-mean, seq-mean-token-mean) sees the curated batch exactly as if the copies had been sampled.
+Reward noise, GeoAlign, SALT and their metrics and state are `openrlhf_geo.pipeline`, the same code the fork runs:
+GeoAlign's replacement gives slot i the reward (and, for SALT, the features) of rollout `plan.source[i]` and each
+rollout's row its multiplicity (see the pipeline's docstring for when that equals physical duplication). The
+comparison baselines (--baseline.*, --actor.entropy_coef) are `openrlhf_geo.baselines`: PF-PPO / PODS / Seed-GRPO
+through the pipeline, PAR and the policy losses here.
 """
 
 import copy
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, fields
@@ -27,11 +31,11 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import GenerationConfig
 
-from openrlhf_geo import diagnostics, salt
-from openrlhf_geo.features import last_token_hidden, lm_head_features
-from openrlhf_geo.geoalign import Projector, curate
-from openrlhf_geo.options import geoalign_config
-from openrlhf_geo.rewards.noise import flip_binary, swap_to_extremes
+from openrlhf_geo import baselines
+from openrlhf_geo.features import lm_head_input, response_geometry
+from openrlhf_geo.options import geometry_config
+from openrlhf_geo.pipeline import GeometryPipeline, check_finite
+from openrlhf_geo.rewards.math_verify import MathVerifyReward
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
 MAX_FILTER_ROUNDS = 4
@@ -56,8 +60,7 @@ class Rollouts:
     ref_logprobs: torch.Tensor = None  # (N, R) float32
     features: torch.Tensor = None  # (N, D) float32 LM-head-gradient proxy (SALT)
     hidden: torch.Tensor = None  # (N, d) float32 last-response-token hidden state (GeoAlign)
-    entropy: torch.Tensor = None  # (N,) mean token entropy / log V, in [0, 1] (SALT entropy-alpha)
-    weights: torch.Tensor = None  # (N,) float loss weight per rollout (GeoAlign zero mode)
+    entropy: torch.Tensor = None  # (N,) sum over tokens of entropy / log V (SALT entropy-alpha)
 
     def __len__(self):
         return self.sequences.shape[0]
@@ -171,30 +174,29 @@ def generate_rollouts(model, tokenizer, prompts, answers, n_samples, max_new_tok
     )
 
 
-def response_forward(model, sequences, attention_mask, prompt_width, temperature=1.0, with_hidden=False):
-    """One forward over full sequences -> (logprobs (N, R) float32, logits (N, R, V) | None, hidden (N, R, d) | None).
+def response_forward(
+    model, sequences, attention_mask, prompt_width, temperature=1.0, with_geometry=False, return_logits=False
+):
+    """One forward over full sequences -> (logprobs (N, R) float32, logits (N, S, V) | None, hidden (N, S, d) | None).
 
-    logits are the raw (pre-temperature) logits that produced each response token and hidden the lm_head input at
-    the same positions, captured by a forward hook on the output embedding in the SAME forward (no extra pass).
+    With `with_geometry`, logits (raw) and hidden (the lm_head input, captured by a forward hook in the SAME forward)
+    cover every position, for `features.response_geometry`; `return_logits` returns the logits without the hook.
     """
-    captured = {}
-    handle = None
-    if with_hidden:
-        handle = model.get_output_embeddings().register_forward_hook(
-            lambda module, inputs, output: captured.__setitem__("hidden", inputs[0])
-        )
-    try:
+    with lm_head_input(model, enabled=with_geometry) as captured:
         out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    finally:
-        if handle is not None:
-            handle.remove()
-    logits = out.logits[:, prompt_width - 1 : -1]
     tokens = sequences[:, prompt_width:]
-    scaled = logits.float() / temperature
+    scaled = out.logits[:, prompt_width - 1 : -1].float() / temperature
     logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    if not with_hidden:
-        return logprobs, None, None
-    return logprobs, logits, captured["hidden"][:, prompt_width - 1 : -1]
+    if not with_geometry:
+        return logprobs, out.logits if return_logits else None, None
+    return logprobs, out.logits, captured.hidden
+
+
+def token_entropy(logits, prompt_width, temperature=1.0):
+    """Per-token policy entropy H(s_t) = -sum_a pi log pi (SALT Eq. 70) of the temperature-scaled policy that sampled
+    the responses -> (N, R), differentiable; logits (N, S, V) raw, response-aligned as in `response_forward`."""
+    scaled = logits[:, prompt_width - 1 : -1].float() / temperature
+    return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
 
 
 def group_advantages(rewards, group_ids, estimator, eps=1e-9):
@@ -259,47 +261,6 @@ def aggregate(per_token, mask, mode, normalizer):
     raise ValueError(f"--actor.loss_agg_mode must be token-mean or seq-mean-token-mean (got {mode!r})")
 
 
-def salt_weight_stats(advantages, new, gram, k, lengths):
-    """Where SALT's coefficients put their weight (a diagnostic of the geometry, not part of SALT) -> dict of floats.
-
-    advantages a (m,) (group-normalized), new a' (m,) (SALT's applied coefficients), gram K (m, m) of the features
-    (SALT Eq. 12, ‖φ_i‖² = m·K_ii), k = SALT's k_t, lengths T (m,) response tokens. P_k is recomputed here as the
-    projector on the top-k eigenvectors of K (float64 `eigh`; ties at the boundary may pick another top-k space).
-      pk_rho_norm     Spearman correlation of diag(P_k) with ‖φ_i‖² (NaN when either is constant)
-      pk_rho_inv_len  Spearman correlation of diag(P_k) with 1/T_i
-      topnorm_share   share of ‖a'‖² on the k rollouts with the largest ‖φ_i‖² (k/m when spread evenly)
-      kept            ‖a'‖² / ‖a‖²
-      sign_flip       fraction of the rollouts with a_i ≠ 0 whose a'_i does not have the sign of a_i
-    """
-    from scipy.stats import spearmanr
-
-    a, b = advantages.detach().double().cpu(), new.detach().double().cpu()
-    K = gram.detach().double().cpu()
-    m = a.numel()
-    if not 1 <= k <= m:
-        raise ValueError(f"k must be in [1, m] = [1, {m}] (got {k})")
-    diag_p = torch.linalg.eigh(K).eigenvectors[:, m - k :].square().sum(1)  # diag(V_k V_kᵀ)
-    norms, inv_len = K.diagonal(), 1.0 / lengths.detach().double().cpu().clamp(min=1)
-
-    def rho(x, y):
-        if float(x.max() - x.min()) <= 1e-12 * float(x.abs().max()) or float(y.max() - y.min()) == 0.0:
-            return math.nan
-        return float(spearmanr(x.numpy(), y.numpy()).statistic)
-
-    top = torch.argsort(norms, descending=True, stable=True)[:k]
-    energy = float(b.square().sum())
-    moving = a != 0
-    return {
-        "pk_rho_norm": rho(diag_p, norms),
-        "pk_rho_inv_len": rho(diag_p, inv_len),
-        "topnorm_share": float(b[top].square().sum()) / energy if energy > 0 else math.nan,
-        "kept": energy / float(a.square().sum()) if bool(moving.any()) else math.nan,
-        "sign_flip": float((torch.sign(b[moving]) != torch.sign(a[moving])).double().mean())
-        if bool(moving.any())
-        else math.nan,
-    }
-
-
 def dynamic_filter(rewards, group_ids):
     """DAPO dynamic sampling: (N,) bool keeping the prompts whose rewards are not all equal."""
     _, group = torch.unique(group_ids.cpu(), return_inverse=True)
@@ -308,59 +269,6 @@ def dynamic_filter(rewards, group_ids):
     low = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce(0, group, r, "amin")
     high = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, group, r, "amax")
     return (high > low)[group]
-
-
-def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=0, callback=None, final_lr_ratio=None):
-    """Supervised warm-up: response-only cross-entropy (token-mean) on prompt -> response rows -> losses.
-
-    rows: dicts with "prompt" and "response"; the target is the response tokens plus EOS. AdamW; the learning rate
-    at step s (0-based) is lr·min(1, (s+1)/warmup), times, when final_lr_ratio is given, a cosine decay
-    r + (1 − r)·(1 + cos(π·s/(steps − 1)))/2 from 1 at the first step to r = final_lr_ratio at the last one;
-    grad-norm clip 1.0; batches drawn with a seeded `random.Random` so the warm-up is reproducible. Stops after
-    `steps` steps, or earlier when `callback(step, loss)` returns True.
-    """
-    device = next(model.parameters()).device
-    rng = random.Random(seed)
-    if not rows:
-        raise ValueError("sft needs at least one {prompt, response} row (got none)")
-    if final_lr_ratio is not None and not 0.0 <= final_lr_ratio <= 1.0:
-        raise ValueError(f"final_lr_ratio must be in [0, 1] or None (got {final_lr_ratio})")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-
-    def factor(step):
-        ramp = min(1.0, (step + 1) / warmup)
-        if final_lr_ratio is None:
-            return ramp
-        cosine = (1 + math.cos(math.pi * min(1.0, step / max(steps - 1, 1)))) / 2
-        return ramp * (final_lr_ratio + (1 - final_lr_ratio) * cosine)
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = tokenizer([row["prompt"] for row in rows])["input_ids"]
-    responses = tokenizer([row["response"] for row in rows], add_special_tokens=False)["input_ids"]
-    encoded = [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompts, responses)]
-    losses = []
-    model.train()
-    for step in range(steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        width = max(len(p) + len(r) for p, r in batch)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (p, r) in enumerate(batch):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-            attention[i, : len(p) + len(r)] = 1
-        loss = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if callback is not None and callback(step + 1, loss.item()):
-            break
-    return losses
 
 
 @torch.no_grad()
@@ -434,24 +342,35 @@ class Trainer:
         seed = args.train.seed
         torch.manual_seed(seed)  # HF `generate` samples from the global RNG (its state is checkpointed)
         self.sampler = PromptSampler(rows, seed)
-        # independent streams so that enabling one method never shifts another's random draws
-        self.generators = {
-            "noise": torch.Generator().manual_seed(args.reward.noise.seed),
-            "geoalign": torch.Generator().manual_seed(seed + 1),
-            "salt": torch.Generator().manual_seed(seed + 2),
-            "minibatch": torch.Generator().manual_seed(seed + 3),
-        }
+        # reward noise, GeoAlign, SALT: the pipeline the fork runs too (its own random streams, seeded from `seed`)
+        self.pipeline = GeometryPipeline(geometry_config(args))
+        salt = self.pipeline.salt
+        # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default
+        self.partition_prompts = salt.group_prompts if salt is not None else None
+        if self.partition_prompts is None:
+            self.partition_prompts = args.train.batch_size // args.rollout.n_samples_per_prompt
+        self.minibatch_generator = torch.Generator().manual_seed(seed + 3)
+        self.baseline = self.pipeline.baseline or baselines.BaselineConfig()
+        self.loss_generator = torch.Generator().manual_seed(seed + 5)  # Clip-Cov's token draw
+        entropy_coef = args.actor.entropy_coef
+        if entropy_coef is not None and not entropy_coef >= 0:
+            raise ValueError(f"--actor.entropy_coef must be >= 0 (got {entropy_coef})")
+        eps_low = (args.actor.eps_clip_low_high or (args.actor.eps_clip,))[0]
+        if self.baseline.policy_loss == "clip_cov" and not eps_low <= 1:
+            raise ValueError(f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})")
+        # Seed-GRPO checks answer pairs in the math reward's worker pool (with its timeout) when the reward has one
+        # (train.py's CachedMathVerify); any other reward function: in this process, without a timeout.
+        scorer = getattr(reward_fn, "scorer", None)
+        self.verifier = scorer if isinstance(scorer, MathVerifyReward) else None
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=args.actor.adam.lr,
             betas=tuple(args.actor.adam.betas),
             weight_decay=args.actor.adam.weight_decay,
         )
-        self.reference = None
-        if args.algo.kl.init_coef > 0:
+        self.reference = None  # the frozen initial policy: KL's reference and PAR's reference-response sampler
+        if args.algo.kl.init_coef > 0 or self.baseline.par_references:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.geo_config = geoalign_config(args) if args.geoalign.enable else None
-        self.projector = None  # created on the first curation (needs the hidden size)
         self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
 
@@ -476,29 +395,33 @@ class Trainer:
         self._old_policy_forward(batch)
         metrics["time/forward_s"] = time.perf_counter() - t0
 
-        # 5. GeoAlign: replace anomalous rollouts by stable ones of their prompt (physical duplication)
-        if args.geoalign.enable:
-            plan, stats = self._curate(batch)
-            self.last_curation = {
-                "gdi": plan.gdi.cpu(),
-                "corrupted": batch.corrupted,
-                "flagged": plan.flagged.cpu(),
-                "rewards": batch.rewards.cpu(),  # the rewards GeoAlign saw, for the report's pair-count baseline
-                "group_ids": batch.group_ids.cpu(),
-            }
-            batch = batch.select(plan.source[plan.keep])
-            batch.weights = plan.weight[plan.keep].to(self.device)
-            metrics.update({f"geo/{k}": v for k, v in stats.items()})
+        # 5. PAR: each reward against M reference responses of the initial policy, then GeoAlign / PF-PPO / PODS:
+        # slot i takes the reward of the rollout that fills it (identity without curation)
+        step = self.pipeline.start(batch.group_ids.cpu(), batch.corrupted)
+        rewards = batch.rewards
+        if self.baseline.par_references:
+            rewards, stats = baselines.par_rewards(rewards, self._reference_rewards(batch))
+            metrics.update({f"baseline/{key}": value for key, value in stats.items()})
+        rewards = step.curate(rewards, batch.hidden)
+        self.last_curation = step.curation
 
-        # 6. group advantages on the (curated) batch
-        advantages = group_advantages(batch.rewards, batch.group_ids, args.algo.advantage.estimator)
+        # 6. group advantages on the slots (a `drop`, PODS or PF-PPO-filtered slot leaves the group statistics), then
+        # Seed-GRPO's per-prompt scaling
+        kept = step.kept.to(rewards.device)
+        advantages = torch.zeros_like(rewards)
+        advantages[kept] = group_advantages(rewards[kept], batch.group_ids[kept], args.algo.advantage.estimator)
+        advantages = step.seed_grpo(advantages, batch.responses, self.verifier)
 
-        # 7. SALT reweighting of the sequence advantages (or, without SALT, the same geometry as a diagnostic)
-        if batch.features is not None:
-            advantages, stats = self._salt(advantages, batch)
-            metrics.update({f"salt/{k}": v for k, v in stats.items()})
-        if batch.weights is not None:
-            advantages = advantages * batch.weights.to(advantages.dtype)
+        # 7. SALT reweighting of the sequence advantages (or, with --salt.diagnostics, only its geometry logged)
+        advantages = step.reweight(
+            advantages, batch.features, batch.entropy, batch.mask.sum(1), self.partition_prompts
+        )
+        value, multiplicity = step.rows(advantages)
+        advantages = value * multiplicity
+        check_finite("advantage", advantages, batch.group_ids, self.global_step)
+        for key, values in step.metrics.items():
+            metrics[key] = float(values.nanmean()) if bool(values.isfinite().any()) else math.nan
+        metrics.update(step.text_metrics)
 
         # 8. clipped surrogate (+ KL to the reference) and AdamW
         t1 = time.perf_counter()
@@ -552,113 +475,80 @@ class Trainer:
             stats["filter/pass_rate"] = (len(batch) // args.rollout.n_samples_per_prompt) / generated
         return batch, stats
 
+    @torch.no_grad()
+    def _reference_rewards(self, batch):
+        """PAR's references: --baseline.par_references M responses per prompt sampled from the frozen initial policy
+        (rollout settings), scored by the reward function with the rollouts' ±1 mapping and without injected noise
+        (the noise experiments corrupt the policy's rewards) -> (N, M), each rollout its prompt's M rewards."""
+        args, m = self.args, self.baseline.par_references
+        prompt = torch.unique(batch.group_ids.cpu(), return_inverse=True)[1]  # each rollout's prompt, 0..P-1
+        rows = [int(torch.nonzero(prompt == g)[0, 0]) for g in range(int(prompt.max()) + 1)]  # one row per prompt
+        references = generate_rollouts(
+            self.reference,
+            self.tokenizer,
+            [batch.prompts[i] for i in rows],
+            [batch.answers[i] for i in rows],
+            m,
+            args.rollout.max_new_tokens,
+            args.rollout.temperature,
+            args.rollout.top_p,
+        )
+        scores = torch.as_tensor(
+            self.reward_fn(references.prompts, references.responses, references.answers), dtype=torch.float32
+        )
+        scores = 2 * scores - 1 if args.reward.pm1 else scores
+        return scores.view(len(rows), m)[prompt].to(batch.rewards.device)
+
     def _score(self, batch):
         """Rewards from the reward function, DAPO's ±1 mapping, then injected noise (recording what changed)."""
         args = self.args
         correct = torch.as_tensor(self.reward_fn(batch.prompts, batch.responses, batch.answers), dtype=torch.float32)
         batch.correct = correct
         rewards = 2 * correct - 1 if args.reward.pm1 else correct.clone()
-        noise = args.reward.noise
-        if noise.type == "flip":
-            rewards, batch.corrupted = flip_binary(
-                rewards, batch.group_ids, noise.rate, self.generators["noise"], levels=noise.levels
-            )
-        elif noise.type == "swap":
-            rewards, batch.corrupted = swap_to_extremes(rewards, batch.group_ids, noise.rate, self.generators["noise"])
+        rewards, corrupted = self.pipeline.corrupt(rewards, batch.group_ids)
+        batch.corrupted = corrupted if self.pipeline.noise.enabled else None
         batch.rewards = rewards.to(self.device)
 
     @torch.no_grad()
     def _old_policy_forward(self, batch):
-        """Fill old (and reference) log-probs; with SALT / GeoAlign / diagnostics also features and hidden states."""
+        """Fill old (and reference) log-probs and, for SALT / GeoAlign, the per-response geometry of the SAME forward
+        (`features.response_geometry`, as in the fork: features, last-response-token hidden state, entropy sums)."""
         args = self.args
-        need_features = args.salt.enable or args.diagnostics.features is not None
-        need_hidden = need_features or args.geoalign.enable
-        method = args.salt.features if args.salt.enable else args.diagnostics.features
-        dim = args.salt.dim if args.salt.enable else args.diagnostics.dim
-        seed = args.salt.seed if args.salt.enable else 0
+        spec = self.pipeline.config.spec
         outputs = {k: [] for k in ("old_logprobs", "ref_logprobs", "features", "hidden", "entropy")}
         size = args.rollout.micro_batch_size or len(batch)
+        width = batch.prompt_width
         self.model.eval()
         for start in range(0, len(batch), size):
             rows = slice(start, start + size)
             sequences, attention = batch.sequences[rows], batch.attention_mask[rows]
             logprobs, logits, hidden = response_forward(
-                self.model, sequences, attention, batch.prompt_width, args.rollout.temperature, need_hidden
+                self.model, sequences, attention, width, args.rollout.temperature, spec is not None
             )
             outputs["old_logprobs"].append(logprobs)
-            tokens, mask = sequences[:, batch.prompt_width :], batch.mask[rows]
-            if need_features:
-                outputs["features"].append(
-                    lm_head_features(
-                        logits, hidden, tokens, mask, method, dim, seed, temperature=args.rollout.temperature
-                    )
+            if spec is not None:
+                mask = batch.mask[rows]
+                producing = torch.zeros_like(sequences, dtype=torch.bool)  # positions whose logits made a token
+                producing[:, width - 1 : -1] = mask
+                response = torch.zeros_like(sequences, dtype=torch.bool)  # positions holding a response token
+                response[:, width:] = mask
+                geometry = response_geometry(
+                    spec,
+                    logits.float() / args.rollout.temperature,
+                    hidden,
+                    sequences.roll(-1, dims=1),
+                    producing,
+                    response,
+                    args.rollout.temperature,
                 )
-                if args.salt.enable and args.salt.variant == "entropy-alpha":
-                    logp = torch.log_softmax(logits.float() / args.rollout.temperature, -1)
-                    entropy = -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
-                    outputs["entropy"].append((entropy * mask).sum(1) / mask.sum(1).clamp(min=1))
-            if need_hidden:
-                outputs["hidden"].append(last_token_hidden(hidden, mask).float())
-            if self.reference is not None:
-                ref, _, _ = response_forward(
-                    self.reference, sequences, attention, batch.prompt_width, args.rollout.temperature
-                )
+                for key, value in geometry.items():
+                    outputs[key].append(value)
+            if args.algo.kl.init_coef > 0:
+                ref, _, _ = response_forward(self.reference, sequences, attention, width, args.rollout.temperature)
                 outputs["ref_logprobs"].append(ref)
         self.model.train()
         for key, parts in outputs.items():
             setattr(batch, key, torch.cat(parts) if parts else None)
-
-    def _curate(self, batch):
-        """GeoAlign on the batch's last-token hidden states (the projector is kept across steps) -> (plan, stats)."""
-        config = self.geo_config
-        if self.projector is None:
-            self.projector = Projector(batch.hidden.shape[1], config, self.generators["geoalign"])
-        return curate(
-            batch.hidden,
-            batch.rewards,
-            batch.group_ids,
-            config,
-            self.generators["geoalign"],
-            projector=self.projector,
-            corrupted=batch.corrupted,
-        )
-
-    def _salt(self, advantages, batch):
-        """SALT Eq. 12-18 per partition of `--salt.group_prompts` prompts -> (advantages (N,), stats averaged).
-
-        Without SALT (diagnostics only) the advantages stay as they are and the stats hold PR and n_eff of those
-        unmodified coefficients on the same features. `n_eff_out` is the n_eff of the coefficients applied (SALT's
-        own stat when it is on).
-        """
-        args = self.args
-        group = torch.unique(batch.group_ids.cpu(), return_inverse=True)[1]
-        per = args.salt.group_prompts if args.salt.enable and args.salt.group_prompts else int(group.max()) + 1
-        new = advantages.clone()
-        all_stats = []
-        for first in range(0, int(group.max()) + 1, per):
-            rows = torch.nonzero((group >= first) & (group < first + per))[:, 0]
-            a, feats = advantages[rows.to(advantages.device)], batch.features[rows.to(batch.features.device)]
-            gram = diagnostics.gram(feats)  # raw K = F Fᵀ/m: the diagnostics' Gram (SALT may shrink its own)
-            if args.salt.enable:
-                # entropy-alpha: the partition's mean normalized token entropy (a scalar in [0, 1])
-                entropy = float(batch.entropy[rows].mean()) if batch.entropy is not None else None
-                out, stats = salt.salt_advantages(
-                    a,
-                    feats,
-                    args.salt.variant,
-                    args.salt.alpha,
-                    self.generators["salt"],
-                    entropy=entropy,
-                    gram=args.salt.gram,
-                )
-                new[rows.to(new.device)] = out.to(new.dtype)
-                lengths = batch.mask[rows.to(batch.mask.device)].sum(1)
-                stats.update(salt_weight_stats(a, out, gram, int(stats["k"]), lengths))
-            else:
-                n_eff = float(diagnostics.effective_sample_size(a, gram))
-                stats = {"pr": float(diagnostics.participation_ratio(gram)), "n_eff": n_eff, "n_eff_out": n_eff}
-            all_stats.append(stats)
-        return new, {k: sum(s[k] for s in all_stats) / len(all_stats) for k in all_stats[0]}
 
     def _update(self, batch, advantages):
         """`--train.max_epochs` passes over shuffled mini-batches of `--train.batch_size` rollouts, one AdamW step
@@ -668,10 +558,10 @@ class Trainer:
         mini = args.train.batch_size or n
         micro = args.train.micro_batch_size or mini
         totals = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
-        updates = 0
+        updates = 0  # micro-batch shares of the mini-batch statistics add up; mini-batches are averaged
         self.model.train()
         for _ in range(args.train.max_epochs):
-            order = torch.randperm(n, generator=self.generators["minibatch"]) if mini < n else torch.arange(n)
+            order = torch.randperm(n, generator=self.minibatch_generator) if mini < n else torch.arange(n)
             for start in range(0, n, mini):
                 rows = order[start : start + mini]
                 tokens = batch.mask[rows.to(self.device)].sum()
@@ -680,8 +570,8 @@ class Trainer:
                 for mstart in range(0, len(rows), micro):
                     part = rows[mstart : mstart + micro]
                     stats = self._loss_backward(batch, advantages, part, normalizer, tokens)
-                    for key in ("loss", "policy_loss", "kl", "clip_frac"):
-                        totals[key] += stats[key]
+                    for key, value in stats.items():
+                        totals[key] = totals.get(key, 0.0) + value
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.actor.max_norm)
                 totals["grad_norm"] += float(grad_norm)
                 self.optimizer.step()
@@ -690,25 +580,54 @@ class Trainer:
 
     def _loss_backward(self, batch, advantages, rows, normalizer, tokens):
         """Backward of one micro-batch's share of the mini-batch loss; returns its share of each statistic
-        (`tokens`: response tokens in the mini-batch, for the clipped fraction)."""
+        (`tokens`: response tokens in the mini-batch, for the token fractions)."""
         args = self.args
         index = rows.to(self.device)
         mask = batch.mask[index]
-        logprobs, _, _ = response_forward(
+        entropy_coef = args.actor.entropy_coef
+        logprobs, logits, _ = response_forward(
             self.model,
             batch.sequences[index],
             batch.attention_mask[index],
             batch.prompt_width,
             args.rollout.temperature,
+            return_logits=entropy_coef is not None,
         )
         eps_low, eps_high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
-        per_token, clipped = clipped_surrogate(
-            logprobs, batch.old_logprobs[index], advantages[index], eps_low, eps_high
-        )
+        share = float(mask.sum()) / float(tokens)  # this micro-batch's part of the mini-batch's tokens
+        out = {}
+        if self.baseline.policy_loss == "ppo":
+            per_token, clipped = clipped_surrogate(
+                logprobs, batch.old_logprobs[index], advantages[index], eps_low, eps_high
+            )
+            out["clip_frac"] = float((clipped & mask).sum()) / float(tokens)
+        else:  # SALT App. I's Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617), SALT Table 4 settings
+            per_token, stats = baselines.policy_loss(
+                self.baseline,
+                logprobs,
+                batch.old_logprobs[index],
+                advantages[index],
+                mask,
+                eps_low,
+                eps_high,
+                self.loss_generator,
+            )
+            out["clip_frac"] = stats.get("clip_cov/ppo_clip_frac", 0.0) * share  # KL-Cov has no ratio clip
+            out.update({f"baseline/{key}": value * share for key, value in stats.items()})
         policy_loss = aggregate(per_token, mask, args.actor.loss_agg_mode, normalizer)
         loss = policy_loss
+        if entropy_coef is not None:  # SALT Eq. 70-71, aggregated like the policy loss
+            bonus, stats = baselines.entropy_bonus_loss(
+                token_entropy(logits, batch.prompt_width, args.rollout.temperature),
+                mask,
+                entropy_coef,
+                args.actor.loss_agg_mode,
+                normalizer,
+            )
+            loss = loss + bonus
+            out["entropy_loss"] = stats["entropy_bonus/entropy"]  # upstream's name for the aggregated entropy
         kl = torch.zeros(())
-        if self.reference is not None:
+        if args.algo.kl.init_coef > 0:
             kl = aggregate(
                 approx_kl(logprobs, batch.ref_logprobs[index], args.algo.kl.estimator),
                 mask,
@@ -716,13 +635,13 @@ class Trainer:
                 normalizer,
             )
             loss = loss + args.algo.kl.init_coef * kl
+        if not bool(torch.isfinite(loss)):
+            raise ValueError(
+                f"step {self.global_step}: the loss of rollouts {rows.tolist()[:8]}... is {loss.item()}; stopped "
+                "before the optimizer step (no checkpoint written)"
+            )
         loss.backward()
-        return {
-            "loss": loss.item(),
-            "policy_loss": policy_loss.item(),
-            "kl": kl.item(),
-            "clip_frac": float((clipped & mask).sum()) / float(tokens),
-        }
+        return {"loss": loss.item(), "policy_loss": policy_loss.item(), "kl": kl.item(), **out}
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, n_samples=1, seed=0):
@@ -750,9 +669,10 @@ class Trainer:
             "global_step": self.global_step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "projector": None if self.projector is None else self.projector.state_dict(),
+            "pipeline": self.pipeline.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "generators": {k: g.get_state() for k, g in self.generators.items()},
+            "minibatch_generator": self.minibatch_generator.get_state(),
+            "loss_generator": self.loss_generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -761,26 +681,14 @@ class Trainer:
         self.global_step = state["global_step"]
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if state["projector"] is not None:
-            hidden_size = state["projector"]["layers.0.weight"].shape[1]
-            self.projector = Projector(hidden_size, self.geo_config)
-            self.projector.load_state_dict(state["projector"])
+        self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
-        for key, value in state["generators"].items():
-            self.generators[key].set_state(value)
+        self.minibatch_generator.set_state(state["minibatch_generator"])
+        if "loss_generator" in state:  # checkpoints from before Clip-Cov
+            self.loss_generator.set_state(state["loss_generator"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-
-    def save_checkpoint(self, path):
-        """Write the state atomically (temporary file, then rename)."""
-        tmp = f"{path}.tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
-
-    def load_checkpoint(self, path):
-        # RNG states must stay on the CPU; load_state_dict moves weights and optimizer state to their devices
-        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 __all__ = [
@@ -796,6 +704,5 @@ __all__ = [
     "group_advantages",
     "response_forward",
     "response_mask",
-    "salt_weight_stats",
-    "sft",
+    "token_entropy",
 ]

@@ -335,7 +335,7 @@ class CachedMathVerify:
 
     def __call__(self, prompts, responses, answers):
         keys = list(zip(responses, answers))
-        missing = sorted(set(keys) - self.cache.keys())
+        missing = list(dict.fromkeys(k for k in keys if k not in self.cache))  # first-seen order, no sort
         fresh = {}
         if missing:
             verdicts = self.scorer.verdicts([r for r, _ in missing], [a for _, a in missing])

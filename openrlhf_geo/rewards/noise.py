@@ -7,7 +7,12 @@ They return `(new_rewards, corrupted)` — new tensors; the inputs are never mod
 `torch.Generator` (None = the global RNG).
 """
 
+import math
+from dataclasses import dataclass
+
 import torch
+
+NOISE_TYPES = ("none", "flip", "swap")
 
 
 def _check(rewards, group_ids, rate, generator):
@@ -84,3 +89,45 @@ def swap_to_extremes(rewards, group_ids, rate, generator=None):
     target = torch.where(r < mean[group], high[group], low[group]).to(rewards.dtype)
     new = torch.where(selected, target, rewards)
     return new, selected & (new != rewards)
+
+
+@dataclass(frozen=True)
+class NoiseConfig:
+    """`--reward.noise.*`: which corruption (flip: binary flips; swap: HH swap-to-extremes), its rate, levels, seed.
+
+    Validated here, the one place (errors name the flag). `levels` applies to flip only: the two reward values it
+    swaps, (0, 1) for GRPO or (-1, 1) for DAPO.
+    """
+
+    type: str = "none"
+    rate: float = 0.0
+    levels: tuple | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.type not in NOISE_TYPES:
+            raise ValueError(f"--reward.noise.type must be one of {', '.join(NOISE_TYPES)} (got {self.type!r})")
+        if self.type == "none" and self.rate != 0:
+            raise ValueError(f"--reward.noise.rate {self.rate} needs --reward.noise.type flip or swap")
+        if self.type != "none" and not (math.isfinite(self.rate) and 0 < self.rate < 1):
+            raise ValueError(f"--reward.noise.rate must be in (0, 1) with --reward.noise.type {self.type}")
+        if self.type != "flip" and self.levels is not None:
+            raise ValueError("--reward.noise.levels only applies with --reward.noise.type flip")
+        if self.type == "flip":
+            levels = tuple(float(v) for v in (self.levels or (0.0, 1.0)))
+            if levels not in ((0.0, 1.0), (-1.0, 1.0)):
+                raise ValueError(f"--reward.noise.levels must be 0 1 or -1 1 (got {' '.join(map(str, levels))})")
+            object.__setattr__(self, "levels", levels)
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+
+def corrupt(rewards, group_ids, config, generator=None):
+    """Apply `config`'s corruption -> (new_rewards (N,), corrupted (N,) bool); type none: (rewards, all False)."""
+    if config.type == "flip":
+        return flip_binary(rewards, group_ids, config.rate, generator, levels=config.levels)
+    if config.type == "swap":
+        return swap_to_extremes(rewards, group_ids, config.rate, generator)
+    return rewards, torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)

@@ -1,0 +1,611 @@
+"""The SALT (arXiv 2606.05800) and GeoAlign (arXiv 2606.26917) comparison baselines as pure tensor functions.
+
+Every function returns ``(result, stats)``; ``stats`` maps metric names (``<baseline>/<metric>``) to floats.
+
+SALT §4.2 / App. I, Table 4 (entropy-oriented controls of GRPO):
+    entropy_bonus_loss      entropy regulariser, SALT Eq. 70-71
+    clip_cov_policy_loss    Clip-Cov, Cui et al. (arXiv 2505.22617)
+    kl_cov_policy_loss      KL-Cov, Cui et al. (arXiv 2505.22617)
+GeoAlign §5.1 / App. B.5 (robust-RL baselines):
+    pf_ppo_plan             PF-PPO Best-vs-Random / Best-vs-Worst filtration, Zhang et al. (arXiv 2409.06957)
+    par_rewards             PAR, preference as reward, Fu et al. (arXiv 2502.18770)
+    pods_plan               PODS max-variance down-sampling, Xu et al. (arXiv 2504.13818)
+    seed_grpo_advantages    Seed-GRPO semantic-entropy advantage scaling, Chen et al. (arXiv 2505.12346)
+    math_answer_clusters    semantic-equivalence classes for Seed-GRPO by math-verify equality of boxed answers
+
+``BaselineConfig`` holds the --baseline.* flags (options.py); ``policy_loss`` is the engines' dispatch to the two
+covariance losses. Where they run: the pipeline (pipeline.py) runs PF-PPO / PODS in ``curate`` and Seed-GRPO in
+``seed_grpo``; the local engine PAR, the losses and the entropy bonus; the fork the losses
+(fork_hooks.BaselinePolicyLoss), PF-PPO with keep_count and Seed-GRPO.
+
+The two policy losses and the entropy bonus stay differentiable in their log-prob / entropy inputs (only their token
+selection runs without gradient); every other function runs under ``torch.no_grad``. The rollout-selection
+baselines (PF-PPO, PODS) return a GeoAlign ``CurationPlan`` so an engine applies them like GeoAlign's own plan.
+Random choices come from a CPU ``torch.Generator``.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.rewards.math_verify import extract_last_boxed, score_answer
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+PF_PPO_MODES = ("best_random", "best_worst")
+SE_ESTIMATORS = ("mc", "shannon")
+
+# SALT Table 4; the covariance bounds are also Cui et al.'s released defaults (verl clip_cov_lb / clip_cov_ub).
+CLIP_COV_RATIO, CLIP_COV_LB, CLIP_COV_UB, CLIP_COV_CLIP = 2e-4, 1.0, 5.0, 1.0
+KL_COV_RATIO, KL_COV_COEF = 2e-3, 1.0
+POLICY_LOSSES = ("ppo", "clip_cov", "kl_cov")
+CURATIONS = {"pf_ppo_br": "best_random", "pf_ppo_bw": "best_worst", "pods": None}  # flag value -> pf_ppo_plan mode
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """The --baseline.* settings of a run, validated here on construction (each error names its flag).
+
+    policy_loss       ppo (the engine's own clipped surrogate), clip_cov or kl_cov (``policy_loss``)
+    clip_cov_*        Clip-Cov's ratio and covariance bounds; kl_cov_*: KL-Cov's ratio and coefficient (SALT Table 4)
+    curation          None, pf_ppo_br / pf_ppo_bw (``pf_ppo_plan``) or pods (``pods_plan``, needs pods_m)
+    pf_ppo_keep_count PF-PPO keeps every prompt's G slots (``pf_ppo_plan(keep_count=True)``), no rollout dropped
+    seed_grpo_alpha   None (off) or Seed-GRPO's alpha in [0, 1] (``seed_grpo_advantages``)
+    par_references    0 (off) or PAR's M reference responses per prompt (``par_rewards``)
+    """
+
+    policy_loss: str = "ppo"
+    clip_cov_ratio: float = CLIP_COV_RATIO
+    clip_cov_lb: float = CLIP_COV_LB
+    clip_cov_ub: float = CLIP_COV_UB
+    kl_cov_ratio: float = KL_COV_RATIO
+    kl_cov_coef: float = KL_COV_COEF
+    curation: str | None = None
+    pods_m: int | None = None
+    pf_ppo_keep_count: bool = False
+    seed_grpo_alpha: float | None = None
+    par_references: int = 0
+
+    def __post_init__(self):
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"--baseline.policy_loss must be one of {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})"
+            )
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"--baseline.{name} must be in (0, 1] (got {value!r})")
+        if not (
+            math.isfinite(self.clip_cov_lb)
+            and math.isfinite(self.clip_cov_ub)
+            and self.clip_cov_lb <= self.clip_cov_ub
+        ):
+            raise ValueError(
+                "--baseline.clip_cov_lb must be <= --baseline.clip_cov_ub, both finite "
+                f"(got {self.clip_cov_lb!r}, {self.clip_cov_ub!r})"
+            )
+        if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef >= 0):
+            raise ValueError(f"--baseline.kl_cov_coef must be a finite number >= 0 (got {self.kl_cov_coef!r})")
+        if self.curation is not None and self.curation not in CURATIONS:
+            raise ValueError(f"--baseline.curation must be one of {', '.join(CURATIONS)} (got {self.curation!r})")
+        if (self.curation == "pods") != (self.pods_m is not None):
+            raise ValueError(
+                "--baseline.curation pods needs --baseline.pods_m M (rollouts kept per prompt; GeoAlign does not "
+                "report its PODS setting) and --baseline.pods_m only applies with it"
+            )
+        if self.pods_m is not None and not (isinstance(self.pods_m, int) and self.pods_m >= 1):
+            raise ValueError(f"--baseline.pods_m must be an integer >= 1 (got {self.pods_m!r})")
+        if self.pf_ppo_keep_count and self.curation not in ("pf_ppo_br", "pf_ppo_bw"):
+            raise ValueError(
+                "--baseline.pf_ppo_keep_count only applies with --baseline.curation pf_ppo_br or pf_ppo_bw"
+            )
+        if self.seed_grpo_alpha is not None and not (
+            isinstance(self.seed_grpo_alpha, (int, float)) and 0 <= self.seed_grpo_alpha <= 1
+        ):
+            raise ValueError(f"--baseline.seed_grpo_alpha must be in [0, 1] (got {self.seed_grpo_alpha!r})")
+        if not (isinstance(self.par_references, int) and self.par_references >= 0):
+            raise ValueError(f"--baseline.par_references must be an integer >= 0 (got {self.par_references!r})")
+
+    @property
+    def drops_rollouts(self) -> bool:
+        """True when the curation plan can drop rollouts (keep False): PODS, and PF-PPO without keep_count."""
+        return self.curation == "pods" or (self.curation is not None and not self.pf_ppo_keep_count)
+
+    @property
+    def in_pipeline(self) -> bool:
+        """Whether a per-step pipeline baseline is on (curation, Seed-GRPO or PAR; the policy losses are the loss)."""
+        return self.curation is not None or self.seed_grpo_alpha is not None or self.par_references > 0
+
+
+def _aggregate(per_token, mask, mode, normalizer):
+    """token-mean: masked sum / normalizer (default: valid tokens); seq-mean-token-mean: sum of each row's token mean
+    over rows with a valid token / normalizer (default: those rows). Either is 0 with no valid token."""
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        total, count = (per_token * mask).sum(), mask.sum()
+    else:
+        tokens = mask.sum(1)
+        total, count = ((per_token * mask).sum(1) / tokens.clamp(min=1)).sum(), (tokens > 0).sum()
+    if normalizer is None:
+        normalizer = count.clamp(min=1)
+    return total / normalizer
+
+
+def _check_tokens(mask, **tensors):
+    """(N, T) float tensors of one shape and a bool/0-1 mask of that shape -> bool mask."""
+    shape = tuple(mask.shape)
+    if len(shape) != 2:
+        raise ValueError(f"mask must have shape (N, T), got {shape}")
+    for name, value in tensors.items():
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{name} must have the mask's shape {shape}, got {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+    if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("mask must be bool or hold only 0 and 1")
+    valid = mask.bool()
+    for name, value in tensors.items():
+        if not torch.isfinite(value.detach()[valid]).all():
+            raise ValueError(f"{name} has NaN or inf on valid (mask=1) tokens")
+    return valid
+
+
+def _check_fraction(name, value):
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise ValueError(f"{name} must be in (0, 1] (got {value!r})")
+
+
+def _check_generator(generator):
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"generator must be a CPU torch.Generator (got device {generator.device})")
+
+
+def _groups(group_ids, n):
+    """Prompt groups as index tensors (rows of each prompt, ascending), in order of each prompt's first row."""
+    if tuple(group_ids.shape) != (n,):
+        raise ValueError(f"group_ids must have shape ({n},), got {tuple(group_ids.shape)}")
+    if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be integer prompt ids, got dtype {group_ids.dtype}")
+    _, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    groups = torch.split(order, torch.bincount(inverse).tolist())
+    return sorted(groups, key=lambda rows: int(rows[0]))
+
+
+def _check_rewards(rewards):
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
+    if not torch.isfinite(rewards.double()).all():
+        raise ValueError("rewards contain NaN or inf")
+
+
+def entropy_bonus_loss(entropy, mask, coef, loss_agg_mode="seq-mean-token-mean", normalizer=None):
+    """Entropy bonus (SALT App. I, Eq. 70-71) as a loss term: ``-coef * aggregated token entropy`` -> (loss, stats).
+
+    Eq. 71 adds ``lambda_ENT * E_q[1/G sum_i 1/|o_i| sum_t H(s_i,t)]`` to the GRPO objective, so a minimised loss gets
+    its negative; the default aggregation is that seq-mean-token-mean, ``token-mean`` averages over all valid tokens.
+    entropy (N, T) per-token policy entropy H (Eq. 70), differentiable; mask (N, T) bool or 0/1; coef lambda_ENT >= 0.
+    normalizer: the divisor for a micro-batch's share of a larger mini-batch (default: this call's valid tokens for
+    token-mean, valid rows for seq-mean-token-mean), as in the engines' loss aggregation.
+    SALT Table 4's "Entropy coefficient 0" is its non-bonus default; it does not state lambda_ENT for the entropy-bonus
+    runs, so no default is given here. No valid token: loss 0 (still connected to the graph).
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES} (got {loss_agg_mode!r})")
+    if not (isinstance(coef, (int, float)) and math.isfinite(coef) and coef >= 0):
+        raise ValueError(f"coef (lambda_ENT) must be a finite number >= 0 (got {coef!r})")
+    if normalizer is not None and not float(normalizer) > 0:
+        raise ValueError(f"normalizer must be > 0 (got {normalizer!r})")
+    valid = _check_tokens(mask, entropy=entropy)
+    mean_entropy = _aggregate(entropy, valid, loss_agg_mode, normalizer)
+    loss = -coef * mean_entropy
+    return loss, {"entropy_bonus/entropy": float(mean_entropy.detach()), "entropy_bonus/loss": float(loss.detach())}
+
+
+@torch.no_grad()
+def token_covariance(log_probs, advantages, mask):
+    """Per-token covariance term of Cui et al. (arXiv 2505.22617, Clip-Cov/KL-Cov): ``(log pi(y_i) - mean log pi) *
+    (A(y_i) - mean A)``, means over the valid tokens of this call -> (N, T) float, 0 on masked tokens."""
+    valid = mask.bool()
+    if not valid.any():
+        return torch.zeros_like(log_probs)
+    centred_logp = log_probs - log_probs[valid].mean()
+    centred_adv = advantages - advantages[valid].mean()
+    return torch.where(valid, centred_logp * centred_adv, 0.0)
+
+
+def clip_cov_policy_loss(
+    log_probs,
+    old_log_probs,
+    advantages,
+    mask,
+    *,
+    ratio=CLIP_COV_RATIO,
+    cov_lb=CLIP_COV_LB,
+    cov_ub=CLIP_COV_UB,
+    clip_low=CLIP_COV_CLIP,
+    clip_high=CLIP_COV_CLIP,
+    generator=None,
+):
+    """Clip-Cov (Cui et al., arXiv 2505.22617, "Suppressing Tokens with High Covariances") -> (loss (N, T), stats).
+
+    PPO's clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` per token, r = exp(logp - old),
+    except on ``max(1, floor(ratio * n_valid))`` tokens drawn uniformly without replacement (``generator``) from those
+    whose covariance (``token_covariance``) lies in [cov_lb, cov_ub]: their loss is 0, i.e. their gradient is
+    detached. Tokens the PPO clip already cuts off (zero gradient either way) are not candidates; the count has a
+    floor of 1 and selection runs over the tokens of this call (a micro-batch): both as in the authors' released loss
+    (verl ``clip_cov``), which this follows (the paper's text and equation numbers could not be retrieved here).
+    Fewer candidates than the count: all candidates. Defaults: SALT Table 4 (ratio 2e-4,
+    bounds 1 and 5, PPO clip ratios 1 / 1).
+    log_probs (N, T) current policy (differentiable), old_log_probs and advantages (N, T), mask (N, T); the loss is 0
+    on masked tokens; aggregate it like the plain PPO loss.
+    """
+    valid = _check_tokens(mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    _check_fraction("ratio (clip-cov ratio)", ratio)
+    if not cov_lb <= cov_ub:
+        raise ValueError(f"cov_lb must be <= cov_ub (got {cov_lb!r} > {cov_ub!r})")
+    if not (0 <= clip_low <= 1 and clip_high >= 0):
+        raise ValueError(f"clip_low must be in [0, 1] and clip_high >= 0 (got {clip_low!r}, {clip_high!r})")
+    _check_generator(generator)
+    prob_ratio = torch.exp(log_probs - old_log_probs)
+    surrogate = -advantages * prob_ratio
+    clipped = -advantages * prob_ratio.clamp(1 - clip_low, 1 + clip_high)
+    with torch.no_grad():
+        ppo_clipped = valid & (clipped > surrogate)
+        cov = token_covariance(log_probs.detach(), advantages, valid)
+        candidates = valid & ~ppo_clipped & (cov >= cov_lb) & (cov <= cov_ub)
+        n_valid, pool = int(valid.sum()), candidates.flatten().nonzero()[:, 0]
+        n_select = min(max(1, math.floor(ratio * n_valid)), len(pool))
+        pick = pool[torch.randperm(len(pool), generator=generator)[:n_select].to(pool.device)]
+        selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+        selected[pick] = True
+        selected = selected.view_as(valid)
+    loss = torch.where(valid & ~selected, torch.maximum(surrogate, clipped), 0.0)
+    denominator = max(n_valid, 1)
+    stats = {
+        "clip_cov/selected_frac": n_select / denominator,
+        "clip_cov/candidate_frac": len(pool) / denominator,
+        "clip_cov/ppo_clip_frac": float(ppo_clipped.sum()) / denominator,
+        "clip_cov/ppo_kl": float((old_log_probs - log_probs).detach()[valid].sum()) / denominator,
+    }
+    return loss, stats
+
+
+def kl_cov_policy_loss(log_probs, old_log_probs, advantages, mask, *, ratio=KL_COV_RATIO, kl_coef=KL_COV_COEF):
+    """KL-Cov (Cui et al., arXiv 2505.22617, "Suppressing Tokens with High Covariances") -> (loss (N, T), stats).
+
+    Per token ``-A r`` (r = exp(logp - old), no ratio clipping), plus ``kl_coef * |logp - old|`` on the
+    ``max(1, floor(ratio * n_valid))`` valid tokens of largest covariance (``token_covariance``) in this call.
+    |logp - old| is the per-token KL estimate, the count's floor of 1 and the absent ratio clip follow the authors'
+    released loss (verl ``kl_cov``; the paper's text was not retrievable here), on which SALT Table 4's clip ratios
+    0.2 / 0.2 for KL-Cov have no effect.
+    Defaults: SALT Table 4 (KL covariance ratio 2e-3, PPO KL coefficient 1). Ties in covariance: torch.topk's pick.
+    log_probs (N, T) current policy (differentiable), old_log_probs and advantages (N, T), mask (N, T); the loss is 0
+    on masked tokens.
+    """
+    valid = _check_tokens(mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    _check_fraction("ratio (KL covariance ratio)", ratio)
+    if not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef (PPO KL coefficient) must be a finite number >= 0 (got {kl_coef!r})")
+    log_ratio = log_probs - old_log_probs
+    with torch.no_grad():
+        n_valid = int(valid.sum())
+        selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+        if n_valid:
+            n_select = min(max(1, math.floor(ratio * n_valid)), n_valid)
+            flat_valid = valid.flatten().nonzero()[:, 0]
+            cov = token_covariance(log_probs.detach(), advantages, valid).flatten()[flat_valid]
+            selected[flat_valid[torch.topk(cov, n_select).indices]] = True
+        selected = selected.view_as(valid)
+    loss = -advantages * torch.exp(log_ratio) + kl_coef * log_ratio.abs() * selected
+    loss = torch.where(valid, loss, 0.0)
+    denominator = max(n_valid, 1)
+    stats = {
+        "kl_cov/selected_frac": float(selected.sum()) / denominator,
+        "kl_cov/ppo_kl_abs": float(log_ratio.detach().abs()[valid].sum()) / denominator,
+    }
+    return loss, stats
+
+
+def policy_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator=None):
+    """--baseline.policy_loss clip_cov | kl_cov -> (per-token loss (N, T), stats): ``clip_cov_policy_loss`` or
+    ``kl_cov_policy_loss`` with the config's settings; both engines aggregate it as they aggregate their PPO loss.
+
+    clip_low / clip_high: the engine's PPO clip ratios (Clip-Cov clips with them; SALT Table 4 sets 1 / 1 for it).
+    advantages (N,) per sequence or (N, T) per token. config.policy_loss ppo is the engine's own loss: ValueError.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(log_probs)
+    advantages = advantages.to(log_probs.dtype)
+    if config.policy_loss == "clip_cov":
+        return clip_cov_policy_loss(
+            log_probs,
+            old_log_probs,
+            advantages,
+            mask,
+            ratio=config.clip_cov_ratio,
+            cov_lb=config.clip_cov_lb,
+            cov_ub=config.clip_cov_ub,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            generator=generator,
+        )
+    if config.policy_loss == "kl_cov":
+        return kl_cov_policy_loss(
+            log_probs, old_log_probs, advantages, mask, ratio=config.kl_cov_ratio, kl_coef=config.kl_cov_coef
+        )
+    raise ValueError(f"policy_loss: {config.policy_loss!r} is the engine's own loss, not a baseline")
+
+
+def _best(rows, values, keys):
+    """Row of the largest value, ties broken by the random keys (uniform among the tied)."""
+    top = values == values.max()
+    return int(rows[top][keys[top].argmax()])
+
+
+@torch.no_grad()
+def pf_ppo_plan(rewards, group_ids, mode="best_random", generator=None, *, keep_count=False):
+    """PF-PPO rollout filtration (Zhang et al., arXiv 2409.06957) -> (CurationPlan, stats).
+
+    Per prompt PF-PPO trains on the best rollout plus one partner: ``best_random`` (BR) a uniformly drawn other
+    rollout, ``best_worst`` (BW) the lowest-rewarded one (GeoAlign App. B.5; GeoAlign Eq. 8 is BR's draw written as
+    probabilities, 1/2 for the best and 1/(2(G-1)) for each other). Reward ties are broken uniformly at random.
+    PF-PPO's own method text could not be retrieved here; this follows GeoAlign's description of it.
+
+    keep_count False (PF-PPO as described): the pair is kept, the other rollouts dropped (keep False, weight 0), so a
+        prompt keeps 2 rollouts. keep_count True: the prompt keeps its G slots; the best fills ceil(G/2) of them and
+        the partner floor(G/2) (each keeps its own slot, the others are overwritten in index order), so for even G the
+        group mean and std, hence GRPO's advantages, equal those of the pair itself.
+    A prompt with one rollout is left unchanged. ``flagged`` marks rollouts PF-PPO filters out; ``gdi`` is NaN.
+    rewards (N,), group_ids (N,) integer prompt ids; plan tensors on the device of ``rewards``.
+    """
+    if mode not in PF_PPO_MODES:
+        raise ValueError(f"mode must be one of {PF_PPO_MODES} (got {mode!r})")
+    _check_rewards(rewards)
+    _check_generator(generator)
+    n = rewards.numel()
+    r = rewards.detach().double().cpu()
+    plan = CurationPlan.identity(n)
+    keys = torch.rand(n, generator=generator, dtype=torch.float64)
+    for rows in _groups(group_ids, n):
+        if len(rows) < 2:
+            continue
+        best = _best(rows, r[rows], keys[rows])
+        others = rows[rows != best]
+        if mode == "best_worst":
+            partner = _best(others, -r[others], keys[others])
+        else:
+            partner = int(others[torch.randint(len(others), (1,), generator=generator)])
+        dropped = rows[(rows != best) & (rows != partner)]
+        plan.flagged[dropped] = True
+        if keep_count:
+            extra_best = math.ceil(len(rows) / 2) - 1
+            plan.source[dropped[:extra_best]] = best
+            plan.source[dropped[extra_best:]] = partner
+        else:
+            plan.keep[dropped] = False
+            plan.weight[dropped] = 0.0
+    after = plan.apply(r)
+    stats = {
+        "pf_ppo/kept_frac": float(plan.keep.sum()) / max(n, 1),
+        "pf_ppo/filtered_frac": float(plan.flagged.sum()) / max(n, 1),
+        "pf_ppo/reward_mean_before": float(r.mean()) if n else math.nan,
+        "pf_ppo/reward_mean_after": float(after.mean()) if len(after) else math.nan,
+    }
+    return plan.to(rewards.device), stats
+
+
+@torch.no_grad()
+def par_rewards(rewards, reference_rewards):
+    """PAR, preference as reward (Fu et al., arXiv 2502.18770; formula as in the authors' released reward shaper)
+    -> (shaped rewards (N,), stats).
+
+    ``r_RL = 1/M sum_m sigmoid(r - r_ref,m)``: the reward model's preference probability of the rollout over each of M
+    reference responses to the same prompt (sampled from the SFT/reference policy), averaged. Bounded in [0, 1]
+    (float rounding can reach the ends), centred at 1/2 where the rollout matches its references. The paper finds
+    M = 1 sufficient; Fu et al.'s released code averages over its references (``--num_refs``, 5 there).
+    rewards (N,); reference_rewards (N,) (one reference per rollout) or (N, M), NaN entries meaning "no reference"
+    (prompts with fewer references); a per-prompt table ``ref`` (P, M) is passed as ``ref[prompt_index]``.
+    Computed in float64, returned in the dtype of ``rewards``. A rollout with no finite reference raises ValueError
+    (there is nothing to centre on, and its raw reward would be on another scale).
+    """
+    _check_rewards(rewards)
+    refs = reference_rewards[:, None] if reference_rewards.dim() == 1 else reference_rewards
+    if refs.dim() != 2 or refs.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"reference_rewards must have shape ({rewards.shape[0]},) or ({rewards.shape[0]}, M), "
+            f"got {tuple(reference_rewards.shape)}"
+        )
+    refs = refs.double().to(rewards.device)
+    present = ~torch.isnan(refs)
+    if torch.isinf(refs).any():
+        raise ValueError("reference_rewards contain inf")
+    if not present.any(1).all():
+        missing = (~present.any(1)).nonzero()[:, 0].tolist()
+        raise ValueError(f"reference_rewards has no reference for rollouts {missing[:10]} (all NaN)")
+    preference = torch.sigmoid(rewards.double()[:, None] - torch.where(present, refs, 0.0))
+    shaped = (preference * present).sum(1) / present.sum(1)
+    stats = {
+        "par/reward_mean": float(shaped.mean()) if shaped.numel() else math.nan,
+        "par/raw_reward_mean": float(rewards.double().mean()) if rewards.numel() else math.nan,
+        "par/reference_mean": float(refs[present].mean()) if present.any() else math.nan,
+    }
+    return shaped.to(rewards.dtype), stats
+
+
+def _max_variance_subset(values, m):
+    """Positions (into ``values``) of m values of maximal variance: the top k and bottom m - k for the best k
+    (PODS's O(n log n) rule); the first best k wins ties."""
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    n = len(ranked)
+    prefix, prefix_sq = np.concatenate([[0.0], np.cumsum(ranked)]), np.concatenate([[0.0], np.cumsum(ranked**2)])
+    k = np.arange(m + 1)  # k largest + (m - k) smallest
+    total = prefix[m - k] + prefix[n] - prefix[n - k]
+    total_sq = prefix_sq[m - k] + prefix_sq[n] - prefix_sq[n - k]
+    best = int(np.argmax(total_sq / m - (total / m) ** 2))
+    return np.concatenate([order[: m - best], order[n - best :]])
+
+
+@torch.no_grad()
+def pods_plan(rewards, group_ids, m):
+    """PODS max-variance down-sampling (Xu et al., arXiv 2504.13818, the O(n log n) max-variance rule)
+    -> (CurationPlan, stats).
+
+    Per prompt, keep the m of its n rollouts whose rewards have the largest variance; the optimum is the k highest and
+    m - k lowest rewards for some k, so sorting and scanning k = 0..m finds it (O(n log n)). Equal variances:
+    smallest k; equal rewards: lower index first. Dropped rollouts get keep False and weight 0 (so they also leave
+    GRPO's group statistics) and are ``flagged``; a prompt with n <= m keeps all its rollouts. ``gdi`` is NaN.
+    m: rollouts kept per prompt, no default (GeoAlign does not report its PODS setting).
+    rewards (N,), group_ids (N,) integer prompt ids; plan tensors on the device of ``rewards``.
+    """
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        raise ValueError(f"m (rollouts kept per prompt) must be an integer >= 1 (got {m!r})")
+    _check_rewards(rewards)
+    n = rewards.numel()
+    r = rewards.detach().double().cpu()
+    plan = CurationPlan.identity(n)
+    before, after = [], []
+    for rows in _groups(group_ids, n):
+        values = r[rows].numpy()
+        before.append(values.var())
+        if len(rows) <= m:
+            after.append(values.var())
+            continue
+        chosen = _max_variance_subset(values, m)
+        dropped = np.setdiff1d(np.arange(len(rows)), chosen)
+        plan.keep[rows[dropped]] = False
+        plan.weight[rows[dropped]] = 0.0
+        plan.flagged[rows[dropped]] = True
+        after.append(values[chosen].var())
+    stats = {
+        "pods/kept_frac": float(plan.keep.sum()) / max(n, 1),
+        "pods/reward_var_before": float(np.mean(before)) if before else math.nan,
+        "pods/reward_var_after": float(np.mean(after)) if after else math.nan,
+    }
+    return plan.to(rewards.device), stats
+
+
+@torch.no_grad()
+def semantic_entropy(cluster_ids, group_ids, estimator="mc"):
+    """Semantic entropy SE(q) of each rollout's prompt (Seed-GRPO, Chen et al., arXiv 2505.12346) -> (N,) float64.
+
+    The G rollouts of a prompt fall into K semantic clusters C_k; p(C_k|q) is estimated by the cluster's share
+    |C_k|/G (the paper sums the old policy's sequence probabilities over the cluster; this function does not see them).
+    Formulas as summarised from the paper; its full text was not retrievable here.
+    ``mc``: the paper's Monte-Carlo form ``-1/K sum_k log p(C_k|q)``; ``shannon``: ``-sum_k p log p`` (discrete
+    semantic entropy). Both are 0 for one cluster and log G when all G rollouts differ (the maximum, SE_max = log G).
+    cluster_ids (N,) integers (equal id = same meaning; compared within a prompt only), group_ids (N,) prompt ids.
+    """
+    if estimator not in SE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {SE_ESTIMATORS} (got {estimator!r})")
+    n = cluster_ids.numel()
+    if tuple(cluster_ids.shape) != (n,) or cluster_ids.is_floating_point() or cluster_ids.dtype == torch.bool:
+        raise ValueError(
+            f"cluster_ids must be an (N,) integer tensor, got {tuple(cluster_ids.shape)} {cluster_ids.dtype}"
+        )
+    clusters = cluster_ids.cpu()
+    entropy = torch.zeros(n, dtype=torch.float64)
+    for rows in _groups(group_ids, n):
+        share = torch.unique(clusters[rows], return_counts=True)[1].double() / len(rows)
+        value = -share.log().mean() if estimator == "mc" else -(share * share.log()).sum()
+        entropy[rows] = value
+    return entropy.to(cluster_ids.device)
+
+
+@torch.no_grad()
+def seed_grpo_advantages(advantages, cluster_ids, group_ids, alpha, estimator="mc"):
+    """Seed-GRPO uncertainty-aware advantages (Chen et al., arXiv 2505.12346) -> (scaled advantages, stats).
+
+    ``A_hat_i = A_i * f(alpha * SE(q) / SE_max(q))`` with SE_max(q) = log G (``semantic_entropy``) and a linear
+    f(x) = 1 - x, so each prompt's scale lies in [1 - alpha, 1]: 1 (the plain GRPO signal, as the paper keeps for
+    confident prompts) when all its rollouts agree, 1 - alpha when all differ. The paper's text was not retrievable
+    here: its linear f is taken as 1 - x (the linear form with f(0) = 1), its exponential and focal f are not
+    implemented, and it gives no default alpha here: alpha in [0, 1] is required.
+    advantages (N,) or (N, T) (token-level, scaled per row); cluster_ids, group_ids (N,). A prompt with one rollout
+    has scale 1 (log 1 = 0: no entropy to normalise).
+    """
+    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+        raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
+    if advantages.dim() not in (1, 2) or advantages.shape[0] != cluster_ids.numel():
+        raise ValueError(
+            f"advantages must have shape ({cluster_ids.numel()},) or ({cluster_ids.numel()}, T), "
+            f"got {tuple(advantages.shape)}"
+        )
+    entropy = semantic_entropy(cluster_ids, group_ids, estimator).cpu()
+    sizes = torch.zeros(len(entropy), dtype=torch.float64)
+    for rows in _groups(group_ids, len(entropy)):
+        sizes[rows] = len(rows)
+    normalised = torch.where(sizes > 1, entropy / sizes.log().clamp(min=1e-12), 0.0)
+    scale = (1 - alpha * normalised).to(advantages.device)
+    scaled = advantages * scale.to(advantages.dtype).view(-1, *([1] * (advantages.dim() - 1)))
+    stats = {
+        "seed_grpo/semantic_entropy": float(entropy.mean()) if len(entropy) else math.nan,
+        "seed_grpo/scale_mean": float(scale.mean()) if len(scale) else math.nan,
+        "seed_grpo/scale_min": float(scale.min()) if len(scale) else math.nan,
+    }
+    return scaled, stats
+
+
+def _in_process_verdicts(responses, golds):
+    verdicts = []
+    for response, gold in zip(responses, golds):
+        try:
+            verdicts.append(score_answer(response, gold))
+        except Exception:  # a sympy/antlr failure on one pair means "not shown equal", not a crashed batch
+            verdicts.append(None)
+    return verdicts
+
+
+@torch.no_grad()
+def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None):
+    """Semantic-equivalence classes of math responses for Seed-GRPO -> (cluster_ids (N,) long, stats).
+
+    Within a prompt, two responses share a cluster when their final answers (last ``\\boxed{}``, math_verify's
+    ``extract_last_boxed``) are equal as strings or math-verify shows each equal to the other (both directions, since
+    ``verify`` is not symmetric for every pair). Clusters form greedily in response order, each answer joining the
+    first cluster whose first answer it equals (as Kuhn et al. cluster by bidirectional entailment). A response with no
+    complete, non-empty box forms its own cluster; an answer math-verify cannot parse (or a check that fails) only
+    joins string-identical answers. Ids are consecutive from 0, prompt by prompt (in order of each prompt's first
+    response) and within a prompt in response order; prompts never share an id. group_ids (N,) prompt ids (tensor or
+    sequence; the ids come back on its device).
+    verifier: a ``MathVerifyReward`` to check pairs in its worker processes with its per-pair timeout; None checks
+    in this process without a timeout. Cost: d(d-1) checks for a prompt with d distinct answer strings.
+    """
+    n = len(responses)
+    group_ids = torch.as_tensor(group_ids)
+    groups = _groups(group_ids, n)
+    answers = [(extract_last_boxed(text) or "").strip() for text in responses]  # "" = no answer
+    keys = [list(dict.fromkeys(answers[row] for row in rows.tolist() if answers[row])) for rows in groups]
+    pairs = [(a, b) for distinct in keys for a in distinct for b in distinct if a != b]  # ordered, within a prompt
+    golds = ["\\boxed{" + a + "}" for a, _ in pairs]
+    candidates = ["\\boxed{" + b + "}" for _, b in pairs]
+    verdicts = (
+        verifier.verdicts(candidates, golds) if verifier is not None else _in_process_verdicts(candidates, golds)
+    )
+    equal = {pair for pair, verdict in zip(pairs, verdicts) if verdict is not None and verdict.correct}
+    cluster_ids = torch.empty(n, dtype=torch.long)
+    next_id, per_prompt = 0, []
+    for rows in groups:
+        representatives, of_answer = [], {}  # (answer, id) of each cluster's first answer; id of each answer seen
+        for row in rows.tolist():
+            answer = answers[row]
+            if not answer:  # no answer: a cluster of its own
+                cluster_ids[row], next_id = next_id, next_id + 1
+                continue
+            if answer not in of_answer:
+                match = next((c for rep, c in representatives if {(rep, answer), (answer, rep)} <= equal), None)
+                if match is None:
+                    match, next_id = next_id, next_id + 1
+                    representatives.append((answer, match))
+                of_answer[answer] = match
+            cluster_ids[row] = of_answer[answer]
+        per_prompt.append(len(torch.unique(cluster_ids[rows])))
+    stats = {
+        "answer_clusters/no_box_frac": sum(not answer for answer in answers) / max(n, 1),
+        "answer_clusters/clusters_per_prompt": float(np.mean(per_prompt)) if per_prompt else math.nan,
+    }
+    return cluster_ids.to(group_ids.device), stats

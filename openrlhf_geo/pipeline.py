@@ -1,0 +1,380 @@
+"""The geometry pipeline: the one definition of every per-step quantity, shared by the fork and the local engine.
+
+Both engines hand it plain tensors of one rollout batch in prompt order (N rollouts; `group_ids` (N,) prompt ids)
+and call, in this order:
+
+    rewards, corrupted = pipeline.corrupt(rewards, group_ids)    --reward.noise.*  reward noise
+    step = pipeline.start(group_ids, corrupted)
+    slot_rewards = step.curate(rewards, hidden)                  --geoalign.*      GeoAlign Eq. 3-8 (plan), or
+                                                                 --baseline.curation  PF-PPO / PODS (plan)
+    (the engine's group statistics on the slot rewards -> sequence advantages a (N,))
+    a = step.seed_grpo(a, responses, verifier)                   --baseline.seed_grpo_alpha  Seed-GRPO scaling
+    a_slot = step.reweight(a, features, entropy, lengths)        --salt.*          SALT Eq. 12-18 per partition
+    value, multiplicity = step.rows(a_slot)                       what each rollout's row carries into the loss
+    step.metrics                                                   {"salt/pr": (N,), "geo/flag_frac": (N,), ...}
+
+Replacement semantics (GeoAlign `replace`/`amplify`/`zero`/`drop`): slot i of the batch holds a copy of rollout
+`plan.source[i]` with loss weight `plan.weight[i]`. Every rollout keeps its own row: (1) slot i gets the reward of
+source[i] before the group statistics, (2) SALT runs on the slots (a replaced slot uses its source's features),
+(3) row r's sequence advantage becomes the mean a' of the slots it fills and its token advantages are multiplied by
+its multiplicity m_r = Σ_{i: source[i] = r} weight[i] (0 for a replaced rollout). PPO's per-token surrogate (clip,
+dual-clip, IS correction) is positively homogeneous in the advantage, so for the policy loss this equals physically
+duplicating the donors under seq-mean-token-mean, and under token-mean up to the positive scalar
+(Σ_r m_r T_r)/(Σ_r T_r) per optimizer step (the token normalizer counts each row once); KL-loss terms keep the
+original rollouts. `drop` (GeoAlign App. C.5's ablation) also removes the slot from the group statistics and from
+SALT (`step.kept`); only the local engine supports it.
+
+Metrics are per-slot (N,) float tensors: batch-level values are broadcast to the slots they describe, so a
+sample-weighted mean (upstream's `info` logging; the local engine's `nanmean`) is the batch value, partition-size
+weighted for SALT. String stats (`geo/skipped_reason`) live in `step.text_metrics`. The baselines' stats are
+`baseline/<name>/<stat>`. When SALT applies, `salt/out_of_regime` flags steps far outside SALT Table 10's regime
+(`SaltRegimeWarning`, docs/salt_regime.md).
+"""
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from openrlhf_geo import diagnostics
+from openrlhf_geo.baselines import (
+    CURATIONS,
+    BaselineConfig,
+    math_answer_clusters,
+    pf_ppo_plan,
+    pods_plan,
+    seed_grpo_advantages,
+)
+from openrlhf_geo.features import GeometrySpec
+from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector, curate
+from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
+from openrlhf_geo.salt import VARIANTS, SaltConfig, entropy_alpha, salt_advantages
+
+# What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
+# batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
+DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
+
+# SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
+# the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.
+# REGIME_MAX_D_A = 0.6 is 2.5x that D_a (9 sd above it). Sign flips are not in the paper, but bounded by D_a: a
+# flipped a_i moves by at least |a_i|, so D_a^2 >= (share of ||a||^2 on flipped rollouts); at Table 10's D_a that share
+# is <= 0.24^2 ~ 0.06, and a flipped fraction of 0.25 among equal-magnitude a_i (binary rewards) forces D_a >= 0.5.
+REGIME_MAX_D_A = 0.6
+REGIME_MAX_SIGN_FLIP = 0.25
+REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_regime is logged every step)
+
+
+class SaltRegimeWarning(UserWarning):
+    """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
+
+
+@dataclass(frozen=True)
+class GeometryConfig:
+    """Everything the pipeline runs, built once from the parsed flags (`options.geometry_config`).
+
+    salt None: SALT off (SaltConfig.apply False: diagnostics only); geoalign None: GeoAlign off; baseline None: no
+    --baseline.* flag (its policy loss is the engines', the rest runs here). `seed` seeds the pipeline's random
+    streams (the run's --train.seed).
+    """
+
+    salt: SaltConfig | None = None
+    geoalign: GeoAlignConfig | None = None
+    noise: NoiseConfig = NoiseConfig()
+    baseline: BaselineConfig | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.geoalign is not None and self.baseline is not None and self.baseline.curation is not None:
+            raise ValueError(f"--baseline.curation {self.baseline.curation} and --geoalign.enable: use one of them")
+
+    @property
+    def active(self) -> bool:
+        baseline = self.baseline is not None and self.baseline.in_pipeline
+        return self.salt is not None or self.geoalign is not None or self.noise.enabled or baseline
+
+    @property
+    def spec(self) -> GeometrySpec | None:
+        """What the experience forward must return per response (None: nothing beyond log-probs)."""
+        if self.salt is None and self.geoalign is None:
+            return None
+        return GeometrySpec(
+            features=self.salt.features if self.salt is not None else None,
+            dim=self.salt.dim if self.salt is not None else 4096,
+            seed=self.salt.seed if self.salt is not None else 0,
+            entropy=self.salt is not None and VARIANTS[self.salt.variant].needs_entropy,
+            hidden=self.geoalign is not None,
+        )
+
+
+def check_finite(name, values, group_ids, step):
+    """Raise a ValueError naming the step, the prompt and the value when `values` (N,) holds NaN/inf.
+
+    Both engines call it on rewards and advantages before anything reaches an optimizer step or a checkpoint.
+    """
+    if values.dim() != 1 or values.shape != group_ids.shape:
+        raise ValueError(f"step {step}: {name}s must have shape {tuple(group_ids.shape)}, got {tuple(values.shape)}")
+    bad = ~torch.isfinite(values.detach().double())
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"step {step}: {name} of rollout {i} (prompt {int(group_ids[i])}) is {float(values[i])}; "
+            f"{int(bad.sum())} of {values.numel()} are non-finite. Stopped before any optimizer step or checkpoint."
+        )
+
+
+class GeometryPipeline:
+    """The state that lives across steps: configs, GeoAlign's warm-started projector, the random streams and
+    SALT entropy-alpha's running min/max of H_t. `state_dict`/`load_state_dict` checkpoint all of it."""
+
+    def __init__(self, config: GeometryConfig):
+        self.config = config
+        self.salt, self.geoalign, self.noise = config.salt, config.geoalign, config.noise
+        self.baseline = config.baseline
+        # Independent streams: switching one method on never shifts another's random draws.
+        self.generators = {
+            "noise": torch.Generator().manual_seed(config.noise.seed),
+            "geoalign": torch.Generator().manual_seed(config.seed + 1),
+            "salt": torch.Generator().manual_seed(config.seed + 2),
+            "baseline": torch.Generator().manual_seed(config.seed + 4),  # + 3: the local engine's mini-batches
+        }
+        self.projector = None  # created at the first curation (needs the hidden size)
+        self.entropy_range = None  # (H_min, H_max) over the run so far (SALT entropy-alpha)
+        self.last_regime_warning = None  # step of the last SaltRegimeWarning
+        self.steps = 0
+
+    @property
+    def active(self) -> bool:
+        return self.config.active
+
+    @property
+    def curation(self) -> str | None:
+        """Who picks each slot's rollout: "geoalign", a --baseline.curation value, or None (every rollout its own)."""
+        if self.geoalign is not None:
+            return "geoalign"
+        return self.baseline.curation if self.baseline is not None else None
+
+    def corrupt(self, rewards, group_ids):
+        """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool)."""
+        check_finite("reward", rewards, group_ids, self.steps + 1)
+        return corrupt(rewards, group_ids, self.noise, self.generators["noise"])
+
+    def start(self, group_ids, corrupted=None):
+        """Begin one rollout batch of N = len(group_ids) rollouts in prompt order."""
+        self.steps += 1
+        return GeometryStep(self, group_ids.detach().cpu().long(), corrupted)
+
+    def projector_for(self, in_dim):
+        """GeoAlign's projector, created at the first batch and trained in place afterwards (warm start)."""
+        if self.projector is None:
+            self.projector = Projector(in_dim, self.geoalign, self.generators["geoalign"])
+        elif self.projector.layers[0].in_features != in_dim:
+            raise RuntimeError(f"hidden size changed from {self.projector.layers[0].in_features} to {in_dim}")
+        return self.projector
+
+    def state_dict(self) -> dict:
+        return {
+            "generators": {k: g.get_state() for k, g in self.generators.items()},
+            # copies: the live projector keeps training in place after the state is taken
+            "projector": None if self.projector is None else copy.deepcopy(self.projector.state_dict()),
+            "projector_in_dim": None if self.projector is None else self.projector.layers[0].in_features,
+            "entropy_range": self.entropy_range,
+            "last_regime_warning": self.last_regime_warning,
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state) -> None:
+        if state["projector"] is not None and self.geoalign is not None:
+            self.projector = Projector(state["projector_in_dim"], self.geoalign)
+            self.projector.load_state_dict(state["projector"])
+        # after building the projector: its init must not advance the restored stream
+        for key, value in state["generators"].items():
+            self.generators[key].set_state(value)
+        self.entropy_range = state["entropy_range"]
+        self.last_regime_warning = state.get("last_regime_warning")
+        self.steps = state["steps"]
+
+
+class GeometryStep:
+    """One rollout batch's steps; see the module docstring for the order and the replacement semantics."""
+
+    def __init__(self, owner, group_ids, corrupted):
+        self.owner, self.group_ids, self.corrupted = owner, group_ids, corrupted
+        self.size = group_ids.numel()
+        self.plan = CurationPlan.identity(self.size)
+        self.metrics = {}  # name -> (N,) float32 per slot
+        self.text_metrics = {}  # name -> str
+        self.curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids (GeoAlign runs)
+        if corrupted is not None and owner.noise.enabled:
+            self.metrics["noise/corrupted"] = corrupted.detach().cpu().float()
+
+    @property
+    def kept(self):
+        """(N,) bool: slots that take part in the group statistics and SALT (False only under GeoAlign `drop`)."""
+        return self.plan.keep
+
+    def _record(self, prefix, stats, part=slice(None)):
+        for key, value in stats.items():
+            if isinstance(value, str):
+                self.text_metrics[f"{prefix}/{key}"] = value
+                continue
+            values = self.metrics.setdefault(f"{prefix}/{key}", torch.full((self.size,), math.nan))
+            values[part] = math.nan if value is None else float(value)
+
+    def curate(self, rewards, hidden):
+        """GeoAlign, or PF-PPO / PODS (--baseline.curation), between rewards and group statistics: rewards (N,) ->
+        slot rewards rewards[source]. hidden (N, d) is GeoAlign's input (None for the baselines)."""
+        curation = self.owner.curation
+        if curation is None:
+            return rewards
+        if curation != "geoalign":
+            return self._baseline_curate(rewards, curation)
+        config = self.owner.geoalign
+        rewards_cpu = rewards.detach().cpu()
+        projector = self.owner.projector_for(hidden.shape[1])
+        plan, stats = curate(
+            hidden,
+            rewards_cpu,
+            self.group_ids,
+            config,
+            self.owner.generators["geoalign"],
+            projector=projector,
+            corrupted=self.corrupted,
+        )
+        self.plan = plan.to("cpu")
+        self._record("geo", stats)
+        self.curation = {
+            "gdi": self.plan.gdi,
+            "corrupted": self.corrupted,
+            "flagged": self.plan.flagged,
+            "rewards": rewards_cpu,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
+            "group_ids": self.group_ids,
+        }
+        return rewards[self.plan.source.to(rewards.device)]
+
+    def _baseline_curate(self, rewards, curation):
+        """PF-PPO (GeoAlign App. B.5; Zhang et al., arXiv 2409.06957) or PODS (Xu et al., arXiv 2504.13818) plans."""
+        rewards_cpu, generator = rewards.detach().cpu(), self.owner.generators["baseline"]
+        if curation == "pods":
+            plan, stats = pods_plan(rewards_cpu, self.group_ids, self.owner.baseline.pods_m)
+        else:
+            keep_count = self.owner.baseline.pf_ppo_keep_count
+            plan, stats = pf_ppo_plan(
+                rewards_cpu, self.group_ids, CURATIONS[curation], generator, keep_count=keep_count
+            )
+        self.plan = plan
+        self._record("baseline", stats)
+        return rewards[plan.source.to(rewards.device)]
+
+    def seed_grpo(self, advantages, responses, verifier=None):
+        """Seed-GRPO (Chen et al., arXiv 2505.12346) after the group statistics, before SALT: slot advantages (N,)
+        -> each prompt's scaled by 1 - alpha SE(q) / log G (`baselines.seed_grpo_advantages`), identity when off.
+
+        responses: the N decoded responses (per rollout; a slot uses its source's), clustered by final answer
+        (`baselines.math_answer_clusters`, `verifier` a MathVerifyReward or None for in-process checks). Dropped
+        slots keep 0 and leave the clustering, so SE and G count a prompt's kept slots.
+        """
+        baseline = self.owner.baseline
+        if baseline is None or baseline.seed_grpo_alpha is None:
+            return advantages
+        if len(responses) != self.size:
+            raise ValueError(f"seed_grpo: {len(responses)} responses for {self.size} rollouts")
+        kept = torch.nonzero(self.kept)[:, 0]
+        group_ids = self.group_ids[kept]
+        clusters, cluster_stats = math_answer_clusters(
+            [responses[i] for i in self.plan.source[kept].tolist()], group_ids, verifier
+        )
+        index = kept.to(advantages.device)
+        scaled, stats = seed_grpo_advantages(advantages[index], clusters, group_ids, baseline.seed_grpo_alpha)
+        self._record("baseline", {**cluster_stats, **stats}, kept)
+        return advantages.index_copy(0, index, scaled)
+
+    def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0):
+        """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0).
+
+        features (N, D) and entropy (N,) (normalized token-entropy sums) per ROLLOUT; a replaced slot uses its
+        source's. lengths (N,) response tokens per rollout. Partitions of `partition_prompts` consecutive prompts
+        (0: the whole batch; SALT §3.1's m = BG is the optimizer mini-batch, which the engines resolve) each get one
+        `salt_advantages` call. Without SALT (or with SaltConfig.apply False) a' = a; the latter still logs the
+        geometry of a.
+        """
+        salt = self.owner.salt
+        check_finite("advantage", advantages, self.group_ids, self.owner.steps)
+        if salt is None:
+            return advantages
+        a = advantages.detach().cpu().double()
+        source = self.plan.source
+        features = features.detach().cpu()[source]
+        lengths = lengths.detach().cpu().double()
+        alpha_input = None
+        if VARIANTS[salt.variant].needs_entropy:
+            alpha_input = self._entropy_alpha(entropy.detach().cpu().double(), lengths)
+        new = torch.zeros_like(a)
+        kept = torch.nonzero(self.kept)[:, 0]
+        _, prompt = torch.unique(self.group_ids[kept], return_inverse=True)
+        n_prompts = int(prompt.max()) + 1 if kept.numel() else 0
+        per = partition_prompts or max(n_prompts, 1)
+        for first in range(0, n_prompts, per):
+            part = kept[(prompt >= first) & (prompt < first + per)]
+            out, stats, (basis, is_top) = salt_advantages(
+                a[part],
+                features[part],
+                salt.variant,
+                salt.alpha,
+                self.owner.generators["salt"],
+                entropy=alpha_input,
+                gram=salt.gram,
+                return_basis=True,
+            )
+            gram = diagnostics.gram(features[part])
+            applied = out if salt.apply else a[part]
+            if not salt.apply:  # diagnostics only: the geometry of the unchanged coefficients a (D_a = 0, ...)
+                stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}
+                stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
+                stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
+            stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, lengths[source][part]))
+            stats.update(diagnostics.group_geometry(a[part], gram, self.group_ids[part], is_gram=True))
+            new[part] = applied
+            self._record("salt", stats, part)
+        if salt.apply:
+            self._check_regime()
+        return new.to(device=advantages.device, dtype=advantages.dtype)
+
+    def _check_regime(self):
+        """Log salt/out_of_regime (0/1) and, at most once per REGIME_WARN_EVERY steps, warn when this step's D_a or
+        sign-flip share (partition-size weighted over the batch, as logged) is far above SALT Table 10's."""
+        d_a, sign_flip = (float(self.metrics[f"salt/{key}"].nanmean()) for key in ("D_a", "sign_flip"))
+        out = d_a > REGIME_MAX_D_A or sign_flip > REGIME_MAX_SIGN_FLIP  # NaN (no moving coefficient): in regime
+        self.metrics["salt/out_of_regime"] = torch.full((self.size,), float(out))
+        owner = self.owner
+        if out and (owner.last_regime_warning is None or owner.steps - owner.last_regime_warning >= REGIME_WARN_EVERY):
+            owner.last_regime_warning = owner.steps
+            warnings.warn(
+                f"step {owner.steps}: SALT's coefficients are far outside SALT Table 10's regime: D_a = {d_a:.2f} "
+                f"(paper 0.24 ± 0.04; warns above {REGIME_MAX_D_A}), sign-flip share = {sign_flip:.2f} (warns above "
+                f"{REGIME_MAX_SIGN_FLIP}). See docs/salt_regime.md for what to try; salt/out_of_regime is logged "
+                f"every step, this warning at most once per {REGIME_WARN_EVERY} steps.",
+                SaltRegimeWarning,
+                stacklevel=3,
+            )
+
+    def _entropy_alpha(self, entropy, lengths):
+        """SALT App. F.3 entropy-alpha's α_t from H_t, the token-weighted mean normalized entropy of this step's
+        responses (every rollout, before curation), and the run's running min/max of H_t (including this step)."""
+        h_t = float(entropy.sum() / lengths.sum().clamp(min=1))
+        low, high = self.owner.entropy_range or (h_t, h_t)
+        self.owner.entropy_range = (min(low, h_t), max(high, h_t))
+        for key, value in zip(("H_t", "H_min", "H_max"), (h_t, *self.owner.entropy_range)):
+            self.metrics[f"salt/{key}"] = torch.full((self.size,), value)
+        return entropy_alpha(h_t, *self.owner.entropy_range)
+
+    def rows(self, slot_advantages):
+        """Per-slot a' (N,) -> (row value (N,), multiplicity (N,)): row r's sequence advantage is the mean a' of the
+        slots it fills (identical copies agree up to solver rounding), its multiplicity the summed slot weights."""
+        weight = (self.plan.weight * self.kept).to(slot_advantages.device, slot_advantages.dtype)
+        source = self.plan.source.to(slot_advantages.device)
+        count = torch.zeros_like(slot_advantages).index_add_(0, source, weight)
+        total = torch.zeros_like(slot_advantages).index_add_(0, source, weight * slot_advantages)
+        value = torch.where(count > 0, total / count.clamp(min=1e-12), slot_advantages)
+        return value, count

@@ -1,0 +1,284 @@
+"""The geometry pipeline shared by both engines: multiplicities, partitions, entropy-alpha state, checks, state.
+
+The fork-vs-local-engine equivalence on real patched upstream modules is in test_fork_pipeline.py.
+"""
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_geo import pipeline
+from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig
+from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline, check_finite
+from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
+from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
+
+
+def fixed_plan(source, weight=None, keep=None):
+    """A `curate` stand-in returning a fixed plan (the pipeline's wiring under test, not GeoAlign's detector)."""
+
+    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
+        n = len(rewards)
+        plan = dataclasses.replace(
+            CurationPlan.identity(n),
+            source=torch.as_tensor(source),
+            weight=torch.ones(n) if weight is None else torch.as_tensor(weight, dtype=torch.float),
+            keep=torch.ones(n, dtype=torch.bool) if keep is None else torch.as_tensor(keep),
+        )
+        return plan, {"flag_frac": 0.25, "skipped_reason": ""}
+
+    return curate
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12))
+def test_row_values_and_multiplicities_equal_an_explicit_slot_sum(data, n):
+    source = torch.tensor(data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n)))
+    weight = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n)))
+    slot = torch.tensor(data.draw(st.lists(st.floats(-3, 3), min_size=n, max_size=n)), dtype=torch.float64)
+    step = GeometryPipeline(GeometryConfig()).start(torch.zeros(n, dtype=torch.long))
+    step.plan = dataclasses.replace(CurationPlan.identity(n), source=source, weight=weight)
+    value, multiplicity = step.rows(slot)
+    for r in range(n):  # brute force: the slots rollout r fills, with their weights
+        fills = [i for i in range(n) if int(source[i]) == r]
+        m = sum(float(weight[i]) for i in fills)
+        assert float(multiplicity[r]) == pytest.approx(m)
+        # what reaches the loss: value x multiplicity = the weighted sum of the slots' a'
+        assert float(value[r] * multiplicity[r]) == pytest.approx(sum(float(weight[i] * slot[i]) for i in fills))
+
+
+def test_drop_removes_slots_from_group_statistics_salt_and_multiplicities(monkeypatch):
+    monkeypatch.setattr(pipeline, "curate", fixed_plan([0, 1, 2, 3, 4, 5], [1, 0, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1]))
+    salt = SaltConfig(features="exact")
+    pipe = GeometryPipeline(GeometryConfig(salt=salt, geoalign=GeoAlignConfig(mode="drop")))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    step = pipe.start(group_ids)
+    step.curate(torch.tensor([1.0, 0, 0, 1, 0, 1]), torch.randn(6, 4))
+    assert step.kept.tolist() == [True, False, True, True, True, True]
+    features = torch.randn(6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = torch.tensor([0.7, 0.0, -0.7, 0.5, -1.0, 0.5], dtype=torch.float64)
+    new = step.reweight(a, features, None, torch.full((6,), 4.0))
+    kept = torch.tensor([0, 2, 3, 4, 5])
+    expected, _ = salt_advantages(a[kept], features[kept], generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(new[kept], expected)
+    assert float(new[1]) == 0.0 and math.isnan(float(step.metrics["salt/pr"][1]))  # the dropped slot: no stats
+    _, multiplicity = step.rows(new)
+    assert multiplicity.tolist() == [1, 0, 1, 1, 1, 1]
+
+
+def test_partitions_follow_sorted_prompt_ids_and_each_gets_one_salt_call():
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact"), seed=5))
+    group_ids = torch.tensor([5, 5, 5, 9, 9, 9, 2, 2, 2])  # unique() sorts: prompts 2, 5 then 9
+    g = torch.Generator().manual_seed(0)
+    features, a = (
+        torch.randn(9, 12, generator=g, dtype=torch.float64),
+        torch.randn(9, generator=g, dtype=torch.float64),
+    )
+    got = pipe.start(group_ids).reweight(a, features, None, torch.full((9,), 3.0), partition_prompts=2)
+    expected = torch.empty(9, dtype=torch.float64)
+    for rows in (torch.tensor([0, 1, 2, 6, 7, 8]), torch.tensor([3, 4, 5])):
+        expected[rows] = salt_advantages(a[rows], features[rows])[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_range():
+    """SALT App. F.3: α_t = clip((H_t − H_min)/(H_max − H_min), 0, 1), H_t the step's token-weighted mean entropy."""
+    salt = SaltConfig(variant="entropy-alpha", features="exact")
+    pipe = GeometryPipeline(GeometryConfig(salt=salt))
+    group_ids = torch.tensor([0, 0, 1, 1])
+    features = torch.randn(4, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    lengths = torch.tensor([2.0, 10.0, 4.0, 4.0])
+    seen = []
+    for sums in ([1.6, 3.0, 2.0, 2.0], [0.2, 1.0, 0.4, 0.4], [1.0, 2.0, 1.0, 1.0]):
+        step = pipe.start(group_ids)
+        step.reweight(a, features, torch.tensor(sums), lengths)
+        h_t = sum(sums) / float(lengths.sum())  # per token, not per response: 8.6 / 20, 2.0 / 20, 5.0 / 20
+        seen.append(h_t)
+        assert float(step.metrics["salt/H_t"][0]) == pytest.approx(h_t)
+        assert pipe.entropy_range == pytest.approx((min(seen), max(seen)))
+        alpha = entropy_alpha(h_t, min(seen), max(seen))
+        assert float(step.metrics["salt/alpha"][0]) == pytest.approx(alpha)
+    assert float(step.metrics["salt/alpha"][0]) == pytest.approx((0.25 - 0.1) / (0.43 - 0.1))
+
+
+def test_state_dict_round_trips_streams_projector_and_running_statistics():
+    config = GeometryConfig(
+        salt=SaltConfig(variant="rand-proj", features="exact"),
+        geoalign=GeoAlignConfig(hidden_sizes=(8,), out_dim=4, steps=2),
+        noise=NoiseConfig("flip", 0.25),
+        seed=3,
+    )
+    g = torch.Generator().manual_seed(0)
+    group_ids = torch.arange(16) // 4
+    rewards = (torch.rand(16, generator=g) > 0.5).float()
+    hidden, features = torch.randn(16, 6, generator=g), torch.randn(16, 10, generator=g, dtype=torch.float64)
+
+    def run(pipe):
+        noisy, corrupted = pipe.corrupt(rewards, group_ids)
+        step = pipe.start(group_ids, corrupted)
+        slot_rewards = step.curate(noisy, hidden)
+        a = (slot_rewards - 0.5).double()
+        return noisy, step.reweight(a, features, None, torch.full((16,), 3.0)), step.metrics
+
+    first = GeometryPipeline(config)
+    run(first)
+    state = first.state_dict()
+    expected = run(first)
+    resumed = GeometryPipeline(config)
+    resumed.load_state_dict(state)
+    got = run(resumed)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    for key, values in expected[2].items():
+        if not key.endswith(("time_s", "solve_ms")):
+            torch.testing.assert_close(got[2][key], values, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -math.inf])
+def test_non_finite_rewards_stop_the_step_naming_step_prompt_and_value(bad):
+    rewards = torch.tensor([1.0, 0.0, 1.0, bad])
+    with pytest.raises(ValueError, match=rf"step 1: reward of rollout 3 \(prompt 1\) is {bad}"):
+        GeometryPipeline(GeometryConfig()).corrupt(rewards, torch.tensor([0, 0, 1, 1]))
+
+
+def test_a_reward_list_of_the_wrong_length_is_an_error_not_a_broadcast():
+    with pytest.raises(ValueError, match=r"rewards must have shape \(4,\), got \(3,\)"):
+        check_finite("reward", torch.ones(3), torch.zeros(4, dtype=torch.long), 7)
+
+
+def test_noise_dispatch_is_the_identity_without_noise_and_matches_the_corruption_functions():
+    rewards, groups = torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    same, corrupted = corrupt(rewards, groups, NoiseConfig())
+    assert same is rewards and not corrupted.any()
+    flipped, corrupted = corrupt(rewards, groups, NoiseConfig("flip", 0.5), torch.Generator().manual_seed(0))
+    assert torch.equal(flipped != rewards, corrupted) and int(corrupted.sum()) == 2
+    assert np.allclose(flipped[corrupted].numpy(), 1 - rewards[corrupted].numpy())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"type": "flip"}, "--reward.noise.rate must be in (0, 1)"),
+        ({"rate": 0.1}, "needs --reward.noise.type flip or swap"),
+        ({"type": "swap", "rate": 0.1, "levels": (0, 1)}, "--reward.noise.levels only applies"),
+        ({"type": "flip", "rate": 0.1, "levels": (0, 2)}, "must be 0 1 or -1 1"),
+        ({"type": "bogus"}, "--reward.noise.type must be one of"),
+    ],
+)
+def test_noise_config_validates_itself_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        NoiseConfig(**kwargs)
+
+
+# ── the comparison baselines through the pipeline (GeoAlign App. B.5) and SALT's regime guard ──
+
+
+def test_pf_ppo_and_pods_plans_replace_geoalign_in_curate_with_their_own_stream():
+    """--baseline.curation: the slot rewards are rewards[plan.source] of `pf_ppo_plan` / `pods_plan` drawn from the
+    pipeline's baseline stream (--train.seed + 4); PODS drops slots from the group statistics (`kept`)."""
+    from openrlhf_geo.baselines import BaselineConfig, pf_ppo_plan, pods_plan
+
+    group_ids = torch.arange(12) // 4
+    rewards = torch.tensor([0.1, 0.5, 0.9, 0.3, 1.0, 0.0, 0.2, 0.7, 0.4, 0.4, 0.8, 0.6])
+    for curation, keep_count in (("pf_ppo_br", True), ("pf_ppo_bw", False), ("pods", False)):
+        config = BaselineConfig(
+            curation=curation, pf_ppo_keep_count=keep_count, pods_m=2 if curation == "pods" else None
+        )
+        step = GeometryPipeline(GeometryConfig(baseline=config, seed=3)).start(group_ids)
+        slot_rewards = step.curate(rewards, None)
+        if curation == "pods":
+            plan, stats = pods_plan(rewards, group_ids, 2)
+        else:
+            mode = {"pf_ppo_br": "best_random", "pf_ppo_bw": "best_worst"}[curation]
+            plan, stats = pf_ppo_plan(
+                rewards, group_ids, mode, torch.Generator().manual_seed(3 + 4), keep_count=keep_count
+            )
+        assert torch.equal(slot_rewards, rewards[plan.source]) and torch.equal(step.kept, plan.keep)
+        assert not torch.equal(plan.source, torch.arange(12)) or not plan.keep.all()  # the plan changed something
+        for key, value in stats.items():
+            assert float(step.metrics[f"baseline/{key}"].nanmean()) == pytest.approx(value), key
+    # PODS m = 2 keeps the max-variance pair of each prompt, e.g. (0.1, 0.9) of the first
+    assert step.kept.tolist()[:4] == [True, False, True, False]
+
+
+def test_seed_grpo_scales_each_prompts_kept_slots_by_its_answer_entropy(monkeypatch):
+    """Seed-GRPO (arXiv 2505.12346): a_i * (1 - alpha SE(q) / log G), SE = -1/K sum_k log(|C_k|/G) over the answer
+    clusters of the slots' responses (a replaced slot answers as its source), G = kept slots of the prompt."""
+    from openrlhf_geo.baselines import BaselineConfig
+
+    monkeypatch.setattr(pipeline, "curate", fixed_plan([0, 0, 2, 3, 4, 5, 6, 7], keep=[1, 1, 1, 1, 1, 1, 1, 0]))
+    config = GeometryConfig(geoalign=GeoAlignConfig(mode="drop"), baseline=BaselineConfig(seed_grpo_alpha=0.4))
+    step = GeometryPipeline(config).start(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    step.curate(torch.zeros(8), torch.randn(8, 4))
+    responses = [
+        "\\boxed{2}",
+        "\\boxed{5}",
+        "\\boxed{2}",
+        "\\boxed{1/2}",
+        "\\boxed{0.5}",
+        "\\boxed{3}",
+        "x",
+        "\\boxed{9}",
+    ]
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.0, 0.0], dtype=torch.float64)
+    got = step.seed_grpo(a, responses)
+    # prompt 0's slots answer 2, 2 (slot 1 holds rollout 0), 2, 1/2: clusters {3, 1}; prompt 1's kept slots answer
+    # 0.5, 3, (no box): three clusters of one among G = 3 (slot 7 is dropped)
+    se0, se1 = -(np.log(3 / 4) + np.log(1 / 4)) / 2, -np.log(1 / 3)
+    scale = [1 - 0.4 * se0 / np.log(4)] * 4 + [1 - 0.4 * se1 / np.log(3)] * 3 + [1.0]
+    torch.testing.assert_close(got, a * torch.tensor(scale, dtype=torch.float64))
+    assert float(step.metrics["baseline/answer_clusters/clusters_per_prompt"][0]) == pytest.approx(2.5)
+    assert math.isnan(float(step.metrics["baseline/seed_grpo/scale_min"][7]))  # the dropped slot has no stats
+    off, two = GeometryPipeline(GeometryConfig()).start(torch.zeros(2, dtype=torch.long)), a[:2]
+    assert off.seed_grpo(two, ["", ""]) is two  # off: the identity
+
+
+def salt_regime_step(pipe, inside):
+    """One SALT step on 4 prompts x 4 rollouts: orthonormal features (PR = m, so k = m and a' = a: D_a = 0) or
+    random rank-4 ones (k <= 4 of 16 directions: P_k a keeps little of a, D_a > 0.6 on every seed used here)."""
+    g = torch.Generator().manual_seed(pipe.steps)
+    if inside:
+        features = torch.eye(16, dtype=torch.float64)
+    else:
+        features = torch.randn(16, 4, generator=g, dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0] * 4, dtype=torch.float64) * (1 + torch.rand(16, generator=g))
+    step = pipe.start(torch.arange(16) // 4)
+    step.reweight(a, features, None, torch.full((16,), 5.0))
+    return step
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["far-outside", "inside"])
+def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact")))
+    flags = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(pipeline.REGIME_WARN_EVERY):
+            step = salt_regime_step(pipe, inside)
+            d_a, flip = (float(step.metrics[f"salt/{k}"].nanmean()) for k in ("D_a", "sign_flip"))
+            flags.append(float(step.metrics["salt/out_of_regime"][0]))
+            far = d_a > pipeline.REGIME_MAX_D_A or flip > pipeline.REGIME_MAX_SIGN_FLIP
+            assert far != inside, (d_a, flip)  # the synthetic batch is where the test says it is
+        assert flags == [0.0 if inside else 1.0] * pipeline.REGIME_WARN_EVERY
+        regime = [str(w.message) for w in caught if issubclass(w.category, pipeline.SaltRegimeWarning)]
+        assert len(regime) == (0 if inside else 1)
+        if inside:
+            return
+        assert regime[0].startswith("step 1: ") and "docs/salt_regime.md" in regime[0] and "D_a = " in regime[0]
+        resumed = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact")))
+        resumed.load_state_dict(pipe.state_dict())  # a resume keeps the window
+        salt_regime_step(pipe, inside=False)
+        salt_regime_step(resumed, inside=False)
+    regime = [str(w.message) for w in caught if issubclass(w.category, pipeline.SaltRegimeWarning)]
+    assert len(regime) == 3 and regime[1].startswith("step 51: ") and regime[2].startswith("step 51: ")
+
+
+def test_salt_diagnostics_have_no_regime_guard():
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact", apply=False)))
+    assert "salt/out_of_regime" not in salt_regime_step(pipe, inside=False).metrics
