@@ -1,22 +1,26 @@
-"""GeoAlign projector training: naive per-pair vs pair-factored first layer, side by side in one run (issue 3).
+"""GeoAlign step before / after mini-batched projector training: time and detection quality, side by side in one run.
 
-Setup (defaults): 96 prompts x 16 rollouts, d = 2048, binary rewards with 8 correct per prompt (64 pairs per prompt,
-6144 pairs), the default projector 2048-512-512-128, 50 full-batch Adam steps with cosine LR, 2 threads, float32.
+  before  the previous defaults: every training pair in every Adam step (pair_batch=0), 20 % of the prompts held
+          out, threshold rule, 0.2 flag cap, 100-score minimum. This reproduces the earlier code's plan and GDI
+          exactly (same generator draws in the same order).
+  after   the current defaults: epoch-wise shuffled mini-batches of 1024 pairs (the reference code's batch size),
+          10 % of the prompts held out and validated once per epoch, the paper's pointwise rule, no gates.
 
-  naive     materialise u_p = (h_w - h_l) / ||h_w - h_l|| (P, d) and push [u; -u] (2P rows) through the whole MLP
-  factored  Projector.pair_forward, as curate trains: Z = H W1^T once per rollout, (Z_w - Z_l) / dist, both
-            orientations share Z
-  tail      layers 2-3 alone on the 2P rows (forward + backward): the part factoring the first layer cannot remove
-  curate    one whole curate() call (80 % of prompts train, validation each step, GDI, KDE, plan)
-
-naive, factored and tail start from the same weights and run in lockstep, one step of each in turn (rotating the
-order), so a shared machine's load hits them alike; each variant's time is the sum of its step times, and the
-median step time x steps is printed as a load-robust estimate. naive and factored losses are compared step by step.
-Usage: python benchmarks/geoalign_speed.py [--reps 3] [--threads 2] [--hidden-sizes 512 512] [--out-dim 128]
+[1] Step time: one whole `curate` call (pairs, 50 projector steps, GDI, KDE rule, plan) at 96 prompts x 16
+    rollouts, d = 2048, projector 2048-512-512-128, binary rewards with 8 correct per prompt (6144 pairs), float32,
+    2 threads, random hidden states (held-out accuracy stays near 50 %: no early stop, all 50 steps run). The two
+    alternate within each repeat, in a flipped order every repeat, so a shared machine's load hits both alike; the
+    per-repeat ratio before / after is the claim. Process CPU time (all threads) is printed beside the wall time: it
+    does not count the time other processes hold the cores (though threads spinning at a barrier still count).
+[2] Detection quality: the unit test's planted-outlier batches (64 prompts x 16, d = 128, projector 128-128-32,
+    10 % of each prompt's binary rewards flipped; h = prompt base + 1[truly correct] e + noise), one per seed. AUROC
+    of GDI for the flipped rollouts among the scored ones (depends on the projector training only), and the flags'
+    precision / recall (these also follow the rule and gates), before and after on the same batch and seed; "full"
+    is after with pair_batch=0, which isolates the mini-batches' effect on the AUROC.
+Usage: python benchmarks/geoalign_speed.py [--reps 3] [--seeds 10] [--threads 2]
 """
 
 import argparse
-import copy
 import os
 import statistics
 import time
@@ -24,24 +28,28 @@ from dataclasses import replace
 
 import torch
 
-from openrlhf_geo.geoalign import GeoAlignConfig, Projector, curate, orientation_loss, pair_distances, preference_pairs
+from openrlhf_geo.geoalign import GeoAlignConfig, curate
+from openrlhf_geo.rewards.noise import flip_binary
+
+BEFORE = {"pair_batch": 0, "val_frac": 0.2, "rule": "threshold", "max_flag_frac": 0.2, "min_scores": 100}
 
 
-def stepper(projector, probe, steps, lr, scores):
-    """A function doing one Adam step (cosine LR over `steps`) on the orientation loss of
-    `scores(projector, probe)` -> (2, P), returning the loss."""
-    optimizer = torch.optim.Adam([*projector.parameters(), probe], lr=lr, fused=True)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+def planted(n_prompts, group, dim, rate, seed):
+    """The planted-outlier batch of tests/test_geoalign.py: (hidden, rewards, prompt ids, corrupted)."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
+    base = 3 * torch.randn(n_prompts, dim, generator=g)
+    p_correct = 0.2 + 0.6 * torch.rand(n_prompts, generator=g)
+    truth = (torch.rand(n_prompts, group, generator=g) < p_correct[:, None]).double().flatten()
+    ids = 1000 + 7 * torch.arange(n_prompts).repeat_interleave(group)
+    noise = torch.randn(len(truth), dim, generator=g) / dim**0.5
+    hidden = base.repeat_interleave(group, 0) + truth[:, None] * e + noise
+    rewards, corrupted = flip_binary(truth, ids, rate, g)
+    return hidden, rewards, ids, corrupted
 
-    def step():
-        loss = orientation_loss(*scores(projector, probe))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        return loss.item()
 
-    return step
+def mean_sd(values):
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{values[0]:.4f}"
 
 
 def main(argv=None):
@@ -49,105 +57,71 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--hidden-sizes", type=int, nargs="+", default=list(GeoAlignConfig.hidden_sizes))
-    parser.add_argument("--out-dim", type=int, default=GeoAlignConfig.out_dim)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-curate", action="store_true", help="time only the three training loops")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    after = GeoAlignConfig()
+    configs = {"before": replace(after, **BEFORE), "after": after}
 
-    config = GeoAlignConfig(hidden_sizes=tuple(args.hidden_sizes), out_dim=args.out_dim, steps=args.steps)
     g = torch.Generator().manual_seed(0)
     n = args.prompts * args.group
     hidden = torch.randn(n, args.dim, generator=g)
     ids = torch.arange(args.prompts).repeat_interleave(args.group)
     rewards = (torch.arange(n) % args.group < args.group // 2).float()  # half correct: (G/2)^2 pairs per prompt
-    winner, loser = preference_pairs(rewards, ids)
-    dist = pair_distances(hidden, winner, loser, ids).float()
-    pairs = len(winner)
-    base = Projector(args.dim, config, g)
-    base_probe = torch.empty(args.out_dim).uniform_(-(args.out_dim**-0.5), args.out_dim**-0.5, generator=g)
-
-    widths = (args.dim, *args.hidden_sizes, args.out_dim)
-    tail_macs = 3 * 2 * pairs * sum(a * b for a, b in zip(widths[1:-1], widths[2:]))  # fwd + both backward matmuls
-    naive_macs = 2 * 2 * pairs * widths[0] * widths[1] + tail_macs  # forward + weight gradient, no input gradient
-    factored_macs = 2 * n * widths[0] * widths[1] + tail_macs
+    widths = "-".join(map(str, (args.dim, *after.hidden_sizes, after.out_dim)))
     print(
-        f"{args.prompts} prompts x {args.group} rollouts, d={args.dim}, projector {'-'.join(map(str, widths))}, "
-        f"{pairs} pairs, {args.steps} steps, {args.threads} threads, load average {os.getloadavg()[0]:.1f}"
+        f"[1] step time: {args.prompts} prompts x {args.group} rollouts, d={args.dim}, projector {widths}, "
+        f"{after.steps} steps, {args.threads} threads, load average {os.getloadavg()[0]:.1f}"
     )
-    print(
-        f"multiply-adds per step: naive {naive_macs / 1e9:.1f} G, factored {factored_macs / 1e9:.1f} G "
-        f"(layers after the first: {tail_macs / 1e9:.1f} G); FLOP-bound speed-up {naive_macs / factored_macs:.2f}x"
-    )
+    curate(hidden[: 4 * args.group], rewards[: 4 * args.group], ids[: 4 * args.group], replace(after, steps=2))
+    times = {name: {"wall": [], "cpu": []} for name in configs}
+    for rep in range(args.reps):
+        for name in list(configs)[:: 1 if rep % 2 == 0 else -1]:
+            cpu = time.process_time()
+            _, stats = curate(hidden, rewards, ids, configs[name], torch.Generator().manual_seed(1))
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(stats["time_s"])
+            print(
+                f"  rep {rep} {name:<6} wall {stats['time_s']:6.2f} s, process CPU {times[name]['cpu'][-1]:6.2f} s "
+                f"({stats['pairs']:.0f} pairs, {stats['proj_steps']:.0f} steps, val_acc {stats['val_acc']:.3f})"
+            )
+    for name, clock in times.items():
+        wall, cpu = clock["wall"], clock["cpu"]
+        print(
+            f"  {name:<6} wall min {min(wall):.2f} s, median {statistics.median(wall):.2f} s; "
+            f"process CPU min {min(cpu):.2f} s, median {statistics.median(cpu):.2f} s"
+        )
+    for clock in ("wall", "cpu"):
+        ratios = [b / a for b, a in zip(times["before"][clock], times["after"][clock])]
+        each = " ".join(f"{r:.2f}x" for r in ratios)
+        print(f"  before / after {clock} per repeat: {each} (median {statistics.median(ratios):.2f}x)")
 
-    u = (hidden[winner] - hidden[loser]) / dist[:, None]
-    both = torch.cat((u, -u))  # the naive form materialises [u; -u] once (untimed: it favours naive)
-    first = torch.randn(2, pairs, widths[1], generator=g)  # stand-in first-layer output for the tail
-
-    def naive(projector, probe):
-        return projector(both).view(2, pairs, -1) @ probe
-
-    def factored(projector, probe):
-        return projector.pair_forward(hidden, winner, loser, dist) @ probe
-
-    def tail(projector, probe):
-        a = first.detach().requires_grad_()  # backward computes its gradient too, as layer 1 would need
-        for layer in projector.layers[1:]:
-            a = layer(torch.relu(a))
-        return a @ probe
-
-    def variants():
-        """Fresh steppers, all from the same initial weights."""
-        made = {}
-        for scores in (naive, factored, tail):
-            projector, probe = copy.deepcopy(base), base_probe.clone().requires_grad_()
-            made[scores.__name__] = stepper(projector, probe, args.steps, config.lr, scores)
-        return made
-
-    for step in variants().values():  # warm-up (allocator, BLAS and kernel initialisation), not timed
-        step()
-    totals = {name: [] for name in ("naive", "factored", "tail", "curate")}
-    step_times = {name: [] for name in ("naive", "factored", "tail")}
-    for _ in range(args.reps):
-        steps = variants()
-        names = list(steps)
-        spent = dict.fromkeys(names, 0.0)
-        losses = {name: [] for name in names}
-        for t in range(args.steps):
-            for name in names[t % 3 :] + names[: t % 3]:
-                start = time.perf_counter()
-                losses[name].append(steps[name]())
-                took = time.perf_counter() - start
-                spent[name] += took
-                step_times[name].append(took)
-        for name in names:
-            totals[name].append(spent[name])
-        if not args.skip_curate:
-            start = time.perf_counter()
-            _, stats = curate(hidden, rewards, ids, replace(config), torch.Generator().manual_seed(1))
-            totals["curate"].append(time.perf_counter() - start)
-
-    print(f"\n{'variant':<10} {'min s':>8} {'median s':>9} {'median step x steps':>20}   per-run seconds")
-    for name, ts in totals.items():
-        if ts:
-            robust = f"{statistics.median(step_times[name]) * args.steps:20.2f}" if name in step_times else " " * 20
-            runs = " ".join(f"{t:.2f}" for t in ts)
-            print(f"{name:<10} {min(ts):8.2f} {statistics.median(ts):9.2f} {robust}   {runs}")
-    ratio = min(totals["naive"]) / min(totals["factored"])
-    ratio_median = statistics.median(totals["naive"]) / statistics.median(totals["factored"])
-    ratio_step = statistics.median(step_times["naive"]) / statistics.median(step_times["factored"])
-    print(f"\nspeed-up naive / factored: {ratio:.2f}x (min), {ratio_median:.2f}x (median), {ratio_step:.2f}x (step)")
-    print(f"factored / tail: {statistics.median(step_times['factored']) / statistics.median(step_times['tail']):.2f}x")
-    if totals["curate"]:
-        print(f"curate ran {stats['proj_steps']:.0f} projector steps (no early stop on random hidden states)")
-    diff = max(abs(a - b) for a, b in zip(losses["naive"], losses["factored"]))
-    print(
-        f"losses: naive {losses['naive'][0]:.6f} -> {losses['naive'][-1]:.6f}, factored "
-        f"{losses['factored'][0]:.6f} -> {losses['factored'][-1]:.6f}, max |diff| over {args.steps} steps {diff:.2e}"
-    )
+    print(f"\n[2] planted outliers: 64 prompts x 16, d=128, projector 128-128-32, 10 % flipped, {args.seeds} seeds")
+    small = {name: replace(cfg, hidden_sizes=(128, 128), out_dim=32) for name, cfg in configs.items()}
+    small["full"] = replace(small["after"], pair_batch=0)  # isolates the mini-batches' effect on GDI
+    quality = {name: {"auroc": [], "precision": [], "recall": []} for name in small}
+    print(f"  {'seed':>4} {'pairs':>6}   AUROC before  after   full   precision before  after   recall before  after")
+    for seed in range(args.seeds):
+        batch = planted(64, 16, 128, 0.1, seed)
+        row = {}
+        for name, cfg in small.items():
+            _, stats = curate(*batch[:3], cfg, torch.Generator().manual_seed(seed), corrupted=batch[3])
+            row[name] = stats
+            for key in quality[name]:
+                quality[name][key].append(stats[key])
+        b, a, f = row["before"], row["after"], row["full"]
+        print(
+            f"  {seed:>4} {a['pairs']:>6.0f}   {b['auroc']:12.4f} {a['auroc']:6.4f} {f['auroc']:6.4f}   "
+            f"{b['precision']:16.4f} {a['precision']:6.4f}   {b['recall']:13.4f} {a['recall']:6.4f}"
+        )
+    for key in ("auroc", "precision", "recall"):
+        print(f"  {key:<9} " + "   ".join(f"{name} {mean_sd(values[key])}" for name, values in quality.items()))
+    for other in ("before", "full"):
+        diff = [a - b for a, b in zip(quality["after"]["auroc"], quality[other]["auroc"])]
+        se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
+        print(f"  AUROC after - {other}: mean {statistics.mean(diff):+.4f}, paired standard error {se:.4f}")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

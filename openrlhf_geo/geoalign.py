@@ -2,14 +2,17 @@
 
 Pipeline per rollout batch (N rollouts, hidden states (N, d), rewards (N,), prompt ids (N,)):
 pairs (Eq. 3) -> online projector on unit displacements (Eq. 4) -> prototype (Eq. 5) -> deviation (Eq. 6)
--> GDI per rollout (Eq. 7) -> KDE threshold on the high tail -> rectification plan (Best-Random, Eq. 8).
+-> GDI per rollout (Eq. 7) -> KDE anomaly rule (§4.4, Algorithm 1 line 24) -> rectification plan (Best-Random, Eq. 8).
 
 `curate` runs the whole pipeline and returns `(CurationPlan, stats)`; each step is also a public function of
 tensors so tests and experiments can check it against a brute-force computation. Randomness (projector and
-probe initialisation, the validation split, tie-breaks, replacement draws) comes from one CPU `torch.Generator`.
+probe initialisation, the validation split, pair mini-batches, tie-breaks, replacement draws) comes from one CPU
+`torch.Generator`. "The reference code" below is the authors' released implementation linked from §1 of the paper;
+the paper's Table 6 (hyperparameters) survives only as a caption, so no value attributed to it can be checked.
 """
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -21,13 +24,18 @@ from scipy.stats import gaussian_kde, mannwhitneyu
 from torch import nn
 
 PRESETS = {
-    # GeoAlign §4: binary verified rewards (math) vs a learned reward model (RLHF).
+    # alpha: §5.1 "Implementation" (0.05 on Math, 0.12 on HH-RLHF; App. C.2 sensitivity);
+    # val_acc: App. C.1 early stop "once validation accuracy surpasses ... 95% for Math and 85% for HH-RLHF".
     "math": {"alpha": 0.05, "val_acc": 0.95},
     "rlhf": {"alpha": 0.12, "val_acc": 0.85},
 }
+RULES = ("pointwise", "threshold")
 MODES = ("replace", "zero", "drop", "amplify")
 GDI_KINDS = ("cumulative", "mean")
 PROTOTYPES = ("margin", "plain")
+# config fields set by --geoalign.projector.<field>; every other field is --geoalign.<field>
+PROJECTOR_FIELDS = ("hidden_sizes", "out_dim", "steps", "lr", "pair_batch", "val_acc", "val_frac", "warm_start")
+SKIP_REASONS = ("no_pairs", "few_scores", "degenerate")  # stats["skipped_reason"] when curation did not run
 
 # A pair whose hidden states differ by less than this fraction of their norm (~10 float32 ulps) has no direction.
 SAME_TOL = 1e-6
@@ -35,34 +43,100 @@ SAME_TOL = 1e-6
 CANCEL_TOL = 1e-2
 # GDI scores spread over less than this fraction of their magnitude are float32 noise: no density to threshold.
 SCORE_TOL = 1e-5
-KDE_GRID = 2048  # grid points between the smallest and largest GDI score for the density mode and tail crossing
+KDE_GRID = 2048  # grid points between the smallest and largest GDI score for the threshold rule's crossing
 
 
-@dataclass
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class GeoAlignConfig:
-    """All GeoAlign knobs; `GeoAlignConfig.preset("math" | "rlhf", **overrides)` gives the paper's defaults."""
+    """All GeoAlign knobs, validated on construction (ValueError naming the flag); frozen, so `dataclasses.replace`
+    (which validates again) is the way to change one. `GeoAlignConfig.preset("math" | "rlhf", **overrides)` gives
+    the paper's per-task values; the field defaults are the "math" preset."""
 
-    alpha: float = 0.05  # KDE density threshold factor: flag where density < alpha * peak, right of the mode
-    mode: str = "replace"  # replace (Best-Random, Eq. 8) | zero (weight 0) | drop | amplify (Anomaly-Amplify)
-    gdi: str = "cumulative"  # cumulative (Eq. 7) | mean
-    prototype: str = "margin"  # margin-weighted (Eq. 5) | plain mean
-    max_flag_frac: float = 0.2  # cap on the flagged fraction of the batch
-    min_scores: int = 100  # fewer GDI scores than this -> flag nothing
-    max_pairs_per_side: int = 0  # >0: per prompt only the top-m winners x bottom-m losers form pairs
-    # projector M_psi (3-layer ReLU MLP by default) + a temporary linear probe, trained per step
+    alpha: float = 0.05  # §4.4: flag where density < alpha * peak (a fraction in (0, 1))
+    rule: str = "pointwise"  # anomaly rule, see kde_flags: pointwise (§4.4, the paper) | threshold (reference code)
+    mode: str = "replace"  # replace (Best-Random, Eq. 8) | zero | drop (App. C.5) | amplify (Anomaly-Amplify, §5.4)
+    gdi: str = "cumulative"  # cumulative (Eq. 7) | mean (the normalized ablation of §5.4)
+    prototype: str = "margin"  # margin-weighted (Eq. 5) | plain mean (the reference code)
+    # Opt-in gates from the reference code, not in the paper (None or 0 = off; the reference code uses 0.2 and 100):
+    max_flag_frac: float | None = None  # flag at most this fraction of the scored rollouts, highest GDI first
+    min_scores: int | None = None  # fewer scored rollouts than this -> flag nothing
+    max_pairs_per_side: int = 0  # §4.5: >0 pairs only each prompt's top-m winners with its bottom-m losers
+    # Projector M_psi and its temporary linear probe, trained on every call (§4.2 "Implementation", App. C.1).
+    # The paper gives "3-layer MLP with ReLU", 50 steps, cosine LR from 1e-3; the widths are ours (Table 6 is lost).
     hidden_sizes: tuple = (512, 512)
     out_dim: int = 128
     steps: int = 50
     lr: float = 1e-3
-    val_acc: float = 0.95  # early stop once validation accuracy >= this
-    val_frac: float = 0.2  # fraction of prompts held out for validation
-    warm_start: bool = True  # keep the projector across steps
+    pair_batch: int = 1024  # pairs per Adam step, epoch-wise shuffled (reference code: batches of 1024); 0 = all
+    val_acc: float = 0.95  # App. C.1: stop once validation accuracy "surpasses" this (>=, as the reference code)
+    val_frac: float = 0.1  # fraction of the paired prompts held out for validation (reference code: 10 % of pairs)
+    warm_start: bool = True  # keep the projector across steps (Algorithm 1 initialises M_psi once, line 1)
     device: str = "cpu"
+
+    def __post_init__(self):
+        if isinstance(self.hidden_sizes, list):
+            object.__setattr__(self, "hidden_sizes", tuple(self.hidden_sizes))
+        fraction = "a number in (0, 1)"
+        checks = (
+            ("alpha", _is_real(self.alpha) and 0 < self.alpha < 1, fraction),
+            ("rule", self.rule in RULES, f"one of {RULES}"),
+            ("mode", self.mode in MODES, f"one of {MODES}"),
+            ("gdi", self.gdi in GDI_KINDS, f"one of {GDI_KINDS}"),
+            ("prototype", self.prototype in PROTOTYPES, f"one of {PROTOTYPES}"),
+            (
+                "max_flag_frac",
+                self.max_flag_frac is None or (_is_real(self.max_flag_frac) and 0 <= self.max_flag_frac <= 1),
+                "a number in (0, 1], or 0 / None for no cap",
+            ),
+            (
+                "min_scores",
+                self.min_scores is None or (_is_int(self.min_scores) and self.min_scores >= 0),
+                "an integer >= 0 (0 / None: no minimum)",
+            ),
+            (
+                "max_pairs_per_side",
+                _is_int(self.max_pairs_per_side) and self.max_pairs_per_side >= 0,
+                "an integer >= 0",
+            ),
+            (
+                "hidden_sizes",
+                isinstance(self.hidden_sizes, tuple) and all(_is_int(w) and w >= 1 for w in self.hidden_sizes),
+                "a tuple of integer widths >= 1",
+            ),
+            ("out_dim", _is_int(self.out_dim) and self.out_dim >= 1, "an integer >= 1"),
+            ("steps", _is_int(self.steps) and self.steps >= 1, "an integer >= 1"),
+            ("lr", _is_real(self.lr) and 0 < self.lr < math.inf, "a finite number > 0"),
+            ("pair_batch", _is_int(self.pair_batch) and self.pair_batch >= 0, "an integer >= 0 (0: all pairs)"),
+            ("val_acc", _is_real(self.val_acc) and 0 < self.val_acc <= 1, "a number in (0, 1]"),
+            ("val_frac", _is_real(self.val_frac) and 0 < self.val_frac < 1, fraction),
+            ("warm_start", isinstance(self.warm_start, bool), "True or False"),
+            ("device", isinstance(self.device, str), "a torch device string such as cpu or cuda:0"),
+        )
+        for name, ok, requirement in checks:
+            if not ok:
+                flag = f"--geoalign.projector.{name}" if name in PROJECTOR_FIELDS else f"--geoalign.{name}"
+                raise ValueError(f"{flag} must be {requirement} (got {getattr(self, name)!r})")
+        try:
+            torch.device(self.device)
+        except RuntimeError as error:
+            raise ValueError(f"--geoalign.device must be a torch device string (got {self.device!r})") from error
 
     @classmethod
     def preset(cls, name, **overrides):
+        """The "math" or "rlhf" preset (PRESETS, §5.1 and App. C.1) with `overrides` applied and validated."""
         if name not in PRESETS:
             raise ValueError(f"unknown GeoAlign preset {name!r}; choose one of {sorted(PRESETS)}")
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown GeoAlign config field {unknown[0]!r}")
         return replace(cls(**PRESETS[name]), **overrides)
 
 
@@ -74,7 +148,7 @@ class CurationPlan:
     weight  (N,) float  loss weight of slot i: 0 for flagged slots under `zero` and `drop`, else 1
     keep    (N,) bool   False for slots removed by `drop` (they also leave the group statistics), else True
     flagged (N,) bool   rollouts detected as anomalous (a prompt with no stable rollout is left unchanged)
-    gdi     (N,) float  each rollout's GDI (Eq. 7), NaN for rollouts without a pair or when curation stopped early
+    gdi     (N,) float  each rollout's GDI (Eq. 7), NaN for rollouts without a pair or when there is no pair at all
     All five live on the device of `rewards`.
     """
 
@@ -112,7 +186,7 @@ class CurationPlan:
 
 
 class Projector(nn.Module):
-    """GeoAlign projector M_psi: ReLU MLP in_dim -> *config.hidden_sizes -> config.out_dim (3 linear layers default).
+    """GeoAlign §4.2 projector M_psi, a ReLU MLP in_dim -> *config.hidden_sizes -> config.out_dim (3 layers default).
 
     Pass the same instance to every `curate` call to warm-start it (config.warm_start); its `state_dict` saves and
     loads like any module's. Created on config.device, initialised from `generator` (a CPU generator; None = global).
@@ -170,9 +244,10 @@ def _group_slots(group):
 def preference_pairs(rewards, group_ids, max_per_side=0, generator=None):
     """GeoAlign Eq. 3: every (k, l) of the same prompt with r_k > r_l -> (winner (P,), loser (P,)) long, on the CPU.
 
-    rewards (N,), group_ids (N,) any integers. Tied or single-rollout prompts give no pair. max_per_side m > 0
-    keeps only the top-m winners x bottom-m losers of each prompt (ties in the ranking broken uniformly at random
-    with `generator`). Pairs come ordered by prompt id, then winner position, then loser position.
+    rewards (N,), group_ids (N,) any integers. Tied or single-rollout prompts give no pair (§4.5). max_per_side
+    m > 0 keeps only the top-m winners x bottom-m losers of each prompt (§4.5 "Complexity"; ties in the ranking
+    broken uniformly at random with `generator`). Pairs come ordered by prompt id, then winner position, then
+    loser position.
     """
     if rewards.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long)
@@ -192,11 +267,19 @@ def preference_pairs(rewards, group_ids, max_per_side=0, generator=None):
     return slots[g, a], slots[g, b]
 
 
+def _pow2_scale(x):
+    """A power of two s with max |s x| in [0.5, 1) (1 for an all-zero or empty x): scaling by it is exact, and
+    keeps squared norms and first-layer products of float32 values far from overflow and underflow."""
+    peak = float(x.detach().abs().max()) if x.numel() else 0.0
+    return 2.0 ** -math.frexp(peak)[1] if peak > 0 else 1.0
+
+
 def pair_distances(hidden, winner, loser, group_ids):
     """||h_w - h_l|| per pair (P,) float64, from the within-prompt Gram of prompt-centred hidden states.
 
-    hidden (N, d), winner/loser (P,) pairs of the same prompt, group_ids (N,). Centring removes the large common
-    component of LLM hidden states; a squared distance that still cancels (below CANCEL_TOL of
+    hidden (N, d), winner/loser (P,) pairs of the same prompt, group_ids (N,). The Gram is taken of hidden scaled
+    by a power of two (exact), so |h| up to the dtype's limit cannot overflow when squared. Centring removes the
+    large common component of LLM hidden states; a squared distance that still cancels (below CANCEL_TOL of
     ||hc_w||^2 + ||hc_l||^2) is recomputed directly from the float64 difference.
     """
     if winner.numel() == 0:
@@ -205,6 +288,8 @@ def pair_distances(hidden, winner, loser, group_ids):
     rows, inverse = torch.unique(torch.cat((winner, loser)), return_inverse=True)
     w, l = inverse.chunk(2)
     h = hidden[rows.to(device)]
+    scale = _pow2_scale(h)
+    h = h * scale
     _, group = torch.unique(group_ids.cpu()[rows], return_inverse=True)
     slots = _group_slots(group)
     valid = slots >= 0
@@ -222,7 +307,7 @@ def pair_distances(hidden, winner, loser, group_ids):
     if unsafe.any():
         pick_w, pick_l = w[unsafe].to(device), l[unsafe].to(device)
         d2[unsafe] = (h[pick_w].double() - h[pick_l].double()).pow(2).sum(1).cpu()
-    return d2.sqrt()
+    return d2.sqrt() / scale
 
 
 def detection_auroc(score, bad, scored):
@@ -247,44 +332,67 @@ def _orientation_acc(s_pos, s_neg):
     return 0.5 * ((s_pos > 0).double().mean() + (s_neg < 0).double().mean()).item()
 
 
+def _minibatches(pairs, batch, steps, generator=None):
+    """`steps` (index tensor into `pairs` (P,) long, ends an epoch) tuples: consecutive `batch`-sized chunks of a
+    random permutation, reshuffled once every pair was used (epochs; an epoch's last chunk may be short), like
+    the reference code's shuffled DataLoader. batch 0 or >= P: all pairs, in order, every step (each an epoch)."""
+    if batch == 0 or batch >= len(pairs):
+        return [(pairs, True)] * steps
+    out, order = [], pairs[:0]
+    for _ in range(steps):
+        if not len(order):
+            order = pairs[torch.randperm(len(pairs), generator=generator)]
+        out.append((order[:batch], len(order) <= batch))
+        order = order[batch:]
+    return out
+
+
 @torch.enable_grad()  # trains even when the caller runs under no_grad (OpenRLHF's experience maker does)
 def fit_projector(projector, hidden, winner, loser, dist, config, generator=None, *, val_mask=None):
     """Train M_psi and a fresh linear probe w with the orientation loss (Eq. 4) -> (probe (out_dim,), steps).
 
     hidden (N, d) in the projector's dtype and device; winner, loser (P,) long; dist (P,) = ||h_w - h_l|| > 0.
-    val_mask (P,) bool marks held-out pairs (whole prompts): after each step training stops once their accuracy
-    reaches config.val_acc; None trains config.steps steps. Full-batch Adam, cosine LR decay from config.lr.
+    Paper (§4.2, App. C.1): config.steps steps of Adam with a cosine LR from config.lr on the current batch's pairs,
+    halted once validation accuracy on held-out pairs reaches config.val_acc. Our choices: each step uses
+    config.pair_batch of the training pairs (see _minibatches; the reference code's batch size, and what keeps a
+    6144-pair step cheap); val_mask (P,) bool marks the held-out pairs, which never train; their accuracy over
+    both orientations is checked after every epoch over the training pairs (every step when full-batch; the
+    reference code also validates per epoch). val_mask None or all False: no early stop.
     """
     device = hidden.device
     if val_mask is None:
         val_mask = torch.zeros(winner.numel(), dtype=torch.bool)
-    train, val = _compact(hidden, winner, loser, dist, ~val_mask), _compact(hidden, winner, loser, dist, val_mask)
+    val = _compact(hidden, winner, loser, dist, val_mask)
+    train_pairs = torch.nonzero(~val_mask)[:, 0]
+    batches = _minibatches(train_pairs, config.pair_batch, config.steps, generator)
+    full = _compact(hidden, winner, loser, dist, train_pairs) if batches[0][0] is train_pairs else None
     bound = 1 / math.sqrt(config.out_dim)
     init = torch.empty(config.out_dim).uniform_(-bound, bound, generator=generator)
     probe = init.to(device=device, dtype=hidden.dtype).requires_grad_()
     optimizer = torch.optim.Adam([*projector.parameters(), probe], lr=config.lr, fused=True)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.steps)
     steps = 0
-    while steps < config.steps:
-        s_pos, s_neg = projector.pair_forward(*train) @ probe
+    for batch, epoch_end in batches:
+        s_pos, s_neg = projector.pair_forward(*(full or _compact(hidden, winner, loser, dist, batch))) @ probe
         loss = orientation_loss(s_pos, s_neg)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
         steps += 1
-        if val[1].numel():
+        if epoch_end and val[1].numel():
             with torch.no_grad():
                 if _orientation_acc(*(projector.pair_forward(*val) @ probe)) >= config.val_acc:
                     break
     return probe.detach(), steps
 
 
-def _compact(hidden, winner, loser, dist, mask):
-    """The masked pairs as pair_forward arguments over only the rollouts they use (Z is computed for those alone)."""
-    rows, inverse = torch.unique(torch.cat((winner[mask], loser[mask])), return_inverse=True)
+def _compact(hidden, winner, loser, dist, select):
+    """The selected pairs (bool mask or index) as pair_forward arguments over only the rollouts they use (Z is
+    computed for those alone)."""
+    rows, inverse = torch.unique(torch.cat((winner[select], loser[select])), return_inverse=True)
     w, l = inverse.to(hidden.device).chunk(2)
-    return hidden[rows.to(hidden.device)], w, l, dist[mask].to(device=hidden.device, dtype=hidden.dtype)
+    return hidden[rows.to(hidden.device)], w, l, dist[select].to(device=hidden.device, dtype=hidden.dtype)
 
 
 def prototype(v, margins, kind="margin"):
@@ -306,8 +414,8 @@ def deviation(v, v_proto):
 def gdi(dev, winner, loser, n, kind="cumulative"):
     """GeoAlign Eq. 7: GDI_i = sum of s_p over the pairs containing rollout i (as winner or loser) -> (n,).
 
-    dev (P,) deviations, winner/loser (P,) long; kind "mean" divides by the rollout's pair count. Rollouts without
-    a pair have no score: NaN.
+    dev (P,) deviations, winner/loser (P,) long; kind "mean" divides by the rollout's pair count (§5.4's
+    normalized ablation). Rollouts without a pair have no score: NaN.
     """
     index = torch.cat((winner, loser)).to(dev.device)
     total = torch.zeros(n, dtype=dev.dtype, device=dev.device).index_add_(0, index, torch.cat((dev, dev)))
@@ -316,18 +424,27 @@ def gdi(dev, winner, loser, n, kind="cumulative"):
     return torch.where(count > 0, score, torch.nan)
 
 
-def kde_tail_threshold(scores, alpha):
-    """Start of the high tail of the GDI density: the first point right of the mode where density < alpha * peak.
-
-    scores (n,) float64; density = scipy `gaussian_kde` (Scott's bandwidth). Returns (threshold, mode):
-    threshold = inf when the density stays >= alpha * peak up to the largest score (no tail to flag), NaN when
-    the scores are degenerate (all equal to float32 precision, or a singular KDE covariance).
-    """
-    if np.ptp(scores) <= SCORE_TOL * max(1.0, float(np.abs(scores).max())):
-        return math.nan, math.nan
+def _kde(scores):
+    """scipy's Gaussian KDE of scores (n,) float64 with Scott's bandwidth; None when the scores are degenerate
+    (all equal to float32 precision, or a singular covariance): there is no density to compare against."""
+    if len(scores) < 2 or np.ptp(scores) <= SCORE_TOL * max(1.0, float(np.abs(scores).max())):
+        return None
     try:
-        kde = gaussian_kde(scores)
+        return gaussian_kde(scores, bw_method="scott")
     except np.linalg.LinAlgError:
+        return None
+
+
+def kde_tail_threshold(scores, alpha):
+    """The threshold rule's tail start: the first point right of the density mode where f̂ < alpha * f̂(mode).
+
+    scores (n,) float64; f̂ = scipy `gaussian_kde` (Scott's bandwidth). Returns (threshold, mode): threshold = inf
+    when the density stays >= alpha * peak up to the largest score (no tail to flag), NaN when degenerate. The
+    reference code takes the crossing on a 200-point grid and, without one, falls back to mean + 2 sd; here the
+    crossing is refined by root finding on a KDE_GRID grid, and no crossing flags nothing.
+    """
+    kde = _kde(scores)
+    if kde is None:
         return math.nan, math.nan
     grid = np.linspace(scores.min(), scores.max(), KDE_GRID)  # a Gaussian KDE's mode lies inside the data range
     density = kde(grid)
@@ -343,6 +460,34 @@ def kde_tail_threshold(scores, alpha):
     # density >= level at `left` (the previous grid point, or the mode itself) and < level at grid[i]
     left = max(grid[i - 1], mode)
     return float(optimize.brentq(lambda x: kde(x)[0] - level, left, grid[i])), float(mode)
+
+
+def kde_flags(scores, alpha, rule="pointwise"):
+    """GeoAlign §4.4 anomaly rule on one batch's GDI scores (n,) float64 -> (flags (n,) bool, mode, threshold).
+
+    f̂ = scipy `gaussian_kde` of the scores, Scott's bandwidth (the paper says "KDE"; kernel and bandwidth are not
+    given). Degenerate scores (see _kde): nothing flagged, mode = threshold = NaN.
+    pointwise  the paper: score i is flagged iff it lies in the high-deviation tail and
+               f̂(GDI_i) < alpha * max_{s in S} f̂(s), the peak taken over the observed scores S (§4.4; Algorithm 1
+               line 24, which omits the tail condition). The text does not define the tail further; we take
+               "right of the mode", mode = the observed score of peak density. threshold = NaN.
+    threshold  the reference code's rule: flag every score >= kde_tail_threshold (the first point right of the
+               mode where the density drops below alpha * peak). Why a user would want it: it reproduces the
+               released implementation, and it treats everything beyond the first density collapse as anomalous,
+               so a dense secondary cluster of high-GDI rollouts (many rollouts sharing one conflicting direction,
+               e.g. a systematic reward-model artifact) is flagged as a whole, where the pointwise rule keeps every
+               member whose local density exceeds alpha * peak.
+    """
+    flags = np.zeros(len(scores), dtype=bool)
+    if rule == "threshold":
+        threshold, mode = kde_tail_threshold(scores, alpha)
+        return flags | (scores >= threshold), mode, threshold
+    kde = _kde(scores)
+    if kde is None:
+        return flags, math.nan, math.nan
+    density = kde(scores)
+    mode = scores[np.argmax(density)]
+    return (scores > mode) & (density < alpha * density.max()), float(mode), math.nan
 
 
 def best_random_probs(rewards, stable):
@@ -362,14 +507,16 @@ def best_random_probs(rewards, stable):
 
 
 def rectify(flagged, rewards, group_ids, mode="replace", generator=None):
-    """Turn flags into a CurationPlan; "stable" = not flagged (scored or not). A prompt whose rollouts are all
-    flagged is left unchanged. flagged, rewards, group_ids (N,).
+    """GeoAlign §4.4 rectification: flags -> CurationPlan; "stable" = not flagged (scored or not). A prompt whose
+    rollouts are all flagged is left unchanged (Eq. 8 needs a stable rollout; the paper does not treat this case).
+    flagged, rewards, group_ids (N,).
 
     replace  each flagged slot gets a stable rollout of its prompt drawn by Best-Random (Eq. 8), independently
-    zero     flagged slots get weight 0
-    drop     flagged slots get keep False (and weight 0)
-    amplify  Anomaly-Amplify ablation: the j-th flagged rollout of a prompt (index order) also overwrites the j-th
-             stable slot in a uniformly random order, while stable slots last
+    zero     flagged slots get weight 0 (App. C.5 "Zero-weighting": their advantage contributes nothing)
+    drop     flagged slots get keep False (and weight 0) (App. C.5 "Dropping")
+    amplify  Anomaly-Amplify ablation (§5.4 "oversamples" the outliers without saying how; this scheme is ours):
+             the j-th flagged rollout of a prompt (index order) also overwrites the j-th stable slot in a uniformly
+             random order, while stable slots last
     replace, zero and amplify keep every prompt's slot count.
     """
     if mode not in MODES:
@@ -405,9 +552,27 @@ def rectify(flagged, rewards, group_ids, mode="replace", generator=None):
 
 
 def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted):
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must have shape (N, d), got {tuple(hidden.shape)}")
+    """Validate curate's arguments -> (rewards, group_ids, corrupted) as tensors. Lists are accepted; prompt ids
+    may also be strings (mapped to integers, order kept)."""
+    if not isinstance(config, GeoAlignConfig):
+        raise ValueError(f"config must be a GeoAlignConfig (got {type(config).__name__})")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a tensor of shape (N, d), got {getattr(hidden, 'shape', type(hidden))}")
     n = hidden.shape[0]
+    if isinstance(group_ids, (str, bytes)):
+        raise ValueError(
+            f"group_ids must hold one prompt id per rollout (a tensor or list), got the string {group_ids!r}"
+        )
+    if not isinstance(group_ids, torch.Tensor):
+        ids = np.asarray(group_ids)
+        ids = ids.astype(np.int64) if ids.size == 0 else ids
+        if ids.dtype.kind not in "iuUS":
+            raise ValueError(f"group_ids must be integer or string prompt ids, got values of dtype {ids.dtype}")
+        group_ids = torch.from_numpy(np.unique(ids, return_inverse=True)[1].reshape(ids.shape))
+    if not isinstance(rewards, torch.Tensor):
+        rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float64))
+    if corrupted is not None and not isinstance(corrupted, torch.Tensor):
+        corrupted = torch.as_tensor(np.asarray(corrupted, dtype=bool))
     for name, value in (("rewards", rewards), ("group_ids", group_ids), ("corrupted", corrupted)):
         if value is not None and tuple(value.shape) != (n,):
             raise ValueError(f"{name} must have shape ({n},) to match hidden (N, d), got {tuple(value.shape)}")
@@ -427,60 +592,60 @@ def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corr
         raise ValueError(
             f"projector expects hidden size {projector.layers[0].in_features}, got hidden (N, {hidden.shape[1]})"
         )
-    for name, value, choices in (
-        ("mode", config.mode, MODES),
-        ("gdi", config.gdi, GDI_KINDS),
-        ("prototype", config.prototype, PROTOTYPES),
-    ):
-        if value not in choices:
-            raise ValueError(f"config.{name} must be one of {choices} (got {value!r})")
-    checks = (
-        ("alpha", 0 < config.alpha < 1, "in (0, 1)"),
-        ("max_flag_frac", 0 < config.max_flag_frac <= 1, "in (0, 1]"),
-        ("min_scores", config.min_scores >= 2, ">= 2 (a KDE needs two scores)"),
-        ("max_pairs_per_side", config.max_pairs_per_side >= 0, ">= 0"),
-        ("steps", config.steps >= 1, ">= 1"),
-        ("lr", config.lr > 0, "> 0"),
-        ("val_acc", 0 < config.val_acc <= 1, "in (0, 1]"),
-        ("val_frac", 0 < config.val_frac < 1, "in (0, 1)"),
-    )
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"config.{name} must be {rule} (got {getattr(config, name)})")
+    return rewards, group_ids, corrupted
 
 
 def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
-    """GeoAlign on one rollout batch -> (CurationPlan, stats: dict[str, float]).
+    """GeoAlign on one rollout batch (Algorithm 1, function GeoAlign) -> (CurationPlan, stats: dict).
 
-    hidden (N, d) last-response-token final hidden states (any float dtype; computed in float32 on config.device),
-    rewards (N,), group_ids (N,) prompt ids (any integers), corrupted (N,) optional bool mask of known-corrupted
-    rollouts (adds precision, recall, auroc). `projector`: a `Projector` trained in place (kept weights when
-    config.warm_start, re-initialised otherwise; moved to config.device in float32); None trains a fresh one.
-    The linear probe is fresh every call. Deterministic under a fixed CPU `generator`.
+    hidden (N, d) last-response-token final hidden states (any float dtype and magnitude; computed in float32 on
+    config.device after an exact power-of-two rescale), rewards (N,), group_ids (N,) prompt ids (integers, or a
+    list of strings), corrupted (N,) optional bool mask of known-corrupted rollouts (adds precision, recall,
+    auroc). `projector`: a `Projector` trained in place (kept weights when config.warm_start, re-initialised
+    otherwise; moved to config.device in float32); None trains a fresh one. The linear probe is fresh every call.
+    Deterministic under a fixed CPU `generator`.
 
-    Identity plan, with the stats key saying why, when: no pair (tied prompts, identical hidden states;
-    skip_no_pairs), fewer than two prompts with pairs (no prompt-level validation split, no cross-prompt
-    consensus; skip_one_prompt), fewer than config.min_scores scored rollouts (skip_few_scores), or degenerate
-    geometry (all GDI scores equal / singular KDE, or projected directions that cancel exactly; skip_degenerate).
+    The plan is the identity, stats["skipped_reason"] naming why (and skip_<reason> = 1.0), when:
+      no_pairs    no within-prompt pair with a direction (tied prompts, identical hidden states, an empty batch):
+                  the paper's only identity case (§4.5, Algorithm 1 lines 12-13)
+      few_scores  fewer than config.min_scores scored rollouts (opt-in gate of the reference code)
+      degenerate  projected directions that cancel exactly, or GDI scores without a density (all equal)
+    Otherwise skipped_reason is "" and config.rule flags rollouts (see kde_flags); with the opt-in cap
+    config.max_flag_frac, at most that fraction of the scored rollouts stay flagged, highest GDI first (the
+    reference code's cap; it truncates, curation still runs).
 
-    stats: pairs, pairs_identical (dropped: no direction), prompts_paired, n_scored, n_flagged, flag_frac,
-    proj_steps, proj_loss, proj_train_acc, proj_val_acc (accuracy over both orientations, after training),
-    consensus (resultant length of Eq. 5), cos_mean, cos_gt_0.8, gdi_p50, gdi_p95, kde_threshold (inf: no sparse
-    tail), skip_* (1.0 = the reason for an identity plan), time_s; with `corrupted`: precision, recall, auroc.
-    Values that were not computed are NaN.
+    Projector validation. The paper specifies training on the current batch's pairs and halting once validation
+    accuracy on held-out pairs reaches config.val_acc (§4.2, §5.4, App. C.1); which pairs are held out is ours:
+    round(config.val_frac * prompts with pairs) whole prompts (at least one, leaving at least one to train), so no
+    rollout is on both sides (the reference code holds out 10 % of pairs, which share rollouts with training pairs).
+    Held-out pairs never train but are scored like the others. With pairs in one prompt only, no prompt can be held
+    out: the projector trains config.steps steps on every pair and val_acc is NaN.
+
+    stats, floats except skipped_reason (engines log each as geo/<key>); NaN where not computed:
+      pairs, pairs_identical (dropped: no direction), prompts_paired, n_scored (rollouts with a GDI),
+      n_candidates (flagged by the rule, before the cap), n_flagged, flag_frac (n_flagged / N), proj_steps,
+      proj_loss and proj_train_acc (training pairs, after training), val_acc (held-out pairs, after training;
+      median > 97 % on Math and > 85 % on HH-RLHF in §5.4), consensus (resultant length of Eq. 5), cos_mean,
+      cos_gt_0.8 (share of all pairs whose projected direction v_p has cosine > 0.8 with v_proto, unweighted;
+      "nearly 90 %" in §5.4 / Fig. 6d), gdi_p50, gdi_p95, kde_mode (start of the high tail), kde_threshold
+      (threshold rule only; inf: no sparse tail), skip_no_pairs, skip_few_scores, skip_degenerate,
+      skipped_reason, time_s; with `corrupted`: precision, recall, auroc (of GDI among scored rollouts).
     """
     start = time.perf_counter()
-    _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted)
+    rewards, group_ids, corrupted = _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted)
     n = hidden.shape[0]
     device = torch.device(config.device)
-    stats = dict.fromkeys(("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_flagged", "proj_steps"), 0.0)
-    stats.update(dict.fromkeys(("proj_loss", "proj_train_acc", "proj_val_acc", "consensus", "cos_mean"), math.nan))
-    stats.update(dict.fromkeys(("cos_gt_0.8", "gdi_p50", "gdi_p95", "kde_threshold"), math.nan))
-    stats.update(dict.fromkeys(("skip_no_pairs", "skip_one_prompt", "skip_few_scores", "skip_degenerate"), 0.0))
+    counts = ("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps")
+    stats = dict.fromkeys(counts, 0.0)
+    stats.update(dict.fromkeys(("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean"), math.nan))
+    stats.update(dict.fromkeys(("cos_gt_0.8", "gdi_p50", "gdi_p95", "kde_mode", "kde_threshold"), math.nan))
+    stats.update({f"skip_{why}": 0.0 for why in SKIP_REASONS}, skipped_reason="")
     scores = torch.full((n,), math.nan, dtype=torch.float64)
     flagged = torch.zeros(n, dtype=torch.bool)
 
-    def finish():
+    def finish(skipped=""):
+        if skipped:
+            stats["skipped_reason"], stats[f"skip_{skipped}"] = skipped, 1.0
         plan = rectify(flagged, rewards, group_ids, config.mode, generator)
         plan.gdi = scores.to(device=plan.gdi.device, dtype=plan.gdi.dtype)
         stats["n_flagged"] = float(flagged.sum())
@@ -494,9 +659,10 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
         stats["time_s"] = time.perf_counter() - start
         return plan, stats
 
-    # Eq. 3 pairs, minus those without a direction (numerically identical hidden states)
+    # Eq. 3 pairs, minus those without a direction (numerically identical hidden states). Unit displacements are
+    # scale-free: an exact power-of-two rescale keeps squared norms and Z = H W1^T of huge hidden states finite.
     r = rewards.detach().cpu().double()
-    h = hidden.detach().to(device=device, dtype=torch.float32)
+    h = (hidden.detach() * _pow2_scale(hidden)).to(device=device, dtype=torch.float32)
     winner, loser = preference_pairs(r, group_ids, config.max_pairs_per_side, generator)
     dist = pair_distances(h, winner, loser, group_ids)
     norms = h.double().norm(dim=1).cpu()
@@ -504,25 +670,19 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     winner, loser, dist = winner[~same], loser[~same], dist[~same]
     _, group = torch.unique(group_ids.cpu(), return_inverse=True)
     paired_prompts = torch.unique(group[winner])
-    counts = torch.bincount(torch.cat((winner, loser)), minlength=n)
     stats.update(
         pairs=float(len(winner)), pairs_identical=float(same.sum()), prompts_paired=float(len(paired_prompts))
     )
-    stats["n_scored"] = float((counts > 0).sum())
+    stats["n_scored"] = float((torch.bincount(torch.cat((winner, loser)), minlength=n) > 0).sum())
     if not len(winner):
-        stats["skip_no_pairs"] = 1.0
-        return finish()
-    if len(paired_prompts) < 2:
-        stats["skip_one_prompt"] = 1.0
-        return finish()
-    if stats["n_scored"] < config.min_scores:
-        stats["skip_few_scores"] = 1.0
-        return finish()
+        return finish("no_pairs")
 
-    # Eq. 4: projector + temporary probe; validation split by prompt (at least one prompt on each side)
-    n_val = min(len(paired_prompts) - 1, max(1, round(config.val_frac * len(paired_prompts))))
-    val_prompts = paired_prompts[torch.randperm(len(paired_prompts), generator=generator)[:n_val]]
-    val_mask = torch.isin(group[winner], val_prompts)
+    # Eq. 4: projector + temporary probe, validated on held-out prompts when there are two or more
+    val_mask = torch.zeros(len(winner), dtype=torch.bool)
+    if len(paired_prompts) >= 2:
+        n_val = min(len(paired_prompts) - 1, max(1, round(config.val_frac * len(paired_prompts))))
+        val_prompts = paired_prompts[torch.randperm(len(paired_prompts), generator=generator)[:n_val]]
+        val_mask = torch.isin(group[winner], val_prompts)
     if projector is None:
         projector = Projector(h.shape[1], config, generator)
     else:
@@ -537,7 +697,8 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     train = ~val_mask
     stats["proj_loss"] = orientation_loss(s_pos[train], s_neg[train]).item()
     stats["proj_train_acc"] = _orientation_acc(s_pos[train], s_neg[train])
-    stats["proj_val_acc"] = _orientation_acc(s_pos[val_mask], s_neg[val_mask])
+    if val_mask.any():
+        stats["val_acc"] = _orientation_acc(s_pos[val_mask], s_neg[val_mask])
 
     # Eq. 5-7: prototype, deviations, GDI
     v = F.normalize(out[0].double().cpu(), dim=1)
@@ -546,20 +707,21 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     stats["cos_mean"] = (1 - dev).mean().item()
     stats["cos_gt_0.8"] = (1 - dev > 0.8).double().mean().item()
     scores = gdi(dev, winner, loser, n, config.gdi)
-    scored = ~torch.isnan(scores)
-    stats["gdi_p50"], stats["gdi_p95"] = np.quantile(scores[scored].numpy(), (0.5, 0.95)).tolist()
+    index = torch.nonzero(~torch.isnan(scores))[:, 0]
+    stats["gdi_p50"], stats["gdi_p95"] = np.quantile(scores[index].numpy(), (0.5, 0.95)).tolist()
+    if config.min_scores and len(index) < config.min_scores:
+        return finish("few_scores")
     if stats["consensus"] < SAME_TOL:
-        stats["skip_degenerate"] = 1.0
-        return finish()
+        return finish("degenerate")
 
-    # KDE on the batch's GDI scores: flag the high tail, at most max_flag_frac of the batch (highest GDI first)
-    threshold, _ = kde_tail_threshold(scores[scored].numpy(), config.alpha)
-    stats["kde_threshold"] = threshold
-    if math.isnan(threshold):
-        stats["skip_degenerate"] = 1.0
-        return finish()
-    candidates = torch.nonzero(scored & (scores >= threshold))[:, 0]
-    cap = math.floor(config.max_flag_frac * n + 1e-9)  # 0.29 * 100 is 28.999...
-    keep = torch.sort(scores[candidates], descending=True, stable=True).indices[:cap]
-    flagged[candidates[keep]] = True
+    # §4.4 anomaly rule on the batch's GDI scores, then the opt-in cap (highest GDI first)
+    flags, stats["kde_mode"], stats["kde_threshold"] = kde_flags(scores[index].numpy(), config.alpha, config.rule)
+    if math.isnan(stats["kde_mode"]):
+        return finish("degenerate")
+    candidates = index[torch.from_numpy(flags)]
+    stats["n_candidates"] = float(len(candidates))
+    if config.max_flag_frac:
+        cap = math.floor(config.max_flag_frac * len(index) + 1e-9)  # 0.29 * 100 is 28.999...
+        candidates = candidates[torch.sort(scores[candidates], descending=True, stable=True).indices[:cap]]
+    flagged[candidates] = True
     return finish()

@@ -13,7 +13,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from openrlhf_geo.baselines import CURATIONS, POLICY_LOSSES, BaselineConfig
-from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, GeoAlignConfig
+from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, RULES, GeoAlignConfig
 from openrlhf_geo.pipeline import GeometryConfig
 from openrlhf_geo.rewards.noise import NOISE_TYPES, NoiseConfig
 from openrlhf_geo.salt import GRAMS, VARIANTS, SaltConfig
@@ -97,6 +97,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="flag rollouts whose GDI density < alpha * peak on the high tail (preset default)",
     )
+    geo.add_argument(
+        "--geoalign.rule",
+        choices=RULES,
+        default=None,
+        help="anomaly rule: pointwise = the paper's (GDI right of the mode and its own density < alpha * peak; "
+        "default) or threshold = the released code's (every score past the first crossing right of the mode)",
+    )
     geo.add_argument("--geoalign.mode", choices=MODES, default=None, help="rectification (default replace)")
     geo.add_argument("--geoalign.gdi", choices=GDI_KINDS, default=None, help="GDI aggregation (default cumulative)")
     geo.add_argument(
@@ -135,6 +142,12 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     geo.add_argument("--geoalign.projector.steps", type=int, default=None, help="Adam steps per batch (50)")
     geo.add_argument("--geoalign.projector.lr", type=float, default=None, help="peak LR, cosine decay (1e-3)")
     geo.add_argument(
+        "--geoalign.projector.pair_batch",
+        type=int,
+        default=None,
+        help="pairs per projector step (the released code's 1024, default); 0 = every pair of the batch",
+    )
+    geo.add_argument(
         "--geoalign.projector.val_acc",
         type=float,
         default=None,
@@ -144,7 +157,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--geoalign.projector.val_frac",
         type=float,
         default=None,
-        help="fraction of prompts held out for validation (0.2)",
+        help="fraction of prompts held out for validation (0.1)",
     )
     geo.add_argument(
         "--geoalign.projector.no_warm_start",

@@ -1,5 +1,7 @@
-"""GeoAlign core: equations against brute force, plan invariants, degenerate inputs, a planted-outlier batch."""
+"""GeoAlign core: equations against brute force, the anomaly rules, config validation, plan invariants, degenerate
+and bad inputs, a planted-outlier batch."""
 
+import dataclasses
 import io
 import math
 from dataclasses import replace
@@ -9,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import gaussian_kde
+from scipy.stats import norm
 from torch.testing import assert_close
 
 import openrlhf_geo.geoalign as geoalign
@@ -17,13 +19,16 @@ from openrlhf_geo.geoalign import (
     GDI_KINDS,
     MODES,
     PROTOTYPES,
+    SKIP_REASONS,
     CurationPlan,
     GeoAlignConfig,
     Projector,
+    _minibatches,
     best_random_probs,
     curate,
     deviation,
     gdi,
+    kde_flags,
     kde_tail_threshold,
     orientation_loss,
     pair_distances,
@@ -33,8 +38,8 @@ from openrlhf_geo.geoalign import (
 )
 from openrlhf_geo.rewards.noise import flip_binary
 
-# Small projector so each curate call takes milliseconds; min_scores low enough for small batches.
-TINY = GeoAlignConfig(hidden_sizes=(16,), out_dim=8, steps=5, min_scores=4)
+# Small projector so each curate call takes milliseconds.
+TINY = GeoAlignConfig(hidden_sizes=(16,), out_dim=8, steps=5)
 SMALL = GeoAlignConfig(hidden_sizes=(128, 128), out_dim=32)
 
 
@@ -62,7 +67,8 @@ def same_result(a, b):
     (plan_a, stats_a), (plan_b, stats_b) = a, b
     for field in ("source", "weight", "keep", "flagged", "gdi"):
         assert_close(getattr(plan_a, field), getattr(plan_b, field), rtol=0, atol=0, equal_nan=True)
-    drop = {"time_s"}
+    assert stats_a["skipped_reason"] == stats_b["skipped_reason"]
+    drop = {"time_s", "skipped_reason"}
     assert {k: v for k, v in stats_a.items() if k not in drop} == pytest.approx(
         {k: v for k, v in stats_b.items() if k not in drop}, nan_ok=True, rel=0, abs=0
     )
@@ -139,6 +145,19 @@ def test_pair_distances_survive_float32_cancellation(case):
     gram = hidden @ hidden.T
     raw = (gram[winner, winner] + gram[loser, loser] - 2 * gram[winner, loser]).double().clamp(min=0).sqrt()
     assert ((raw - reference).abs() / reference).max() > 0.1  # the guard is needed here
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e-30])
+def test_pair_distances_neither_overflow_nor_underflow_at_extreme_magnitudes(scale):
+    """(1e19)^2 summed over d overflows float32 and (1e-30)^2 underflows it: the Gram is taken after an exact
+    power-of-two rescale, so distances match float64 at any magnitude float32 can hold."""
+    g = gen(9)
+    ids = torch.arange(4).repeat_interleave(5)
+    rewards = torch.rand(20, generator=g)
+    hidden = (scale * torch.randn(20, 64, generator=g, dtype=torch.float64)).float()
+    winner, loser = preference_pairs(rewards, ids)
+    reference = (hidden[winner].double() - hidden[loser].double()).norm(dim=1)
+    assert_close(pair_distances(hidden, winner, loser, ids), reference, rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------- Eq. 4: projector
@@ -227,13 +246,85 @@ def test_validation_split_holds_out_whole_prompts(monkeypatch):
 
 def test_training_stops_early_once_validation_accuracy_is_reached():
     hidden, rewards, ids, _ = planted(16, 8, 32, 0.0, seed=8)
-    cfg = GeoAlignConfig(hidden_sizes=(32,), out_dim=16, steps=40, val_acc=0.75, min_scores=4)
+    cfg = GeoAlignConfig(hidden_sizes=(32,), out_dim=16, steps=40, val_acc=0.75)
     _, stats = curate(hidden, rewards, ids, cfg, gen(0))
-    assert stats["proj_steps"] < 40 and stats["proj_val_acc"] >= 0.75
+    assert stats["proj_steps"] < 40 and stats["val_acc"] >= 0.75
     # pure-noise hidden states never reach 100 % on held-out prompts: all steps run
     noise = torch.randn(hidden.shape, generator=gen(1))
     _, stats = curate(noise, rewards, ids, replace(cfg, val_acc=1.0), gen(0))
     assert stats["proj_steps"] == 40
+
+
+def test_pairs_of_a_single_prompt_train_every_step_without_early_stopping():
+    """No prompt can be held out: the projector trains config.steps steps on all pairs, val_acc is NaN, and the
+    batch is still curated (the paper returns the identity only without pairs)."""
+    hidden, rewards, ids, _ = planted(1, 64, 16, 0.1, seed=2)
+    plan, stats = curate(hidden, rewards, ids, replace(TINY, steps=12, val_acc=0.01), gen(0))
+    assert stats["prompts_paired"] == 1.0 and stats["pairs"] > 0
+    assert stats["proj_steps"] == 12.0 and math.isnan(stats["val_acc"]) and stats["proj_train_acc"] > 0
+    assert stats["skipped_reason"] == "" and not math.isnan(stats["kde_mode"])
+    assert stats["n_scored"] == (~torch.isnan(plan.gdi)).sum()
+
+
+@settings(max_examples=60)
+@given(st.integers(0, 40), st.integers(0, 50), st.integers(1, 12), st.integers(0, 99))
+def test_minibatches_use_each_pair_once_per_epoch(n_pairs, batch, steps, seed):
+    pairs = torch.arange(100, 100 + n_pairs)  # the training pairs' indices
+    batches = _minibatches(pairs, batch, steps, gen(seed))
+    assert len(batches) == steps
+    if batch == 0 or batch >= n_pairs:
+        assert all(torch.equal(b, pairs) and end for b, end in batches)
+        return
+    per_epoch = math.ceil(n_pairs / batch)
+    last = n_pairs - (per_epoch - 1) * batch
+    ends = [(t + 1) % per_epoch == 0 for t in range(steps)]
+    assert [end for _, end in batches] == ends
+    assert [len(b) for b, _ in batches] == [last if end else batch for end in ends]
+    for start in range(0, steps, per_epoch):
+        epoch = torch.cat([b for b, _ in batches[start : start + per_epoch]])
+        assert len(epoch.unique()) == len(epoch) and set(epoch.tolist()) <= set(pairs.tolist())
+
+
+def test_each_training_step_sees_one_minibatch_of_pairs(monkeypatch):
+    sizes = []
+    real = Projector.pair_forward
+
+    def spy(self, hidden, winner, loser, dist):
+        if torch.is_grad_enabled():  # training steps; validation and scoring run under no_grad
+            sizes.append(len(winner))
+        return real(self, hidden, winner, loser, dist)
+
+    monkeypatch.setattr(Projector, "pair_forward", spy)
+    hidden, rewards, ids, _ = planted(1, 24, 16, 0.0, seed=3)  # one prompt: every pair trains
+    _, stats = curate(hidden, rewards, ids, replace(TINY, pair_batch=40, steps=7), gen(0))
+    pairs = int(stats["pairs"])
+    per_epoch = math.ceil(pairs / 40)
+    assert pairs > 80 and sizes == [40 if (t + 1) % per_epoch else pairs - 40 * (per_epoch - 1) for t in range(7)]
+
+
+def test_validation_runs_after_each_epoch_of_minibatches(monkeypatch):
+    calls = []
+    real = Projector.pair_forward
+
+    def spy(self, hidden, winner, loser, dist):
+        calls.append("train" if torch.is_grad_enabled() else "val")
+        return real(self, hidden, winner, loser, dist)
+
+    monkeypatch.setattr(Projector, "pair_forward", spy)
+    hidden = torch.randn(120, 16, generator=gen(0))  # noise: held-out accuracy never reaches 100 %
+    rewards = (torch.arange(120) % 6 < 3).float()
+    ids = torch.arange(20).repeat_interleave(6)
+    _, stats = curate(hidden, rewards, ids, replace(TINY, pair_batch=40, steps=10, val_acc=1.0), gen(0))
+    # 20 prompts x 9 pairs, 2 prompts held out: 162 training pairs = epochs of 5 steps (40, 40, 40, 40, 2)
+    assert stats["proj_steps"] == 10 and calls[:-1] == (["train"] * 5 + ["val"]) * 2  # the last call scores
+
+
+def test_a_pair_batch_holding_every_training_pair_is_full_batch_training():
+    hidden, rewards, ids, _ = planted(12, 6, 24, 0.1, seed=5)
+    full = curate(hidden, rewards, ids, replace(TINY, pair_batch=0), gen(3))
+    same_result(full, curate(hidden, rewards, ids, replace(TINY, pair_batch=10**6), gen(3)))
+    _, small = curate(hidden, rewards, ids, replace(TINY, pair_batch=16), gen(3))
+    assert small["proj_loss"] != full[1]["proj_loss"]  # mini-batches do change the training
 
 
 # ---------------------------------------------------------------- Eq. 5-7: prototype, deviation, GDI
@@ -269,44 +360,79 @@ def test_prototype_deviation_and_gdi_match_brute_force(kind, gdi_kind):
     assert_close(scores, torch.from_numpy(gdi_ref), equal_nan=True)
 
 
-# ---------------------------------------------------------------- KDE threshold
+# ---------------------------------------------------------------- §4.4: the KDE anomaly rule
+
+
+def scott_kde(scores, x):
+    """Gaussian KDE with Scott's bandwidth, by hand: h = sd(scores, ddof=1) * n^(-1/5)."""
+    n, h = len(scores), np.std(scores, ddof=1) * len(scores) ** -0.2
+    z = (np.asarray(x, dtype=float)[:, None] - scores[None, :]) / h
+    return np.exp(-0.5 * z**2).sum(1) / (n * h * math.sqrt(2 * math.pi))
 
 
 def reference_threshold(scores, alpha, points=50_001):
-    """First point right of the density mode where scipy's KDE drops below alpha * peak, on a fine grid."""
-    kde = gaussian_kde(scores)
+    """First point right of the density mode where the KDE drops below alpha * peak, on a fine grid."""
     grid = np.linspace(scores.min(), scores.max(), points)
-    density = kde(grid)
+    density = scott_kde(scores, grid)
     mode = np.argmax(density)
     below = np.nonzero((np.arange(points) > mode) & (density < alpha * density[mode]))[0]
     return (grid[below[0]] if len(below) else math.inf), grid[1] - grid[0]
 
 
+@settings(max_examples=40)
+@given(st.integers(0, 10**6), st.integers(20, 300), st.integers(0, 8), st.sampled_from([0.05, 0.12, 0.3]))
+def test_pointwise_rule_flags_exactly_the_sparse_scores_right_of_the_mode(seed, n, n_far, alpha):
+    rng = np.random.default_rng(seed)
+    scores = np.concatenate([rng.gamma(2.0, 0.5, n), rng.uniform(3.0, 12.0, n_far)])
+    flags, mode, threshold = kde_flags(scores, alpha)
+    density = scott_kde(scores, scores)
+    level = alpha * density.max()  # Algorithm 1 line 24: the peak over the observed scores
+    assert scott_kde(scores, [mode])[0] == pytest.approx(density.max(), rel=1e-9) and mode in scores
+    assert math.isnan(threshold)
+    expected = (scores > mode) & (density < level)
+    clear = np.abs(density - level) > 1e-9 * level  # rounding may decide a score exactly at the level
+    assert np.array_equal(flags[clear], expected[clear])
+    assert (scores[flags] > mode).all()
+
+
+def test_a_dense_high_gdi_cluster_separates_the_pointwise_and_threshold_rules():
+    """300 typical scores around 1, a dense cluster of 60 at 8 and four stragglers (3, 4.5, 6, 10.5). The cluster's
+    own density stays above alpha * peak, so the paper's pointwise rule flags none of it but the sparse stragglers
+    beyond the main body; the threshold rule flags everything beyond the first density collapse."""
+    body = 1 + 0.3 * norm.ppf((np.arange(300) + 0.5) / 300)
+    cluster = 8 + 0.05 * norm.ppf((np.arange(60) + 0.5) / 60)
+    scores = np.concatenate([body, cluster, [3.0, 4.5, 6.0, 10.5]])
+    density = scott_kde(scores, scores)
+    assert (density[300:360] > 0.05 * density.max()).all()  # the cluster is dense
+
+    pointwise, _, _ = kde_flags(scores, 0.05, "pointwise")
+    assert set(np.nonzero(pointwise)[0]) == {361, 362, 363}  # the stragglers at 4.5, 6 and 10.5
+    threshold_flags, _, threshold = kde_flags(scores, 0.05, "threshold")
+    assert set(np.nonzero(threshold_flags)[0]) == set(range(300, 364)) - {360}  # all 60, and every straggler but 3
+    expected, step = reference_threshold(scores, 0.05)
+    assert abs(threshold - expected) <= 2 * step and 3.0 < threshold < 4.5
+
+
 @pytest.mark.parametrize("alpha", [0.05, 0.12, 0.3])
-def test_kde_tail_threshold_matches_scipy_on_a_fine_grid(alpha):
+def test_kde_tail_threshold_matches_a_hand_written_kde_on_a_fine_grid(alpha):
     rng = np.random.default_rng(1)
     scores = np.concatenate([rng.gamma(2.0, 0.5, 300), rng.normal(6.0, 0.3, 12)])
     threshold, _ = kde_tail_threshold(scores, alpha)
     expected, step = reference_threshold(scores, alpha)
     assert abs(threshold - expected) <= 2 * step
+    flags, _, same = kde_flags(scores, alpha, "threshold")
+    assert same == threshold and np.array_equal(flags, scores >= threshold)
 
 
-def test_kde_tail_flags_a_dense_far_cluster_as_a_whole():
-    """Beyond the threshold every score is in the tail, even inside a secondary outlier cluster whose own density
-    exceeds alpha * peak (a pointwise density test would keep most of that cluster)."""
-    rng = np.random.default_rng(2)
-    scores = np.concatenate([rng.normal(1.0, 0.3, 300), rng.normal(8.0, 0.05, 40)])
-    threshold, _ = kde_tail_threshold(scores, 0.05)
-    kde = gaussian_kde(scores)
-    cluster = scores[300:]
-    assert threshold < cluster.min()
-    assert (kde(cluster) >= 0.05 * kde(np.linspace(0, 9, 9001)).max()).any()
-
-
-def test_kde_threshold_is_infinite_without_a_sparse_tail_and_nan_when_degenerate():
-    assert kde_tail_threshold(np.linspace(0.0, 1.0, 200), 0.05)[0] == math.inf  # flat density: no tail
-    assert math.isnan(kde_tail_threshold(np.ones(200), 0.05)[0])
-    assert math.isnan(kde_tail_threshold(1 + 1e-9 * np.random.default_rng(0).normal(size=200), 0.05)[0])
+def test_kde_rules_flag_nothing_without_a_sparse_tail_or_a_density():
+    flat = np.linspace(0.0, 1.0, 200)
+    assert kde_tail_threshold(flat, 0.05)[0] == math.inf  # flat density: no tail
+    assert not kde_flags(flat, 0.05, "threshold")[0].any()
+    for degenerate in (np.ones(200), 1 + 1e-9 * np.random.default_rng(0).normal(size=200), np.array([2.0])):
+        assert math.isnan(kde_tail_threshold(degenerate, 0.05)[0])
+        for rule in ("pointwise", "threshold"):
+            flags, mode, _ = kde_flags(degenerate, 0.05, rule)
+            assert not flags.any() and math.isnan(mode)
 
 
 # ---------------------------------------------------------------- Eq. 8 and the plan
@@ -411,6 +537,7 @@ def test_plan_apply_and_multiplicity_follow_source_and_keep():
 def test_planted_outliers_are_found():
     hidden, rewards, ids, corrupted = planted()
     plan, stats = curate(hidden, rewards, ids, SMALL, gen(0), corrupted=corrupted)
+    assert stats["skipped_reason"] == "" and stats["pairs"] > SMALL.pair_batch  # mini-batched training
     assert stats["auroc"] >= 0.8
     assert stats["n_flagged"] > 0 and stats["precision"] >= 0.8
     # the plan replaced every flagged rollout (each prompt still has stable ones) and kept prompt sizes
@@ -418,19 +545,17 @@ def test_planted_outliers_are_found():
     assert torch.equal(torch.bincount(ids[plan.source] - 1000), torch.bincount(ids - 1000))
 
 
-def test_flags_are_the_capped_high_tail_of_the_returned_gdi():
+def test_curate_flags_the_pointwise_rule_on_the_returned_gdi():
     hidden, rewards, ids, corrupted = planted(seed=1)
-    cfg = replace(SMALL, alpha=0.3, max_flag_frac=0.05)
-    plan, stats = curate(hidden, rewards, ids, cfg, gen(0), corrupted=corrupted)
+    plan, stats = curate(hidden, rewards, ids, replace(SMALL, alpha=0.12), gen(0), corrupted=corrupted)
     scores = plan.gdi.double().numpy()
     scored = ~np.isnan(scores)
-    expected, step = reference_threshold(scores[scored], cfg.alpha)
-    assert abs(stats["kde_threshold"] - expected) <= 2 * step
-    tail = scored & (scores >= stats["kde_threshold"])
-    cap = int(cfg.max_flag_frac * len(scores))
-    assert tail.sum() > cap  # the cap binds here: the highest-GDI ones are kept
-    assert plan.flagged.sum() == cap
-    assert scores[plan.flagged.numpy()].min() >= scores[tail & ~plan.flagged.numpy()].max()
+    density = scott_kde(scores[scored], scores[scored])
+    expected = np.zeros(len(scores), dtype=bool)
+    expected[scored] = (scores[scored] > stats["kde_mode"]) & (density < 0.12 * density.max())
+    assert plan.flagged.any() and np.array_equal(plan.flagged.numpy(), expected)
+    assert stats["n_candidates"] == stats["n_flagged"] == expected.sum() and stats["skipped_reason"] == ""
+    assert stats["flag_frac"] == expected.sum() / len(scores)
     # precision / recall / AUROC by direct counting
     f, c = plan.flagged.numpy(), corrupted.numpy()
     assert stats["precision"] == pytest.approx((f & c).sum() / f.sum())
@@ -440,30 +565,57 @@ def test_flags_are_the_capped_high_tail_of_the_returned_gdi():
     assert stats["auroc"] == pytest.approx(auroc)
 
 
-def test_stats_hold_the_contract_keys_as_floats():
+def test_the_opt_in_cap_keeps_the_highest_gdi_candidates_of_the_threshold_rule():
+    hidden, rewards, ids, _ = planted(seed=1)
+    cfg = replace(SMALL, alpha=0.3, rule="threshold", max_flag_frac=0.05)
+    plan, stats = curate(hidden, rewards, ids, cfg, gen(0))
+    scores = plan.gdi.double().numpy()
+    scored = ~np.isnan(scores)
+    expected, step = reference_threshold(scores[scored], cfg.alpha)
+    assert abs(stats["kde_threshold"] - expected) <= 2 * step
+    tail = scored & (scores >= stats["kde_threshold"])
+    cap = int(cfg.max_flag_frac * scored.sum())  # a fraction of the scored rollouts, as in the reference code
+    assert stats["n_candidates"] == tail.sum() > cap  # the cap binds here: the highest-GDI ones are kept
+    assert plan.flagged.sum() == stats["n_flagged"] == cap and stats["skipped_reason"] == ""
+    assert scores[plan.flagged.numpy()].min() >= scores[tail & ~plan.flagged.numpy()].max()
+    uncapped, _ = curate(hidden, rewards, ids, replace(cfg, max_flag_frac=None), gen(0))
+    assert torch.equal(uncapped.flagged, torch.from_numpy(tail))
+
+
+STATS_KEYS = {
+    *("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "flag_frac"),
+    *("proj_steps", "proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8"),
+    *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold", "skip_no_pairs", "skip_few_scores", "skip_degenerate"),
+    *("skipped_reason", "time_s"),
+}
+
+
+def test_stats_hold_the_contract_keys_as_floats_and_one_reason_string():
     hidden, rewards, ids, corrupted = planted(16, 8, 16, 0.1, seed=2)
     _, stats = curate(hidden, rewards, ids, TINY, gen(0), corrupted=corrupted)
-    required = {
-        "pairs",
-        "n_scored",
-        "n_flagged",
-        "flag_frac",
-        "proj_train_acc",
-        "proj_val_acc",
-        "proj_steps",
-        "proj_loss",
-        "gdi_p50",
-        "gdi_p95",
-        "cos_gt_0.8",
-        "cos_mean",
-        "time_s",
-        "precision",
-        "recall",
-        "auroc",
-    }
-    assert required <= set(stats)
+    assert set(stats) == STATS_KEYS | {"precision", "recall", "auroc"}
+    assert stats.pop("skipped_reason") == ""
     assert all(type(v) is float for v in stats.values())
     assert stats["pairs"] == len(preference_pairs(rewards, ids)[0])
+    _, plain = curate(hidden, rewards, ids, TINY, gen(0))
+    assert set(plain) == STATS_KEYS
+
+
+def test_cos_gt_0_8_is_the_share_of_projected_pair_directions_near_the_prototype(monkeypatch):
+    """§5.4 / Fig. 6d: the share of projected directions v_p whose cosine with v_proto exceeds 0.8."""
+    seen = {}
+    real = geoalign.deviation
+
+    def spy(v, v_proto):
+        seen["cos"] = (v @ v_proto / v.norm(dim=1) / v_proto.norm()).numpy()
+        return real(v, v_proto)
+
+    monkeypatch.setattr(geoalign, "deviation", spy)
+    hidden, rewards, ids, _ = planted(16, 8, 16, 0.1, seed=3)
+    _, stats = curate(hidden, rewards, ids, TINY, gen(0))
+    assert len(seen["cos"]) == stats["pairs"]
+    assert stats["cos_gt_0.8"] == pytest.approx(np.mean([c > 0.8 for c in seen["cos"]]))
+    assert 0 < stats["cos_gt_0.8"] < 1
 
 
 def test_amplify_duplicates_each_outlier_into_a_stable_slot():
@@ -518,7 +670,26 @@ def test_low_precision_hidden_states_are_accepted():
     assert stats["pairs"] > 0 and not math.isnan(stats["gdi_p50"])
 
 
-# ---------------------------------------------------------------- degenerate inputs
+def test_curate_is_invariant_to_the_scale_of_hidden_states():
+    """Unit displacements are scale-free; an exact power-of-two rescale keeps squared norms and first-layer
+    products finite for |h| ~ 1e20 (float32 squares overflow) and for float64 states beyond float32's range."""
+    hidden, rewards, ids, _ = planted(12, 6, 24, 0.1, seed=5)
+    base = curate(hidden, rewards, ids, TINY, gen(2))
+    for scaled in (hidden * 2.0**64, hidden * 2.0**-100, hidden.double() * 2.0**900):
+        same_result(base, curate(scaled, rewards, ids, TINY, gen(2)))
+    plan, stats = curate(hidden * 1e19, rewards, ids, TINY, gen(2))
+    assert stats["pairs"] == base[1]["pairs"] and stats["skipped_reason"] == ""
+    assert bool(torch.isfinite(plan.gdi[~torch.isnan(base[0].gdi)]).all())
+
+
+def test_group_ids_may_be_lists_of_integers_or_strings():
+    hidden, rewards, ids, _ = planted(8, 6, 16, 0.1, seed=1)
+    base = curate(hidden, rewards, ids, TINY, gen(0))
+    same_result(base, curate(hidden, rewards.tolist(), ids.tolist(), TINY, gen(0)))
+    same_result(base, curate(hidden, rewards, [f"prompt-{i}" for i in ids.tolist()], TINY, gen(0)))
+
+
+# ---------------------------------------------------------------- skips and degenerate inputs
 
 
 def assert_identity(plan, n):
@@ -527,11 +698,17 @@ def assert_identity(plan, n):
         assert torch.equal(getattr(plan, field), getattr(identity, field))
 
 
+def assert_skipped(stats, reason):
+    assert stats["skipped_reason"] == reason
+    assert {why: stats[f"skip_{why}"] for why in SKIP_REASONS} == {why: float(why == reason) for why in SKIP_REASONS}
+
+
 def test_all_tied_prompts_give_the_identity_plan():
     hidden, _, ids, _ = planted(8, 4, 16, 0.0)
     plan, stats = curate(hidden, torch.ones(32), ids, TINY, gen(0))
     assert_identity(plan, 32)
-    assert stats["skip_no_pairs"] == 1.0 and stats["pairs"] == 0.0
+    assert_skipped(stats, "no_pairs")
+    assert stats["pairs"] == 0.0 and stats["proj_steps"] == 0.0 and math.isnan(stats["val_acc"])
 
 
 def test_identical_hidden_states_give_no_direction_and_the_identity_plan():
@@ -539,22 +716,35 @@ def test_identical_hidden_states_give_no_direction_and_the_identity_plan():
     hidden = torch.randn(8, 16, generator=gen(0)).repeat_interleave(4, 0)  # every prompt's rollouts identical
     plan, stats = curate(hidden, rewards, ids, TINY, gen(0))
     assert_identity(plan, 32)
-    assert stats["skip_no_pairs"] == 1.0 and stats["pairs_identical"] > 0
+    assert_skipped(stats, "no_pairs")
+    assert stats["pairs_identical"] > 0
 
 
-def test_one_prompt_gives_the_identity_plan():
-    hidden, rewards, ids, _ = planted(1, 64, 16, 0.0)
-    plan, stats = curate(hidden, rewards, ids, TINY, gen(0))
-    assert_identity(plan, 64)
-    assert stats["skip_one_prompt"] == 1.0 and stats["pairs"] > 0
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_an_empty_batch_gives_the_empty_identity_plan(as_lists):
+    rewards, ids = ([], []) if as_lists else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    plan, stats = curate(torch.zeros(0, 16), rewards, ids, TINY, gen(0))
+    assert_identity(plan, 0)
+    assert_skipped(stats, "no_pairs")
+    assert stats["flag_frac"] == 0.0
 
 
-def test_too_few_scores_flag_nothing():
+def test_small_batches_are_curated_by_default():
+    """The paper has no minimum batch: 72 rollouts (the reference code's 100-score minimum would skip them)."""
+    hidden, rewards, ids, _ = planted(12, 6, 16, 0.2, seed=4)
+    plan, stats = curate(hidden, rewards, ids, replace(TINY, alpha=0.3), gen(0))
+    assert GeoAlignConfig().min_scores is None and GeoAlignConfig().max_flag_frac is None
+    assert stats["n_scored"] < 100 and stats["skipped_reason"] == "" and plan.flagged.any()
+
+
+def test_the_opt_in_score_minimum_flags_nothing_after_training():
     hidden, rewards, ids, _ = planted(12, 6, 16, 0.0)
     plan, stats = curate(hidden, rewards, ids, replace(TINY, min_scores=100), gen(0))
     assert_identity(plan, 72)
+    assert_skipped(stats, "few_scores")
     assert stats["prompts_paired"] >= 2 and stats["n_scored"] < 100
-    assert stats["skip_few_scores"] == 1.0 and stats["proj_steps"] == 0.0
+    assert stats["proj_steps"] > 0 and not math.isnan(stats["val_acc"])  # the projector still trains
+    assert not math.isnan(stats["gdi_p50"]) and bool((~torch.isnan(plan.gdi)).any())
 
 
 def test_equal_gdi_scores_flag_nothing():
@@ -566,7 +756,8 @@ def test_equal_gdi_scores_flag_nothing():
     ids = torch.arange(20).repeat_interleave(2)
     plan, stats = curate(hidden, rewards, ids, TINY, g)
     assert_identity(plan, 40)
-    assert stats["skip_degenerate"] == 1.0 and stats["cos_mean"] == pytest.approx(1.0)
+    assert_skipped(stats, "degenerate")
+    assert stats["cos_mean"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
@@ -576,8 +767,12 @@ def test_equal_gdi_scores_flag_nothing():
         (lambda h, r, i: (h.index_fill(0, torch.tensor([1]), math.inf), r, i), "hidden contains NaN or inf"),
         (lambda h, r, i: (h, r[:-1], i), "rewards must have shape"),
         (lambda h, r, i: (h, r, i[:-1]), "group_ids must have shape"),
-        (lambda h, r, i: (h[0], r, i), "hidden must have shape"),
+        (lambda h, r, i: (h[0], r, i), "hidden must be a tensor of shape"),
+        (lambda h, r, i: (h.numpy(), r, i), "hidden must be a tensor of shape"),
         (lambda h, r, i: (h, r, i.double()), "group_ids must be integer"),
+        (lambda h, r, i: (h, r, i.double().tolist()), "group_ids must be integer or string prompt ids"),
+        (lambda h, r, i: (h, r, "prompt"), "group_ids must hold one prompt id per rollout"),
+        (lambda h, r, i: (h, r, [[0, 1]] * 8), "group_ids must have shape"),
     ],
 )
 def test_bad_inputs_raise_a_clear_error(change, match):
@@ -586,22 +781,76 @@ def test_bad_inputs_raise_a_clear_error(change, match):
         curate(*change(hidden, rewards, ids), TINY)
 
 
-@pytest.mark.parametrize(
-    "override,match",
-    [
-        ({"mode": "swap"}, "config.mode must be one of"),
-        ({"alpha": 1.5}, r"config.alpha must be in \(0, 1\)"),
-        ({"gdi": "max"}, "config.gdi"),
-        ({"val_frac": 0.0}, "config.val_frac"),
-    ],
-)
-def test_bad_config_raises_naming_the_field(override, match):
-    hidden, rewards, ids, _ = planted(4, 4, 8, 0.0)
-    with pytest.raises(ValueError, match=match):
-        curate(hidden, rewards, ids, replace(TINY, **override))
-
-
-def test_projector_of_the_wrong_width_is_rejected():
+def test_projector_of_the_wrong_width_and_a_config_of_the_wrong_type_are_rejected():
     hidden, rewards, ids, _ = planted(4, 4, 8, 0.0)
     with pytest.raises(ValueError, match="projector expects hidden size 9"):
         curate(hidden, rewards, ids, TINY, projector=Projector(9, TINY))
+    with pytest.raises(ValueError, match="config must be a GeoAlignConfig"):
+        curate(hidden, rewards, ids, {"alpha": 0.05})
+
+
+# ---------------------------------------------------------------- GeoAlignConfig: the one place of validation
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("alpha", 1.5, r"^--geoalign.alpha must be a number in \(0, 1\) \(got 1.5\)$"),
+        ("alpha", math.nan, "--geoalign.alpha must be"),
+        ("alpha", "0.1", "--geoalign.alpha must be"),
+        ("rule", "density", r"--geoalign.rule must be one of \('pointwise', 'threshold'\) \(got 'density'\)"),
+        ("mode", "swap", "--geoalign.mode must be one of"),
+        ("gdi", "max", "--geoalign.gdi must be one of"),
+        ("prototype", "median", "--geoalign.prototype must be one of"),
+        ("max_flag_frac", 1.5, r"--geoalign.max_flag_frac must be a number in \(0, 1\]"),
+        ("max_flag_frac", -0.1, "--geoalign.max_flag_frac"),
+        ("min_scores", 2.5, r"--geoalign.min_scores must be an integer >= 0 .* \(got 2.5\)"),
+        ("min_scores", -1, "--geoalign.min_scores"),
+        ("max_pairs_per_side", -1, "--geoalign.max_pairs_per_side must be"),
+        ("hidden_sizes", (512, 0), "--geoalign.projector.hidden_sizes must be a tuple of integer widths >= 1"),
+        ("hidden_sizes", (512.0,), "--geoalign.projector.hidden_sizes"),
+        ("hidden_sizes", 512, "--geoalign.projector.hidden_sizes"),
+        ("out_dim", 0, "--geoalign.projector.out_dim must be an integer >= 1"),
+        ("steps", 2.5, r"^--geoalign.projector.steps must be an integer >= 1 \(got 2.5\)$"),
+        ("steps", True, "--geoalign.projector.steps"),
+        ("steps", 0, "--geoalign.projector.steps"),
+        ("lr", math.inf, "--geoalign.projector.lr must be a finite number > 0"),
+        ("lr", 0.0, "--geoalign.projector.lr"),
+        ("pair_batch", -1, "--geoalign.projector.pair_batch must be an integer >= 0"),
+        ("pair_batch", 512.0, "--geoalign.projector.pair_batch"),
+        ("val_acc", 0.0, r"--geoalign.projector.val_acc must be a number in \(0, 1\]"),
+        ("val_frac", 1.0, "--geoalign.projector.val_frac"),
+        ("warm_start", "yes", "--geoalign.projector.warm_start must be True or False"),
+        ("device", "gpu", "--geoalign.device must be a torch device string"),
+        ("device", 0, "--geoalign.device"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_flag(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        GeoAlignConfig(**{field: value})
+    with pytest.raises(ValueError, match=match):  # replace() and presets validate too
+        replace(TINY, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        GeoAlignConfig.preset("rlhf", **{field: value})
+
+
+def test_config_accepts_the_documented_forms_and_its_presets_follow_the_paper():
+    cfg = GeoAlignConfig(
+        hidden_sizes=[64, 32], max_flag_frac=0, min_scores=0, steps=np.int64(3), alpha=np.float32(0.1)
+    )
+    assert cfg.hidden_sizes == (64, 32)  # a list (argparse nargs) becomes a tuple
+    with pytest.raises(dataclasses.FrozenInstanceError):  # so nothing bypasses the validation
+        cfg.alpha = 5.0
+    # §5.1: alpha 0.05 on Math, 0.12 on HH-RLHF; App. C.1: early stop at 95 % / 85 % validation accuracy
+    assert (GeoAlignConfig.preset("math").alpha, GeoAlignConfig.preset("math").val_acc) == (0.05, 0.95)
+    rlhf = GeoAlignConfig.preset("rlhf", mode="zero")
+    assert (rlhf.alpha, rlhf.val_acc, rlhf.mode) == (0.12, 0.85, "zero")
+    # the defaults are the math preset and the paper's §4.2 / §4.4 method (no gates, pointwise rule)
+    default = GeoAlignConfig()
+    assert default == GeoAlignConfig.preset("math")
+    assert (default.rule, default.max_flag_frac, default.min_scores) == ("pointwise", None, None)
+    assert (default.steps, default.lr, len(default.hidden_sizes) + 1) == (50, 1e-3, 3)
+    with pytest.raises(ValueError, match="unknown GeoAlign preset 'chat'"):
+        GeoAlignConfig.preset("chat")
+    with pytest.raises(ValueError, match="unknown GeoAlign config field 'projector_steps'"):
+        GeoAlignConfig.preset("math", projector_steps=3)

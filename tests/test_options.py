@@ -82,6 +82,8 @@ def test_flat_alias_and_hierarchical_flag_are_the_same_option():
         (["--advantage_estimator", "salt", "--salt.features", "exact", "--salt.gram", "shrink"], "--salt.gram"),
         (["--geoalign.alpha", "0.1"], "--geoalign.alpha only applies with --geoalign.enable"),
         (["--geoalign.projector.steps", "5"], "--geoalign.projector.steps only applies"),
+        (["--geoalign.rule", "threshold"], "--geoalign.rule only applies"),
+        (["--geoalign.enable", "--geoalign.projector.pair_batch", "-1"], "--geoalign.projector.pair_batch"),
         (["--geoalign.enable", "--geoalign.alpha", "1.5"], "(0, 1) (got 1.5)"),
         (["--geoalign.enable", "--geoalign.max_flag_frac", "1.5"], "--geoalign.max_flag_frac"),
         (["--geoalign.enable", "--geoalign.min_scores", "-1"], "--geoalign.min_scores"),
@@ -121,6 +123,11 @@ def test_geoalign_config_starts_from_the_preset_and_applies_given_flags():
     )
     cfg = options.geoalign_config(args)
     assert (cfg.alpha, cfg.val_acc, cfg.hidden_sizes, cfg.warm_start, cfg.steps) == (0.07, 0.95, (64, 32), False, 7)
+    cfg = options.geoalign_config(
+        parse(["--geoalign.enable", "--geoalign.rule", "threshold", "--geoalign.projector.pair_batch", "0"])
+    )
+    assert (cfg.rule, cfg.pair_batch) == ("threshold", 0)
+    assert options.geoalign_config(parse(["--geoalign.enable"])).rule == "pointwise"  # the paper's rule by default
 
 
 def test_unknown_preset_is_rejected():
