@@ -96,8 +96,9 @@ for run in runs:
     acc = EventAccumulator(str(run))
     acc.Reload()
     tags |= {t for t in acc.Tags()["scalars"] if len(acc.Scalars(t)) >= 2}
-want = ["salt/pr", "salt/k", "salt/n_eff", "salt/alpha", "salt/D_a", "salt/D_g", "salt/exp_norm",
-        "salt/main_norm", "geo/pairs", "geo/flag_frac", "geo/proj_val_acc", "geo/gdi_p50", "geo/gdi_p95",
+want = ["salt/pr", "salt/k", "salt/n_eff_in", "salt/n_eff_out", "salt/alpha", "salt/D_a", "salt/D_g", "salt/U_perp",
+        "salt/U_perp_gain", "salt/out_of_regime", "geo/pairs", "geo/flag_frac", "geo/val_acc", "geo/gdi_p50",
+        "geo/gdi_p95",
         "geo/cos_gt_0.8", "geo/precision", "geo/recall", "geo/auroc", "noise/corrupted"]
 missing = [w for w in want if f"train/{w}" not in tags]
 assert not missing, f"metrics missing from TensorBoard: {missing}"
