@@ -335,7 +335,7 @@ def test_mismatched_inputs_are_clear_errors(server, tmp_path, capsys):
     assert judge.main(_argv(server, (cand, bad, out))) == 2
     assert "--baseline" in (line := _error(capsys)) and "bad.jsonl:1" in line and "'response'" in line
     assert judge.main(_argv(server, (cand, tmp_path / "none.jsonl", out))) == 2
-    assert "no such file" in _error(capsys)
+    assert "no such file" in _error(capsys).lower()
     # Matching by id: the prompts behind one id must agree.
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"id": 1, "prompt": "p", "response": "r"}) + "\n")

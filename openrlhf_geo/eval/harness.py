@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from openrlhf_geo.eval.metrics import avg_at_n, mean_pass_at_k, pass_at_k
+from openrlhf_geo.jsonl import read_jsonl
 from openrlhf_geo.rewards.math_verify import MathVerifyReward, Verdict, extract_last_boxed
 
 # The papers' instruction (the standard one for R1-distilled and Qwen math models); --system-prompt overrides it.
@@ -93,19 +94,7 @@ def load_records(path):
     """
     path = Path(path)
     if path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(path.read_bytes().splitlines(), 1):  # bytes split on \n and \r only
-            text = _decode_utf8(line, path, number - 1)
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
-        return records
+        return [record for _, record in read_jsonl(path)]
     if path.suffix == ".json":
         try:
             data = json.loads(_decode_utf8(path.read_bytes(), path))

@@ -45,6 +45,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from openrlhf_geo.eval.metrics import paired_gain
+from openrlhf_geo.jsonl import read_jsonl
 from openrlhf_geo.rewards.armorm import clean_response, conversation_from_query
 
 # GeoAlign App. B.3, "RLHF Evaluation Prompt", verbatim up to line breaks and straight quotes.
@@ -276,18 +277,7 @@ def judge_pair(client, prompt, candidate, baseline, parse_retries=2):
 def load_responses(path, flag, key="prompt"):
     """``{match key: {"prompt", "response"}}`` from a jsonl file; ValueError naming the flag, file and line."""
     records, lines = {}, {}
-    text = Path(path).read_text() if Path(path).is_file() else None
-    if text is None:
-        raise ValueError(f"{flag} {path}: no such file")
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{flag} {path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{flag} {path}:{number}: expected a JSON object per line")
+    for number, row in read_jsonl(path, flag):
         for field_name in ("prompt", "response"):
             if not isinstance(row.get(field_name), str):
                 raise ValueError(f"{flag} {path}:{number}: needs a {field_name!r} field (a string)")

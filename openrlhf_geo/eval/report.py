@@ -51,22 +51,6 @@ class Run:
     curves: dict = field(default_factory=dict)
 
 
-def read_jsonl(path):
-    """The JSON objects of a jsonl file, one per non-blank line; ValueError naming the file and line otherwise."""
-    rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected one JSON object per line (got {type(row).__name__})")
-        rows.append(row)
-    return rows
-
-
 def read_metrics_jsonl(path):
     """Curves ``{key: (steps, values)}`` of a metrics.jsonl; ValueError naming ``file:line`` for a malformed line.
 

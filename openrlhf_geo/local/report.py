@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from openrlhf_geo.eval.report import compare, load_runs, plot_curve, read_jsonl
+from openrlhf_geo.eval.report import compare, load_runs, plot_curve
 from openrlhf_geo.geoalign import detection_auroc
+from openrlhf_geo.jsonl import read_jsonl
 
 FINAL = "eval/accuracy"  # its value at the last step of each run is the scalar `final/eval/accuracy`
 # curves averaged over RL steps 1..T per seed, scalars `mean/<key>` (geo/auroc: pooled, in the detection section)
@@ -95,7 +96,7 @@ def pair_count_auroc(records):
 def gdi_records(root, method):
     """The GDI records of a method's runs (gdi.jsonl), those with corruption labels."""
     paths = sorted((Path(root) / method).glob("*/gdi.jsonl"))
-    return [r for path in paths for r in read_jsonl(path) if r.get("corrupted") is not None]
+    return [r for path in paths for _, r in read_jsonl(path) if r.get("corrupted") is not None]
 
 
 def detection(runs, root, method, last):
@@ -105,7 +106,7 @@ def detection(runs, root, method, last):
     auroc, n_pos, n_neg = pooled_auroc(records)
     per_step = pooled(runs, [method], "geo/auroc")
     lowest = float(per_step.min()) if per_step.size else math.nan
-    rows = [r for path in sorted((Path(root) / method).glob("*/metrics.jsonl")) for r in read_jsonl(path)]
+    rows = [r for path in sorted((Path(root) / method).glob("*/metrics.jsonl")) for _, r in read_jsonl(path)]
     curated = [r for r in rows if r.get("step", 0) >= 1 and "geo/skipped_reason" in r]
     edges = [e for e in STEP_EDGES if e < last] + [last]
     parts = {(lo + 1, hi): [r for r in records if lo < r["step"] <= hi] for lo, hi in zip(edges[:-1], edges[1:])}

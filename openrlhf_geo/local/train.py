@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import options
+from openrlhf_geo.jsonl import read_jsonl
 from openrlhf_geo.local import rundir
 
 ESTIMATORS = ("group_norm", "dr_grpo", "salt")
@@ -250,35 +251,17 @@ def parse_args(argv):
 
 def read_dataset(path, input_key, label_key, flag):
     """{"prompt", "answer"} rows of a jsonl dataset; ValueError naming the flag, file and line of a bad one."""
-    try:
-        f = open(path, "rb")
-    except OSError as error:
-        raise ValueError(f"{flag} {path}: {error.strerror}") from None
     rows = []
-    with f:
-        for number, raw in enumerate(f, 1):
-            where = f"{flag} {path}:{number}"
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as error:
+    for number, row in read_jsonl(path, flag):
+        for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
+            if key not in row:
+                raise ValueError(f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise ValueError(
-                    f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object (got {type(row).__name__})")
-            for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
-                if key not in row:
-                    raise ValueError(f"{where}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
-                value = row[key]
-                if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                    raise ValueError(f"{where}: {key!r} must be a string or number (got {json.dumps(value)})")
-            rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
+                    f"{flag} {path}:{number}: {key!r} must be a string or number (got {json.dumps(value)})"
+                )
+        rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
     if not rows:
         raise ValueError(f"{flag} {path}: no rows")
     return rows

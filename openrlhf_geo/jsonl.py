@@ -1,0 +1,36 @@
+"""The one reader for the jsonl files the project reads: datasets, eval records, judge inputs, run logs."""
+
+import json
+from pathlib import Path
+
+
+def read_jsonl(path, label=""):
+    """[(line number, object)] for each non-blank line of a jsonl file (a UTF-8 BOM on the first line is accepted).
+
+    ValueError "<label> <path>:<line>: ..." (label: the flag that named the file, if any) for a missing file, bad
+    UTF-8, malformed JSON or a line that is not a JSON object; callers check the fields they need.
+    """
+    where = f"{label} {path}" if label else str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{where}: {error.strerror}") from None
+    rows = []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            column = error.start + 1
+            raise ValueError(
+                f"{where}:{number}: not UTF-8 (byte {raw[error.start]:#04x} at column {column})"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}:{number}: not JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}:{number}: expected a JSON object (got {type(row).__name__})")
+        rows.append((number, row))
+    return rows
