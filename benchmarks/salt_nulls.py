@@ -114,7 +114,7 @@ def matched_by_rand_proj_order(salt_values, rand_proj_values):
 
 def batch_rows(a, F, draws):
     """{row name: {metric: value}} and SALT's PR, k_t, α_t for one batch; the nulls averaged over `draws` seeds."""
-    salt, stats, (basis, is_top) = salt_advantages(a, F, return_basis=True)
+    salt, stats, (basis, is_top, _) = salt_advantages(a, F, return_basis=True)
     K = diagnostics.gram(F)
     u_in = diagnostics.residual_strength(a, K, basis, is_top)
 

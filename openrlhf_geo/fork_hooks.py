@@ -16,8 +16,8 @@ One flag's path through the fork, by the upstream file whose diff makes the call
 
 The per-step logic (reward noise, GeoAlign, SALT, replacement multiplicities, metrics, state) is
 `openrlhf_geo.pipeline`, shared with the local engine; this module only adapts upstream's objects to it.
-tests/test_fork_pipeline.py checks the replacement semantics against an explicitly duplicated batch, and
-tests/test_pipeline.py that the fork and the local engine produce identical advantages and metrics.
+tests/test_fork_pipeline.py checks the replacement semantics against an explicitly duplicated batch, and that the
+fork and the local engine produce identical advantages and metrics on the same rollouts.
 """
 
 import torch

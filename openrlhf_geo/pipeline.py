@@ -211,7 +211,8 @@ class GeometryStep:
 
     @property
     def kept(self):
-        """(N,) bool: slots that take part in the group statistics and SALT (False only under GeoAlign `drop`)."""
+        """(N,) bool: slots that take part in the group statistics and SALT (False only for plans that drop rollouts:
+        GeoAlign `drop`, PODS, PF-PPO without keep_count; local engine only)."""
         return self.plan.keep
 
     def _record(self, prefix, stats, part=slice(None)):
@@ -317,7 +318,7 @@ class GeometryStep:
         per = partition_prompts or max(n_prompts, 1)
         for first in range(0, n_prompts, per):
             part = kept[(prompt >= first) & (prompt < first + per)]
-            out, stats, (basis, is_top) = salt_advantages(
+            out, stats, (basis, is_top, gram) = salt_advantages(
                 a[part],
                 features[part],
                 salt.variant,
@@ -327,7 +328,6 @@ class GeometryStep:
                 gram=salt.gram,
                 return_basis=True,
             )
-            gram = diagnostics.gram(features[part])
             applied = out if salt.apply else a[part]
             if not salt.apply:  # diagnostics only: the geometry of the unchanged coefficients a (D_a = 0, ...)
                 stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}

@@ -12,6 +12,7 @@ import numbers
 import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import scipy.linalg
@@ -303,6 +304,14 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
     return advantages.detach().to(device="cpu", dtype=torch.float64)
 
 
+class SaltGeometry(NamedTuple):
+    """What `salt_advantages(..., return_basis=True)` hands back beside a' and its stats."""
+
+    basis: torch.Tensor  # (m, r) float64: P_k = B Bᵀ when is_top, else I − B Bᵀ
+    is_top: bool
+    gram: torch.Tensor  # (m, m) float64 K = F Fᵀ / m (the unbiased K̂ under gram="shrink")
+
+
 @torch.no_grad()
 def salt_advantages(
     advantages: torch.Tensor,
@@ -366,8 +375,10 @@ def salt_advantages(
         U_perp           U_⊥(a') = √((1/m) (P_k^⊥a')ᵀ K (P_k^⊥a')), Eq. 61
         U_perp_gain      U_⊥(a') / U_⊥(a) on the same K and P_k (Table 9/10's "U_⊥ Gain"; 0/0 := 1, x/0 := inf)
         m, solve_ms      m; wall time from K to a' (PR, eigensolver, α_t, channels), not the Gram, checks or stats
-    return_basis: also return (B (m, r) float64, is_top), the top-k_t eigenbasis SALT took P_k from (K̃'s under
-    shrink; P_k = B Bᵀ if is_top else I − B Bᵀ), for every variant (rand-proj's random subspace is not returned).
+    return_basis: also return a SaltGeometry(basis, is_top, gram): B (m, r) float64 with is_top, the top-k_t
+    eigenbasis SALT took P_k from (K̃'s under shrink; P_k = B Bᵀ if is_top else I − B Bᵀ), for every variant
+    (rand-proj's random subspace is not returned), and the float64 Gram K of its quadratic forms (the unbiased K̂
+    under shrink), in the units of F Fᵀ/m, so callers' diagnostics need not form it again.
 
     eps: the ε of Eq. 59-60, for which the text gives no value (absolute, in the units of K and ‖ĝ‖).
     Scale: a', pr, k, alpha, gap, D_a and U_perp_gain are invariant to F → cF (Eq. 5, 6, 14-18 are scale-free; the
@@ -449,4 +460,6 @@ def salt_advantages(
         **gram_stats,
     }
     out = new.to(device=advantages.device, dtype=advantages.dtype)
-    return (out, stats, (basis, is_top)) if return_basis else (out, stats)
+    if not return_basis:
+        return out, stats
+    return out, stats, SaltGeometry(basis, is_top, K * scale**2)  # a power-of-two scale: exact

@@ -224,8 +224,9 @@ def test_full_salt_on_a_larger_low_rank_batch_takes_the_lanczos_path_and_matches
 def test_returned_basis_spans_the_top_k_eigenvectors_salt_projected_on(data):
     a, F = data
     assume(relative_gaps(F)[0] > 1e-4)
-    out, stats, (B, is_top) = salt_advantages(torch.tensor(a), torch.tensor(F), return_basis=True)
+    out, stats, (B, is_top, gram) = salt_advantages(torch.tensor(a), torch.tensor(F), return_basis=True)
     m, k = len(a), int(stats["k"])
+    np.testing.assert_allclose(gram.numpy(), F @ F.T / m, rtol=1e-10, atol=1e-12)  # the Gram, in F's own units
     assert B.dtype == torch.float64 and B.shape[0] == m and B.shape[1] == (k if is_top else m - k)
     P = B.numpy() @ B.numpy().T
     P = P if is_top else np.eye(m) - P
@@ -529,7 +530,7 @@ def test_all_zero_advantages_are_returned_unchanged_with_alpha_reported(variant)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_zero_features_give_the_identity_with_documented_stats(variant):
     a = torch.tensor([1.0, -0.5, -0.5, 2.0])
-    out, stats, (basis, is_top) = salt_advantages(
+    out, stats, (basis, is_top, _) = salt_advantages(
         a, torch.zeros(4, 3), variant, **kwargs_for(variant), return_basis=True
     )
     assert torch.equal(out, a)
@@ -545,7 +546,7 @@ def test_zero_features_give_the_identity_with_documented_stats(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_single_response_is_returned_unchanged(variant):
     a = torch.tensor([0.7])
-    out, stats, (basis, is_top) = salt_advantages(
+    out, stats, (basis, is_top, _) = salt_advantages(
         a, torch.tensor([[1.0, 2.0]]), variant, **kwargs_for(variant), return_basis=True
     )
     assert torch.equal(out, a)
@@ -672,3 +673,12 @@ def test_deterministic_variants_draw_nothing():
         if not spec.random:
             salt_advantages(torch.randn(12), torch.randn(12, 4), name, **{**kwargs_for(name), "generator": gen})
     assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e20])
+def test_returned_gram_is_in_the_features_own_units_at_any_scale(scale):
+    F = torch.randn(6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * scale
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    _, _, (_, _, gram) = salt_advantages(a, F, return_basis=True)
+    expected = (F @ F.T / 6).numpy()
+    np.testing.assert_allclose(gram.numpy(), expected, rtol=1e-12, atol=0.0)

@@ -339,7 +339,7 @@ def test_shrink_returns_the_basis_of_the_shrunk_gram():
     gen = torch.Generator().manual_seed(5)
     F = torch.randn(24, 2, generator=gen) @ torch.randn(2, 64, generator=gen) + torch.randn(24, 64, generator=gen)
     a = grpo_advantages(24, 5)
-    out, stats, (B, is_top) = salt_advantages(a, F, gram="shrink", return_basis=True)
+    out, stats, (B, is_top, _) = salt_advantages(a, F, gram="shrink", return_basis=True)
     shrunk, _ = sketch_gram.shrink(*sketch_gram.gram_and_noise(F))
     k = int(stats["k"])
     Q = torch.linalg.eigh(shrunk).eigenvectors.flip(1)[:, :k]
