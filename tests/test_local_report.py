@@ -127,6 +127,8 @@ RECORDS = [
     (0, 6, [1, 0, 0], [0, 0, 0], [0.5, 4.0, 2.5], [False, True, False]),
     (1, 2, [0, 1, 1, 1], [2, 2, 2, 2], [5.0, 1.0, 1.0, 0.0], [True, False, False, False]),
 ]
+G_NORM = [0.5, 0.4, 0.45, 0.2, 0.3, 0.1]  # App. B's update norm and residual bound of the "geom" runs
+B_DELTA = [1.0, 0.9, 0.7, 0.8, 0.4, 0.3]
 SKIPPED = {(0, 2): "few_scores", (2, 3): "few_scores", (2, 4): "no_pairs"}
 
 
@@ -138,6 +140,8 @@ def step_row(method, seed, step):
         row["salt/n_eff_out"] = 1.0 if method == "base" else 2.0
     if method == "geom":
         row["salt/alpha"] = ALPHA[step - 1]
+        row["salt/g_norm"] = G_NORM[step - 1] + 0.1 * seed
+        row["salt/b_delta"] = B_DELTA[step - 1] * (1 + seed)
     if method in ("noisy", "curated"):
         first = step == 1
         row.update({"task/rollouts": 10, "task/wrong": 6 if first else 2, "task/shortcut": 5 if first else 1,
@@ -301,3 +305,17 @@ def test_write_report_writes_strict_json_the_markdown_from_it_and_plots(tmp_path
     for name in summary["plots"]:
         assert (tmp_path / name).stat().st_size > 5_000
         assert f"![{name}]({name})" in report.render(data)
+
+
+def test_summary_correlates_update_norm_with_the_residual_bound_over_steps_and_seeds(summary):
+    """SALT App. B / Fig. 5: Pearson and Spearman of ‖g_q‖ with B_δ, here by hand over every seed's 6 steps."""
+    from scipy.stats import rankdata
+
+    x = np.array([g + 0.1 * seed for seed in SEEDS for g in G_NORM])
+    y = np.array([b * (1 + seed) for seed in SEEDS for b in B_DELTA])
+    got = summary["update_norm_vs_bound"]["geom"]
+    assert got["n"] == 6 * len(SEEDS)
+    assert got["pearson"] == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert got["spearman"] == pytest.approx(np.corrcoef(rankdata(x), rankdata(y))[0, 1])  # Pearson of mid-ranks
+    assert set(summary["update_norm_vs_bound"]) == {"geom"}  # only methods that log both
+    assert "Pearson " + f"{got['pearson']:.2f}" in report.render(summary)
