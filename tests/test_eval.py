@@ -206,6 +206,7 @@ def no_generation(monkeypatch):
     [
         (["--n", "2", "--k", "4"], ["--k", "[4]"]),
         (["--n", "0", "--k", "1"], ["--n", "got 0"]),
+        (["--chat-template-kwargs", "[1]"], ["--chat-template-kwargs", "JSON object"]),
         (["--benchmarks", "aime2099"], ["--benchmarks", "aime2099"]),
         (["--benchmarks", ","], ["--benchmarks"]),
         (["--temperature", "nan"], ["--temperature", "nan"]),
@@ -310,5 +311,13 @@ def test_prompt_uses_chat_template_or_plain_text_and_placement(tiny_model):
     assert system == f"<|im_start|>system\n{harness.SYSTEM_PROMPT}<|im_end|>\n" + chatml_user
     user = harness.render_prompt(tokenizer, "1+1?", harness.SYSTEM_PROMPT, "user")
     assert user == f"<|im_start|>user\n1+1?\n{harness.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    # template variables reach the template: a Qwen3-style thinking switch (GeoAlign evaluates with thinking off)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    off = harness.render_prompt(tokenizer, "1+1?", "Box it.", "system", {"enable_thinking": False})
+    assert off == "<|system|>Box it.<|user|>1+1?<think></think>"
+    assert harness.render_prompt(tokenizer, "1+1?", "Box it.", "system") == "<|system|>Box it.<|user|>1+1?"
     tokenizer.chat_template = None  # a base model without a template: plain text
     assert harness.render_prompt(tokenizer, "1+1?", "Box it.", "system") == "Box it.\n\n1+1?\n"

@@ -185,15 +185,21 @@ def choice_verdict(response, gold_letter, num_choices=4):
     return Verdict(m.group(1) == gold_letter, "correct" if m.group(1) == gold_letter else "wrong", box)
 
 
-def render_prompt(tokenizer, question, instruction, placement="system"):
+def render_prompt(tokenizer, question, instruction, placement="system", template_kwargs=None):
     """Prompt text: the tokenizer's chat template over [system: instruction, user: question] (``placement=user``
-    appends the instruction to the user turn instead); tokenizers without a template get plain text."""
+    appends the instruction to the user turn instead); tokenizers without a template get plain text.
+
+    template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} for Qwen3 with thinking
+    disabled, as GeoAlign evaluates (arXiv 2606.26917 App. B.3).
+    """
     if placement == "system":
         messages = [{"role": "system", "content": instruction}, {"role": "user", "content": question}]
     else:
         messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
     return "\n\n".join(m["content"] for m in messages) + "\n"
 
 
@@ -333,6 +339,14 @@ def build_parser():
     parser.add_argument("--system-prompt", default=SYSTEM_PROMPT, help="instruction for math benchmarks")
     parser.add_argument("--choice-prompt", default=CHOICE_PROMPT, help="instruction for multiple choice")
     parser.add_argument("--prompt-placement", choices=("system", "user"), default="system")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="extra chat-template variables, e.g. '{\"enable_thinking\": false}' (Qwen3 with thinking off, as "
+        "GeoAlign evaluates)",
+    )
     parser.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM only")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
@@ -369,6 +383,8 @@ def check_args(args):
         data_paths[name] = path
     if args.n < 1:
         raise ValueError(f"--n (samples per problem) must be >= 1 (got {args.n})")
+    if args.chat_template_kwargs is not None and not isinstance(args.chat_template_kwargs, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object (got {args.chat_template_kwargs!r})")
     if any(not 1 <= k <= args.n for k in args.k):
         raise ValueError(f"--k values must lie in [1, --n={args.n}] (got {args.k})")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -433,6 +449,7 @@ def main(argv=None):
                     p.question,
                     args.system_prompt if p.kind == "math" else args.choice_prompt,
                     args.prompt_placement,
+                    args.chat_template_kwargs,
                 )
                 for p in problems[b]
             ]
