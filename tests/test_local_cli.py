@@ -295,3 +295,23 @@ def test_demo_quick_writes_report_metrics_and_plots(tmp_path):
     for name in ("eval_accuracy", "salt_pr", "salt_n_eff_in", "salt_alpha", "gdi_geoalign_noise"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "sft" / "sft.json").read_text())["steps"] >= 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0"], "--seeds must be >= 1 (got 0)"),
+        (["--workers", "0"], "--workers must be >= 1 (got 0)"),
+        (["--sft-target", "1.5"], "--sft-target must be an accuracy in (0, 1]"),
+        (["--out", "{file}"], "--out {file}: File exists"),
+        (["--stpes", "3"], "did you mean --steps?"),
+    ],
+)
+def test_demo_misuse_is_a_one_line_error_before_any_work(tmp_path, capsys, argv, message):
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message.replace("{file}", str(file)) in err
+    assert not (tmp_path / "sft").exists()

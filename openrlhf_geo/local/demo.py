@@ -13,7 +13,6 @@
    (every number of the report), <out>/report.md and PNG plots (`openrlhf_geo.local.report`).
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -64,7 +63,9 @@ _REWARD_FNS = {}  # one memoised math-verify scorer (and its worker process) per
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="openrlhf-geo demo", description=__doc__.split("\n\n")[0])
+    from openrlhf_geo.local.train import FlagParser  # one-line errors, suggestions for misspelled flags
+
+    p = FlagParser(prog="openrlhf-geo demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke check: 1 seed, a few steps, short SFT (<= 60 s)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 3; --quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 60; --quick 4)")
@@ -249,17 +250,26 @@ def run_all(jobs, workers, steps):
 def main(argv=None):
     from openrlhf_geo.local import report
 
-    args = build_parser().parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    seeds = range(args.seeds if args.seeds is not None else preset["seeds"])
-    steps = args.steps if args.steps is not None else preset["steps"]
-    if len(seeds) < 1 or steps < 1:
-        print("openrlhf-geo demo: --seeds and --steps must be >= 1", file=sys.stderr)
+    try:
+        args = build_parser().parse_args(argv)
+        preset = QUICK if args.quick else FULL
+        seeds = range(args.seeds if args.seeds is not None else preset["seeds"])
+        steps = args.steps if args.steps is not None else preset["steps"]
+        workers = args.workers if args.workers is not None else min(preset["workers"], os.cpu_count() or 1)
+        for flag, value in (("--seeds", len(seeds)), ("--steps", steps), ("--workers", workers)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1 (got {value})")
+        if args.sft_target is not None and not 0 < args.sft_target <= 1:
+            raise ValueError(f"--sft-target must be an accuracy in (0, 1] (got {args.sft_target})")
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"--out {out}: {error.strerror}") from None
+    except ValueError as error:
+        print(f"openrlhf-geo demo: error: {error}", file=sys.stderr)
         return 2
     eval_steps = min(preset["eval_steps"], steps)
-    workers = args.workers if args.workers is not None else min(preset["workers"], os.cpu_count() or 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     torch.set_num_threads(1)  # a 0.13M-parameter model gains nothing from more; extra threads only contend
 
