@@ -39,7 +39,6 @@ METHOD_FLAGS = {
         "--geoalign.enable",
         "--geoalign.projector.hidden_sizes", "128", "128",
         "--geoalign.projector.out_dim", "32",
-        "--geoalign.min_scores", "64",
     ],
 }
 # fmt: on
@@ -48,7 +47,7 @@ METHODS = tuple(METHOD_FLAGS)
 # GRPO under the same reward noise
 COMPARISONS = (("salt", "grpo"), ("grpo_noise", "grpo"), ("geoalign_noise", "grpo"), ("geoalign_noise", "grpo_noise"))
 # workers: runs in parallel processes (one thread each); the quick run stays in-process (imports dominate it)
-FULL = {"seeds": 3, "steps": 60, "eval_steps": 10, "sft_max_steps": 600, "workers": 2}
+FULL = {"seeds": 5, "steps": 60, "eval_steps": 10, "sft_max_steps": 600, "workers": 2}
 QUICK = {"seeds": 1, "steps": 4, "eval_steps": 4, "sft_max_steps": 30, "workers": 1}
 # per_prompt: solutions drawn per training prompt; shortcut_rate: share of them that follow the flawed procedure;
 # strategies: the correct ones drawn (only "digits": the tiny model learns it to >90 % in the SFT budget, so that
@@ -67,7 +66,7 @@ def build_parser():
 
     p = FlagParser(prog="openrlhf-geo demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke check: 1 seed, a few steps, short SFT (<= 60 s)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 3; --quick 1)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 5; --quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 60; --quick 4)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument(
