@@ -1,6 +1,8 @@
-"""The one reader for the jsonl files the project reads: datasets, eval records, judge inputs, run logs."""
+"""JSON(L) I/O: the one reader for the jsonl files the project reads (datasets, eval records, judge inputs, run
+logs) and the strict-JSON form of what it writes."""
 
 import json
+import math
 from pathlib import Path
 
 
@@ -34,3 +36,12 @@ def read_jsonl(path, label=""):
             raise ValueError(f"{where}:{number}: expected a JSON object (got {type(row).__name__})")
         rows.append((number, row))
     return rows
+
+
+def strict_json(value):
+    """`value` (dicts, lists, tuples, scalars) as strict JSON: str keys, NaN/inf -> null (the writers' convention)."""
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openrlhf_geo.eval.report import Run
+from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.local import report
 
 
@@ -278,7 +279,7 @@ def test_summary_rejects_comparisons_naming_absent_methods(tmp_path):
 
 def test_report_renders_the_summary_numbers(summary):
     text = report.render(summary)
-    assert text == report.render(report.jsonable(summary))  # the same from summary.json
+    assert text == report.render(strict_json(summary))  # the same from summary.json
     assert "| geom | 0.700 | 0.600, 0.600, 0.900 |" in text
     assert "| geom | base | final/eval/accuracy | 0.700 | 0.600 | +0.100 [+0.000, +0.200] | 3 |" in text
     assert "| salt/pr | 14.500 | 11.500 | n/a | n/a | n/a |" in text

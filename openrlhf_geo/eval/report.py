@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 from scipy.signal import lfilter
 
 from openrlhf_geo.eval.metrics import CI_METHODS, paired_gain
@@ -275,6 +276,22 @@ def ema(values, weight):
     values = np.asarray(values, dtype=np.float64)
     running = lfilter([1 - weight], [1, -weight], values, axis=-1)
     return running / (1 - weight ** np.arange(1, values.shape[-1] + 1))
+
+
+def curve_correlation(seeds, x_key, y_key):
+    """Pearson and Spearman correlation of two curves over the steps (>= 1) where both are finite, pooled over the
+    runs {seed: Run} -> {"pearson", "spearman", "n"}; NaN with fewer than 3 points or a constant curve."""
+    x, y = [], []
+    for run in seeds.values():
+        if x_key in run.curves and y_key in run.curves:
+            (sx, vx), (sy, vy) = run.curves[x_key], run.curves[y_key]
+            steps, ix, iy = np.intersect1d(sx, sy, return_indices=True)
+            ok = (steps >= 1) & np.isfinite(vx[ix]) & np.isfinite(vy[iy])
+            x, y = [*x, *vx[ix][ok]], [*y, *vy[iy][ok]]
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return {"pearson": math.nan, "spearman": math.nan, "n": len(x)}
+    return {"pearson": float(stats.pearsonr(x, y).statistic), "spearman": float(stats.spearmanr(x, y).statistic),
+            "n": len(x)}  # fmt: skip
 
 
 def compare(runs, baseline, confidence=0.95, n_resamples=9999, seed=0, ci_method="percentile"):

@@ -1,9 +1,7 @@
 """The demo's report: one summary dict holding every number shown (summary.json), report.md rendered from it, plots.
 
-Reads the demo's run directory `<root>/<method>/seed<k>/` (metrics.jsonl, and gdi.jsonl for GeoAlign runs: per step
-the rollouts' "gdi", "corrupted", "rewards", "group_ids") with `openrlhf_geo.eval.report.load_runs`. The methods
-are those found there; which pairs to compare is the caller's. The report states measurements, nothing else.
-"""
+Reads `<root>/<method>/seed<k>/` (metrics.jsonl; gdi.jsonl of GeoAlign runs: per step the rollouts' GDI, corruption,
+rewards, prompt ids) with `eval.report.load_runs`. Methods are those found there, the compared pairs the caller's."""
 
 import json
 import math
@@ -12,11 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import pearsonr, spearmanr
 
-from openrlhf_geo.eval.report import compare, load_runs, plot_curve
+from openrlhf_geo.eval.report import compare, curve_correlation, load_runs, plot_curve
 from openrlhf_geo.geoalign import detection_auroc
-from openrlhf_geo.jsonl import read_jsonl
+from openrlhf_geo.jsonl import read_jsonl, strict_json
 
 FINAL = "eval/accuracy"  # its value at the last step of each run is the scalar `final/eval/accuracy`
 # curves averaged over RL steps 1..T per seed, scalars `mean/<key>` (geo/auroc: pooled, in the detection section)
@@ -51,28 +48,6 @@ def per_seed(seeds, scalar):
 
 def _mean(values):
     return float(np.mean(values)) if len(values) else math.nan
-
-
-def update_norm_correlation(seeds):
-    """SALT App. B (Fig. 5): Pearson and Spearman correlation of the realized update norm ‖g_q‖ (`salt/g_norm`) with
-    the residual-energy bound B_δ (`salt/b_delta`) over a method's steps and seeds -> {pearson, spearman, n}.
-
-    The paper correlates per-group values (Pearson 0.56, Spearman 0.52 globally); the engines log each step's mean
-    over its groups, so this is the step-level version of that correlation. NaN with fewer than 3 steps or a constant.
-    """
-    x, y = [], []
-    for run in seeds.values():
-        if "salt/g_norm" not in run.curves or "salt/b_delta" not in run.curves:
-            continue
-        (sx, vx), (sy, vy) = run.curves["salt/g_norm"], run.curves["salt/b_delta"]
-        common, ix, iy = np.intersect1d(sx, sy, return_indices=True)
-        ok = np.isfinite(vx[ix]) & np.isfinite(vy[iy]) & (common >= 1)
-        x.append(vx[ix][ok])
-        y.append(vy[iy][ok])
-    x, y = np.concatenate([np.zeros(0), *x]), np.concatenate([np.zeros(0), *y])
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return {"pearson": math.nan, "spearman": math.nan, "n": int(x.size)}
-    return {"pearson": float(pearsonr(x, y).statistic), "spearman": float(spearmanr(x, y).statistic), "n": int(x.size)}
 
 
 def error_composition(runs, methods, lo=1, hi=math.inf):
@@ -189,19 +164,14 @@ def summarize(root, comparisons, setup, order=()):
             for m in methods
         },
         "alpha_positive_steps": {m: [int((a > 0).sum()), int(a.size)] for m, a in alpha.items() if a.size},
-        "update_norm_vs_bound": {m: c for m in methods if (c := update_norm_correlation(runs[m]))["n"]},
+        # SALT App. B, Fig. 5: the realized update norm ‖g_q‖ against the residual-energy bound B_δ over a run (the
+        # paper correlates per-group values; the engines log each step's mean over its groups)
+        "update_norm_vs_bound": {
+            m: c for m in methods if (c := curve_correlation(runs[m], "salt/g_norm", "salt/b_delta"))["n"]
+        },
         "errors": {m: {f"{lo}-{hi}": error_composition(runs, [m], lo, hi) for lo, hi in spans} for m in methods},
         "detection": {m: detection(runs, root, m, last) for m in methods if gdi_records(root, m)},
     }
-
-
-def jsonable(value):
-    """The summary as strict JSON: str keys, NaN/inf -> None."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _fmt(x, digits=3):
@@ -215,7 +185,7 @@ def _diff(row):
 
 
 def render(summary):
-    """report.md from a `summarize` dict (or its `jsonable` form: both render the same)."""
+    """report.md from a `summarize` dict (or its `strict_json` form: both render the same)."""
     setup, methods, last = summary["setup"], summary["methods"], summary["last_step"]
     sft, config = setup["sft"], setup["sft"].get("config", {})
     lines = [
@@ -352,7 +322,7 @@ def write_report(out, root, comparisons, setup, order=()):
         plots.append(f"gdi_{method}.png")
         plot_gdi(gdi_records(root, method), out / plots[-1])
     summary["plots"] = plots
-    data = jsonable(summary)
+    data = strict_json(summary)
     (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / "report.md").write_text(render(data))
     return summary

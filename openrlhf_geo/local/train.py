@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import options
-from openrlhf_geo.jsonl import read_jsonl
+from openrlhf_geo.jsonl import read_jsonl, strict_json
 from openrlhf_geo.local import rundir
 
 ESTIMATORS = ("group_norm", "dr_grpo", "salt")
@@ -380,13 +380,6 @@ def load_model(args, device):
     return model.to(device), tokenizer
 
 
-def _finite_or_none(value):
-    """NaN/inf -> None (strict JSON), elementwise for lists."""
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
 def fit(
     trainer,
     steps,
@@ -422,7 +415,7 @@ def fit(
         row = {**tags, **row}
         rows.append(row)
         with (out_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps({k: strict_json(v) for k, v in row.items()}) + "\n")
         for logger in loggers:
             logger.log(row["step"], row)
 
@@ -432,7 +425,7 @@ def fit(
     while trainer.global_step < steps:
         row = trainer.step()
         if trainer.last_curation is not None:
-            record = {k: None if v is None else _finite_or_none(v.tolist()) for k, v in trainer.last_curation.items()}
+            record = {k: None if v is None else strict_json(v.tolist()) for k, v in trainer.last_curation.items()}
             with (out_dir / "gdi.jsonl").open("a") as f:
                 f.write(json.dumps({**tags, "step": trainer.global_step, **record}) + "\n")
         if eval_steps > 0 and (trainer.global_step % eval_steps == 0 or trainer.global_step == steps):
