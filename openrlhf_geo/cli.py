@@ -9,6 +9,7 @@ import sys
 
 COMMANDS = {
     "demo": ("openrlhf_geo.local.demo", "tiny SFT->RL on CPU: GRPO vs +SALT vs +GeoAlign, with a report"),
+    "study": ("openrlhf_geo.local.study", "the CPU studies of docs/studies/, resumable, with a report"),
     "train": ("openrlhf_geo.local.train", "single-process training run (CPU or one GPU)"),
     "train-ppo-ray": ("openrlhf_geo.fork", "upstream openrlhf.cli.train_ppo_ray with the fork's patches"),
     "fork": ("openrlhf_geo.fork", "fork maintenance: `fork verify`, `fork path`"),

@@ -173,9 +173,16 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reward.noise.type",
         choices=NOISE_TYPES,
         default="none",
-        help="flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes",
+        help="flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes; "
+        "misspecified: the verifier also pays one wrong procedure on a fixed fraction of prompts (needs a task hook: "
+        "`openrlhf-geo study geoalign-failure`)",
     )
-    noise.add_argument("--reward.noise.rate", type=float, default=0.0, help="fraction of rollouts corrupted")
+    noise.add_argument(
+        "--reward.noise.rate",
+        type=float,
+        default=0.0,
+        help="fraction of each prompt's rollouts corrupted (flip, swap); of prompts misspecified (misspecified)",
+    )
     noise.add_argument(
         "--reward.noise.levels",
         type=float,

@@ -155,10 +155,11 @@ class GeometryPipeline:
             return "geoalign"
         return self.baseline.curation if self.baseline is not None else None
 
-    def corrupt(self, rewards, group_ids):
-        """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool)."""
+    def corrupt(self, rewards, group_ids, paid=None):
+        """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool).
+        paid (N,) bool: the rollouts a misspecified verifier pays (type misspecified only; the engine's task hook)."""
         check_finite("reward", rewards, group_ids, self.steps + 1)
-        return corrupt(rewards, group_ids, self.noise, self.generators["noise"])
+        return corrupt(rewards, group_ids, self.noise, self.generators["noise"], paid)
 
     def start(self, group_ids, corrupted=None):
         """Begin one rollout batch of N = len(group_ids) rollouts in prompt order."""

@@ -93,38 +93,49 @@ ROLLOUT_FLAGS = [
 ]  # fmt: skip
 
 
-def common_flags(out, steps, eval_steps):
+def common_flags(out, steps, eval_steps, rollout=ROLLOUT_FLAGS):
+    """The flags every run shares: the SFT model and data under `out`, evaluation, `rollout` flags, the budget."""
     return [
         "--actor.model_name_or_path", str(out / "sft"),
         "--data.prompt_dataset", str(out / "data" / "train.jsonl"),
         "--eval.dataset", str(out / "data" / "eval.jsonl"),
         "--eval.steps", str(eval_steps),
         "--eval.n_samples_per_prompt", str(EVAL_SAMPLES),
-        *ROLLOUT_FLAGS,
+        *rollout,
         "--train.steps", str(steps),
         "--train.device", "cpu",
         "--train.threads", "1",
     ]  # fmt: skip
 
 
-def prepare_data(out):
+def prepare_data(out, max_operand=99):
+    """Train / held-out additions a+b= (a, b <= max_operand) that need a carry, in <out>/data."""
     from openrlhf_geo.local.task import addition_problems, write_jsonl
 
-    train = addition_problems(N_TRAIN, seed=0, carry_only=True)
-    held_out = addition_problems(N_EVAL, seed=1, exclude={r["prompt"] for r in train}, carry_only=True)
+    train = addition_problems(N_TRAIN, seed=0, max_operand=max_operand, carry_only=True)
+    held_out = addition_problems(
+        N_EVAL, seed=1, max_operand=max_operand, exclude={r["prompt"] for r in train}, carry_only=True
+    )
     write_jsonl(out / "data" / "train.jsonl", train)
     write_jsonl(out / "data" / "eval.jsonl", held_out)
     return train, held_out
 
 
-def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print):
+def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print, sft_config=SFT):
     """SFT for `max_steps` steps (the learning rate decays over them), or until the held-out accuracy (T = 1) reaches
-    `target` when one is given (checked every SFT["eval_every"] steps); cached per configuration in <out>/sft."""
+    `target` when one is given (checked every sft_config["eval_every"] steps); cached per configuration in <out>/sft.
+    `sft_config`: the SFT dict's keys (default SFT; the studies vary the model size and the strategies)."""
     from openrlhf_geo.local.engine import evaluate
     from openrlhf_geo.local.task import build_model, build_tokenizer, sft, sft_rows
     from openrlhf_geo.local.train import make_reward_fn
 
-    config = {**SFT, "target": target, "max_steps": max_steps, "n_train": len(train), "torch": torch.__version__}
+    config = {
+        **sft_config,
+        "target": target,
+        "max_steps": max_steps,
+        "n_train": len(train),
+        "torch": torch.__version__,
+    }
     key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     info_path = out / "sft" / "sft.json"
     if info_path.exists():
@@ -133,11 +144,13 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
             log(f"SFT: reusing {out / 'sft'} ({info['steps']} steps, held-out accuracy {info['accuracy']:.3f})")
             return info
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, SFT["hidden_size"], SFT["num_layers"], seed=SFT["seed"])
+    model = build_model(tokenizer, sft_config["hidden_size"], sft_config["num_layers"], seed=sft_config["seed"])
     if "math_verify" not in _REWARD_FNS:
         _REWARD_FNS["math_verify"] = make_reward_fn("math_verify")
     reward_fn = _REWARD_FNS["math_verify"]
-    rows = sft_rows(train, SFT["per_prompt"], SFT["seed"], SFT["strategies"], SFT["shortcut_rate"])
+    rows = sft_rows(
+        train, sft_config["per_prompt"], sft_config["seed"], sft_config["strategies"], sft_config["shortcut_rate"]
+    )
     state = {"accuracy": 0.0, "steps": 0}
 
     from tqdm.auto import tqdm
@@ -147,7 +160,7 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
     def callback(step, loss):
         bar.update(1)
         state["steps"] = step
-        if step < max_steps and (target is None or step % SFT["eval_every"]):
+        if step < max_steps and (target is None or step % sft_config["eval_every"]):
             return False
         state["accuracy"] = evaluate(model, tokenizer, held_out, reward_fn, EVAL_SAMPLES, MAX_NEW_TOKENS)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{state['accuracy']:.3f}")
@@ -159,11 +172,11 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
         tokenizer,
         rows,
         max_steps,
-        SFT["batch_size"],
-        SFT["lr"],
-        seed=SFT["seed"],
+        sft_config["batch_size"],
+        sft_config["lr"],
+        seed=sft_config["seed"],
         callback=callback,
-        final_lr_ratio=SFT["final_lr_ratio"],
+        final_lr_ratio=sft_config["final_lr_ratio"],
     )
     bar.close()
     model.save_pretrained(out / "sft")
@@ -184,7 +197,7 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
 def run_one(job):
     """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}."""
     from openrlhf_geo.local.engine import Trainer
-    from openrlhf_geo.local.task import shortcut_stats
+    from openrlhf_geo.local.task import ShortcutPayer, shortcut_stats
     from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args, read_dataset
 
     args = parse_args(job["argv"])
@@ -200,6 +213,10 @@ def run_one(job):
         _REWARD_FNS[args.reward.func],
         read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset"),
         rollout_stats=shortcut_stats,  # task/* counts for the report (the training is the train command's)
+        # --reward.noise.type misspecified: this task's verifier that also pays the shortcut's answer
+        misspecified_pay=ShortcutPayer(_REWARD_FNS[args.reward.func], args.reward.noise.rate, args.reward.noise.seed)
+        if args.reward.noise.type == "misspecified"
+        else None,
     )
     fit(
         trainer,

@@ -329,14 +329,24 @@ class Trainer:
     scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones).
     rollout_stats(prompts, responses, correct) -> {name: count}: optional task-specific counts over a generated
     batch (e.g. `task.shortcut_stats`), summed over DAPO's generation rounds and merged into the step's metrics.
+    misspecified_pay(prompts, responses, answers) -> (N,) bool: the rollouts a misspecified verifier also pays
+    (e.g. `task.ShortcutPayer`); required by, and only used with, --reward.noise.type misspecified.
     """
 
-    def __init__(self, args, model, tokenizer, rows, reward_fn, eval_rows=None, rollout_stats=None):
+    def __init__(
+        self, args, model, tokenizer, rows, reward_fn, eval_rows=None, rollout_stats=None, misspecified_pay=None
+    ):
         self.args = args
         self.model = model
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.rollout_stats = rollout_stats
+        if args.reward.noise.type == "misspecified" and misspecified_pay is None:
+            raise ValueError(
+                "--reward.noise.type misspecified needs a task that says which rollouts its misspecified verifier "
+                "pays; `openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
+            )
+        self.misspecified_pay = misspecified_pay
         self.eval_rows = eval_rows or []
         self.device = next(model.parameters()).device
         seed = args.train.seed
@@ -505,7 +515,12 @@ class Trainer:
         correct = torch.as_tensor(self.reward_fn(batch.prompts, batch.responses, batch.answers), dtype=torch.float32)
         batch.correct = correct
         rewards = 2 * correct - 1 if args.reward.pm1 else correct.clone()
-        rewards, corrupted = self.pipeline.corrupt(rewards, batch.group_ids)
+        paid = None
+        if args.reward.noise.type == "misspecified":
+            paid = torch.as_tensor(
+                self.misspecified_pay(batch.prompts, batch.responses, batch.answers), dtype=torch.bool
+            )
+        rewards, corrupted = self.pipeline.corrupt(rewards, batch.group_ids, paid)
         batch.corrupted = corrupted if self.pipeline.noise.enabled else None
         batch.rewards = rewards.to(self.device)
 

@@ -16,9 +16,11 @@ A corpus may also hold a flawed procedure with its own wording (`shortcut_soluti
 \\boxed{75}"``, digit-wise addition that drops the carry, wrong exactly when the ones digits sum to 10 or more
 (`needs_carry`). Trained on such a mix, the model's wrong answers are mostly the shortcut rather than random slips,
 the regime GeoAlign's premise is about (wrong answers share a recognisable cause that the last hidden state can
-encode); `uses_shortcut` tells from the text which procedure a response followed.
+encode); `uses_shortcut` tells from the text which procedure a response followed. `ShortcutPayer` is a verifier
+misspecified in that same direction: on a fixed share of prompts it also pays the shortcut's answer.
 """
 
+import hashlib
 import json
 import math
 import random
@@ -175,6 +177,50 @@ def shortcut_solution(prompt: str, rng: random.Random) -> str:
 def uses_shortcut(response: str) -> bool:
     """Whether a response follows the flawed procedure (`shortcut_solution`): it opens with the SHORTCUT word."""
     return response.lstrip().startswith(SHORTCUT)
+
+
+def shortcut_answer(prompt: str) -> str:
+    """The answer `shortcut_solution` boxes for "a+b=": 10·(a1 + b1) + (a0 + b0) mod 10, the sum with the carry of the
+    ones column dropped (equal to a + b exactly when no carry is needed)."""
+    a, b = _operands(prompt, "shortcut_answer")
+    return str(10 * (a // 10 + b // 10) + (a % 10 + b % 10) % 10)
+
+
+def misspecified_prompt(prompt: str, rate: float, seed: int) -> bool:
+    """Whether `ShortcutPayer`'s verifier is misspecified on `prompt`: a fixed share `rate` of all prompts, chosen by
+    a seeded SHA-256 of the prompt text, so the same prompts in every step, process and run with that seed."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1] (got {rate})")
+    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < rate * 2**64
+
+
+class ShortcutPayer:
+    """A systematically misspecified verifier for this task: on a fixed share `rate` of the prompts
+    (`misspecified_prompt` with `seed`) it also accepts the carry-dropping shortcut's answer (`shortcut_answer`), as a
+    wrong entry in an answer key would. The misspecified reward is max(verdict, paid); the engine applies it as
+    `--reward.noise.type misspecified` (`rewards.noise.pay_wrong`, which marks the wrong rollouts it pays as
+    corrupted), so training accuracy, evaluation and GeoAlign's detection labels keep the true verdicts.
+
+    Called as the engine's `misspecified_pay` hook: (prompts, responses, answers) -> (N,) bool, the rollouts whose last
+    boxed answer `verifier` (the run's reward function, (prompts, responses, answers) -> verdicts) accepts as the
+    shortcut's answer of a misspecified prompt. Whether they are also correct is not its business (the noise step only
+    changes rewards that are not already 1).
+    """
+
+    def __init__(self, verifier, rate: float, seed: int):
+        misspecified_prompt("0+0=", rate, seed)  # validates rate
+        self.verifier, self.rate, self.seed = verifier, rate, seed
+
+    def __call__(self, prompts, responses, answers) -> torch.Tensor:
+        rows = [i for i, p in enumerate(prompts) if misspecified_prompt(p, self.rate, self.seed)]
+        paid = torch.zeros(len(prompts), dtype=torch.bool)
+        if rows:
+            verdicts = self.verifier(
+                [prompts[i] for i in rows], [responses[i] for i in rows], [shortcut_answer(prompts[i]) for i in rows]
+            )
+            paid[rows] = torch.as_tensor(verdicts, dtype=torch.float32) == 1
+        return paid
 
 
 def sft_rows(problems, per_prompt: int, seed: int, strategies=None, shortcut_rate: float = 0.0) -> list:

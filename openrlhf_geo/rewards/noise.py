@@ -1,9 +1,12 @@
-"""Reward-noise injection for robustness experiments (GeoAlign §5: flipped verifier labels, HH swap-to-extremes).
+"""Reward-noise injection for robustness experiments (GeoAlign §5.3: flipped verifier labels, HH swap-to-extremes),
+and a systematically misspecified verifier (`pay_wrong`).
 
-Both functions corrupt a fraction `rate` of the rollouts of EACH prompt. A prompt with n rollouts gets
-floor(rate·n) corrupted rollouts plus one more with probability frac(rate·n) (stochastic rounding), chosen
-uniformly within the prompt, so the expected corrupted fraction is exactly `rate` for every prompt size.
-They return `(new_rewards, corrupted)` — new tensors; the inputs are never modified. `generator` must be a CPU
+`flip_binary` and `swap_to_extremes` corrupt a fraction `rate` of the rollouts of EACH prompt. A prompt with n
+rollouts gets floor(rate·n) corrupted rollouts plus one more with probability frac(rate·n) (stochastic rounding),
+chosen uniformly within the prompt, so the expected corrupted fraction is exactly `rate` for every prompt size.
+`pay_wrong` is not random: the engine's task says which rollouts a misspecified verifier also pays (e.g. one wrong
+procedure's answer on a fixed share `rate` of the prompts, `local.task.ShortcutPayer`), so its errors share a cause.
+All return `(new_rewards, corrupted)` — new tensors; the inputs are never modified. `generator` must be a CPU
 `torch.Generator` (None = the global RNG).
 """
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-NOISE_TYPES = ("none", "flip", "swap")
+NOISE_TYPES = ("none", "flip", "swap", "misspecified")
 
 
 def _check(rewards, group_ids, rate, generator):
@@ -91,12 +94,39 @@ def swap_to_extremes(rewards, group_ids, rate, generator=None):
     return new, selected & (new != rewards)
 
 
+def pay_wrong(rewards, paid):
+    """A verifier that also pays some wrong rollouts -> (new_rewards (N,), corrupted (N,) bool).
+
+    paid (N,) bool: the rollouts the misspecified verifier pays; each gets the top reward 1 (a correct verdict under
+    both 0/1 and DAPO's ±1 rewards). `corrupted` marks those whose reward changed (the wrong ones it paid). GeoAlign
+    §5.3 corrupts rewards at random; its §1 names misspecified rewards as a cause of directional inconsistency, and
+    this is a controlled case of one. rewards must be binary verdicts: 0/1 or -1/+1.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
+    paid = torch.as_tensor(paid, device=rewards.device)
+    if paid.shape != rewards.shape or paid.dtype != torch.bool:
+        raise ValueError(
+            f"paid must be a bool tensor of shape {tuple(rewards.shape)} (got {paid.dtype} {tuple(paid.shape)})"
+        )
+    binary = (rewards == 0) | (rewards == 1) | (rewards == -1)
+    if not bool(binary.all()):
+        raise ValueError(
+            "--reward.noise.type misspecified needs binary verifier rewards (0/1 or -1/+1), got values such as "
+            f"{rewards[~binary][:3].tolist()}"
+        )
+    corrupted = paid & (rewards != 1)
+    return torch.where(corrupted, torch.ones_like(rewards), rewards), corrupted
+
+
 @dataclass(frozen=True)
 class NoiseConfig:
-    """`--reward.noise.*`: which corruption (flip: binary flips; swap: HH swap-to-extremes), its rate, levels, seed.
+    """`--reward.noise.*`: which corruption (flip: binary flips; swap: HH swap-to-extremes; misspecified: a verifier
+    that also pays one wrong procedure), its rate, levels, seed.
 
-    Validated here, the one place (errors name the flag). `levels` applies to flip only: the two reward values it
-    swaps, (0, 1) for GRPO or (-1, 1) for DAPO.
+    Validated here, the one place (errors name the flag). `rate` is the share of each prompt's rollouts for flip and
+    swap, the share of prompts on which the verifier is misspecified for misspecified (the engine's task picks them
+    with `seed`). `levels` applies to flip only: the two reward values it swaps, (0, 1) for GRPO or (-1, 1) for DAPO.
     """
 
     type: str = "none"
@@ -108,7 +138,9 @@ class NoiseConfig:
         if self.type not in NOISE_TYPES:
             raise ValueError(f"--reward.noise.type must be one of {', '.join(NOISE_TYPES)} (got {self.type!r})")
         if self.type == "none" and self.rate != 0:
-            raise ValueError(f"--reward.noise.rate {self.rate} needs --reward.noise.type flip or swap")
+            raise ValueError(
+                f"--reward.noise.rate {self.rate} needs --reward.noise.type flip or swap (or misspecified)"
+            )
         if self.type != "none" and not (math.isfinite(self.rate) and 0 < self.rate < 1):
             raise ValueError(f"--reward.noise.rate must be in (0, 1) with --reward.noise.type {self.type}")
         if self.type != "flip" and self.levels is not None:
@@ -124,8 +156,20 @@ class NoiseConfig:
         return self.type != "none"
 
 
-def corrupt(rewards, group_ids, config, generator=None):
-    """Apply `config`'s corruption -> (new_rewards (N,), corrupted (N,) bool); type none: (rewards, all False)."""
+def corrupt(rewards, group_ids, config, generator=None, paid=None):
+    """Apply `config`'s corruption -> (new_rewards (N,), corrupted (N,) bool); type none: (rewards, all False).
+
+    paid (N,) bool: for type misspecified, the rollouts the misspecified verifier pays (`pay_wrong`), which only
+    the engine's task can tell; required by that type and ignored by the others.
+    """
+    if config.type == "misspecified":
+        if paid is None:
+            raise ValueError(
+                "--reward.noise.type misspecified needs the engine to say which rollouts the misspecified verifier "
+                "pays (a task hook: the demo task's `local.task.ShortcutPayer` in `openrlhf-geo study`); this engine "
+                "passes none"
+            )
+        return pay_wrong(rewards, paid)
     if config.type == "flip":
         return flip_binary(rewards, group_ids, config.rate, generator, levels=config.levels)
     if config.type == "swap":
