@@ -615,3 +615,15 @@ def test_token_entropy_matches_numpy():
 def test_bad_baseline_settings_are_rejected_before_training(tokenizer, flags, message):
     with pytest.raises(ValueError, match=message):
         Trainer(make_args(*flags), tiny_model(tokenizer), tokenizer, [], None)
+
+
+def test_reward_memo_that_overflows_mid_batch_still_scores_every_rollout():
+    """A batch mixing memoised and new answers, where the new ones overflow the memo (which then clears), keeps the
+    memoised verdicts it already had (a long study run hit a KeyError here)."""
+    from openrlhf_geo.local.train import CachedMathVerify
+
+    reward = CachedMathVerify(max_entries=3)
+    assert reward([""] * 2, ["\\boxed{3}", "\\boxed{4}"], ["3", "3"]).tolist() == [1.0, 0.0]
+    got = reward([""] * 4, ["\\boxed{3}", "\\boxed{5}", "\\boxed{6}", "\\boxed{4}"], ["3", "5", "5", "3"])
+    assert got.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert len(reward.cache) <= 3

@@ -318,15 +318,16 @@ class CachedMathVerify:
 
     def __call__(self, prompts, responses, answers):
         keys = list(zip(responses, answers))
-        missing = list(dict.fromkeys(k for k in keys if k not in self.cache))  # first-seen order, no sort
-        fresh = {}
+        known = {k: self.cache[k] for k in keys if k in self.cache}  # taken before a clear below can drop them
+        missing = list(dict.fromkeys(k for k in keys if k not in known))  # first-seen order, no sort
         if missing:
             verdicts = self.scorer.verdicts([r for r, _ in missing], [a for _, a in missing])
             fresh = {key: float(v.correct) for key, v in zip(missing, verdicts)}
             if len(self.cache) + len(fresh) > self.max_entries:
                 self.cache.clear()
             self.cache.update({k: fresh[k] for k, v in zip(missing, verdicts) if v.status not in ("timeout", "error")})
-        return torch.tensor([fresh[k] if k in fresh else self.cache[k] for k in keys])
+            known.update(fresh)
+        return torch.tensor([known[k] for k in keys])
 
 
 def make_reward_fn(spec):
