@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from openrlhf_geo.eval.metrics import paired_gain
 from openrlhf_geo.jsonl import read_jsonl
@@ -159,25 +158,14 @@ def combine(first, second):
 def bootstrap_mean(values, confidence=0.95, n_resamples=9999, seed=0):
     """``{"value", "low", "high", "n"}``: the mean of per-prompt values with a percentile bootstrap CI over prompts.
 
-    scipy.stats.bootstrap; the interval is NaN with fewer than two prompts and collapses to the mean when every
-    value is equal (the bootstrap distribution is a point). NaN mean for no values.
+    The same bootstrap as the seed-paired gains (``metrics.paired_gain`` against a zero baseline): the interval is
+    NaN with fewer than two prompts and collapses to the mean when every value is equal. NaN mean for no values.
     """
     values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean()) if values.size else math.nan
-    if values.size < 2:
-        return {"value": mean, "low": math.nan, "high": math.nan, "n": int(values.size)}
-    if np.all(values == values[0]):
-        return {"value": mean, "low": mean, "high": mean, "n": int(values.size)}
-    result = scipy_stats.bootstrap(
-        (values,),
-        np.mean,
-        confidence_level=confidence,
-        n_resamples=n_resamples,
-        method="percentile",
-        random_state=np.random.default_rng(seed),  # `rng=` needs scipy >= 1.15; requirements admit 1.11
-    )
-    low, high = result.confidence_interval
-    return {"value": mean, "low": float(low), "high": float(high), "n": int(values.size)}
+    if not values.size:
+        return {"value": math.nan, "low": math.nan, "high": math.nan, "n": 0}
+    gain = paired_gain(values, np.zeros_like(values), confidence, n_resamples, seed, "percentile")
+    return {"value": gain["gain"], "low": gain["low"], "high": gain["high"], "n": gain["n"]}
 
 
 class ChatClient:
