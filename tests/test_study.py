@@ -104,7 +104,9 @@ def test_salt_scaling_in_another_regime_keeps_its_change_and_refuses_a_change_of
 def test_regime_study_changes_one_thing_at_a_time_from_the_demo(tmp_path):
     jobs = {j["condition"]: j for j in study.plan(ALL["regime"], tmp_path, seeds=[0])}
     demo_common = pairs(jobs["demo_grpo"]["argv"])
-    for name, regime in study.REGIMES.items():
+    assert set(jobs) == {f"{n}_{m}" for n in study.ONE_FACTOR for m in ("grpo", "salt")}
+    for name in study.ONE_FACTOR:
+        regime = study.REGIMES[name]
         for method, flags in (("grpo", study.GRPO_DIAG), ("salt", study.SALT)):
             job = jobs[f"{name}_{method}"]
             assert tuple(method_part(job)) == flags and job["setting"] == regime.setting
@@ -250,12 +252,12 @@ def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path
     assert json.loads((out / "summary.json").read_text())["setup"]["skipped"] == 2
 
 
-def fake_run(out, condition, seed, curves, final):
-    """A finished run's metrics.jsonl: eval/accuracy 0.5 at step 0 and `final` at the last, each curve at 1..T."""
+def fake_run(out, condition, seed, curves, final, start=0.5):
+    """A finished run's metrics.jsonl: eval/accuracy `start` at step 0 and `final` at the last, each curve at 1..T."""
     run = Path(out) / "runs" / condition / f"seed{seed}"
     run.mkdir(parents=True)
     steps = len(next(iter(curves.values())))
-    rows = [{"step": 0, "eval/accuracy": 0.5}]
+    rows = [{"step": 0, "eval/accuracy": start}]
     rows += [{"step": t, **{k: v[t - 1] for k, v in curves.items()}} for t in range(1, steps + 1)]
     rows[-1]["eval/accuracy"] = final
     (run / "metrics.jsonl").write_text("".join(json.dumps(strict_json(r)) + "\n" for r in rows))  # NaN -> null
@@ -310,6 +312,52 @@ def test_regime_closest_condition_is_the_nearest_to_table10_in_its_sds_and_never
                 for n, v in {"demo": (1.6, 0.9), "t06": (0.5, 0.5), "depth4": (0.9, 0.2)}.items()}  # fmt: skip
     assert section["conditions"]["t06"]["distance"] == pytest.approx(expected["t06"])
     assert section["closest"] == min(expected, key=expected.get) == "t06"  # g64 would be 0 but varies G
+
+
+def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_the_smallest_n_eff(tmp_path):
+    """The protocol's rule on synthetic runs: accuracy >= 0.25 and RL's gain over step 0 with a CI above 0, then the
+    smallest backbone n_eff (mean over the last 20 % of steps); salt-scaling reruns only if that n_eff is below 1."""
+    s = ALL["learnable-regime"]
+    jobs = study.plan(s, tmp_path, seeds=[0, 1, 2, 3])
+    assert all(tuple(method_part(j)) == study.GRPO_DIAG for j in jobs)  # nothing of SALT is applied
+    assert {j["setting"] for j in jobs} == {"demo", *study.LEARNABLE} and study.LEARNABLE == (
+        "operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # fmt: skip
+    assert study.SETTINGS["three_digit_sft4x"].sft_config() == study.SETTINGS["three_digit"].sft_config()
+    assert study.SETTINGS["three_digit_sft4x"].sft_scale == 4
+    assert study.SETTINGS["no_shortcut"].sft_config() == {**demo.SFT, "shortcut_rate": 0.0}
+    # setting: (backbone n_eff, step-0 accuracy, final accuracy); no_shortcut's gain is +-0.01 (CI spans 0)
+    truth = {"demo": (1.3, 0.5, 0.9), "operands199": (0.8, 0.3, 0.6), "operands499": (0.5, 0.1, 0.2),
+             "no_shortcut": (0.7, 0.9, None), "three_digit_sft4x": (0.9, 0.2, 0.4)}  # fmt: skip
+    rng = np.random.default_rng(0)
+    steps, n_effs = 10, {}
+    for job in jobs:
+        name, seed = job["setting"], job["seed"]
+        n_eff, start, final = truth[name]
+        final = start + (0.01 if seed % 2 else -0.01) if final is None else final + 0.01 * seed
+        curves = {k: rng.normal(1, 0.3, steps).tolist() for k in study.GEOMETRY}
+        curves["salt/n_eff_in"] = (n_eff + rng.normal(0, 0.05, steps)).tolist()
+        n_effs.setdefault(name, []).append(np.mean(curves["salt/n_eff_in"][-2:]))
+        fake_run(tmp_path, job["condition"], seed, curves, final, start)
+    summary, _ = study.summarize(s, tmp_path, jobs, setup={})
+    section = summary["learnable"]
+    rows = section["settings"]
+    for name, values in n_effs.items():
+        assert rows[name]["n_eff"] == pytest.approx(np.mean(values))
+        assert rows[name]["acc_step0"] == pytest.approx(truth[name][1])
+    assert rows["operands199"]["rl_gain"]["gain"] == pytest.approx(0.3 + 0.01 * 1.5)
+    assert [n for n, r in rows.items() if r["learnable"]] == ["demo", "operands199", "three_digit_sft4x"]
+    assert section["chosen"] == "operands199" and section["run_salt_scaling"]
+    # the same runs with operands199's n_eff above three_digit_sft4x's, and both above 1: chosen, but no rerun
+    table = {**summary["table"]}
+    table["operands199_grpo"] = {**table["operands199_grpo"], study.t10("salt/n_eff_in"): {"mean": 1.2}}
+    table["three_digit_sft4x_grpo"] = {**table["three_digit_sft4x_grpo"], study.t10("salt/n_eff_in"): {"mean": 1.1}}
+    runs, _, _ = study.load_planned(tmp_path, jobs, s.metrics)
+    section = study.learnable_section(runs, table)
+    assert section["chosen"] == "three_digit_sft4x" and not section["run_salt_scaling"]
+    report = study.render(strict_json({**summary, "setup": {"quick": False, "seeds": [0, 1, 2, 3], "steps": steps,
+                          "runs": len(jobs), "skipped": 0, "wall_s": 1.0, "estimate_s": 2.0, "sft": {},
+                          "commands": {}}}))  # fmt: skip
+    assert "--regime operands199" in report and "| operands499 |" in report
 
 
 # ---------------------------------------------------------------- the misspecified verifier

@@ -1,8 +1,9 @@
-"""`openrlhf-geo study NAME`: the four CPU studies, each a declarative list of conditions (protocols: docs/studies/).
+"""`openrlhf-geo study NAME`: the five CPU studies, each a declarative list of conditions (protocols: docs/studies/).
 
     salt-scaling      SALT rollout scaling at a fixed rollout budget (SALT arXiv 2606.05800 §4.4, Fig. 4(c, d),
                       Fig. 9, App. F.4-F.5, Table 10), GRPO and DAPO backbones, each ± SALT
     regime            what moves the backbone's n_eff below 1 and D_a toward Table 10's on CPU-sized models
+    learnable-regime  a task of intermediate difficulty where GRPO learns and its n_eff is below 1 (GRPO runs only)
     salt-ablations    SALT's App. F.3 ablations, fixed-α sweep and matched nulls under the demo's setting
     geoalign-failure  GeoAlign under a systematically misspecified reward next to random flips (GeoAlign arXiv
                       2606.26917 §5.3), against noisy GRPO and the four baselines of its App. B.5
@@ -61,7 +62,8 @@ class Setting:
     name: str
     sft: dict = field(default_factory=dict)
     max_operand: int = 99
-    cost: tuple = (1.0, 1.0)  # (RL, SFT) time relative to the demo's model, for the time estimate (`run_seconds`)
+    sft_scale: int = 1  # SFT steps in multiples of the demo's (demo.FULL["sft_max_steps"], QUICK's with --quick)
+    cost: tuple = (1.0, 1.0)  # (RL, SFT step) time relative to the demo's model, for the estimate (`run_seconds`)
 
     def sft_config(self):
         extra = {"max_operand": self.max_operand} if self.max_operand != 99 else {}
@@ -76,6 +78,11 @@ SETTINGS = {
     "all_strategies": Setting("all_strategies", {"strategies": ["tens", "split_b", "split_a", "digits"]}),
     "width128": Setting("width128", {"hidden_size": 128}, cost=(2.0, 2.4)),
     "depth4": Setting("depth4", {"num_layers": 4}, cost=(1.5, 1.5)),
+    # learnable-regime's candidates (docs/studies/learnable-regime.md); their RL cost 1.1 is three_digit's, assumed
+    "operands199": Setting("operands199", max_operand=199, cost=(1.1, 1.0)),
+    "operands499": Setting("operands499", max_operand=499, cost=(1.1, 1.0)),
+    "no_shortcut": Setting("no_shortcut", {"shortcut_rate": 0.0}),
+    "three_digit_sft4x": Setting("three_digit_sft4x", max_operand=999, sft_scale=4, cost=(1.1, 1.0)),
 }
 
 
@@ -99,7 +106,10 @@ REGIMES = {
     "all_strategies": Regime("all_strategies"),
     "width128": Regime("width128"),
     "depth4": Regime("depth4"),
+    **{name: Regime(name) for name in ("operands199", "operands499", "no_shortcut", "three_digit_sft4x")},
 }
+ONE_FACTOR = ("demo", "g4", "g64", "t06", "t13", "three_digit", "all_strategies", "width128", "depth4")  # regime's
+LEARNABLE = ("operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # learnable-regime's candidates
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,8 @@ def salt_scaling(regime="demo"):
 def regime_study():
     """regime: one change at a time from the demo, each with GRPO (+ SALT's diagnostics) and GRPO + SALT."""
     conditions, comparisons = [], []
-    for name, r in REGIMES.items():
+    for name in ONE_FACTOR:
+        r = REGIMES[name]
         conditions += [Condition(f"{name}_grpo", GRPO_DIAG, r.setting, r.rollout),
                        Condition(f"{name}_salt", SALT, r.setting, r.rollout)]  # fmt: skip
         comparisons.append((f"{name}_salt", f"{name}_grpo"))
@@ -183,6 +194,16 @@ def regime_study():
     shown = (FINAL, "last20%/salt/n_eff_in", "last20%/salt/D_a", "last20%/salt/pr", "last20%/response_length")
     return Study("regime", "Where SALT's regime is on CPU", tuple(conditions), tuple(comparisons), SEEDS, 50, 25,
                  quick=("demo_grpo", "demo_salt"), shown=shown)  # fmt: skip
+
+
+def learnable_regime():
+    """learnable-regime: GRPO (+ SALT's diagnostics, nothing of SALT applied) in each candidate setting and the demo's;
+    the candidate salt-scaling reruns in is chosen on these runs alone (`learnable_section`)."""
+    conditions = [Condition(f"{name}_grpo", GRPO_DIAG, name) for name in ("demo", *LEARNABLE)]
+    comparisons = [(f"{name}_grpo", "demo_grpo") for name in LEARNABLE]
+    shown = (FINAL, "last20%/salt/n_eff_in", "last20%/salt/pr", "last20%/response_length")
+    return Study("learnable-regime", "A learnable task in SALT's regime", tuple(conditions), tuple(comparisons), SEEDS,
+                 50, 25, quick=("demo_grpo", "operands199_grpo"), shown=shown)  # fmt: skip
 
 
 def salt_ablations():
@@ -219,6 +240,7 @@ def geoalign_failure():
 STUDIES = {
     "salt-scaling": salt_scaling,
     "regime": regime_study,
+    "learnable-regime": learnable_regime,
     "salt-ablations": salt_ablations,
     "geoalign-failure": geoalign_failure,
 }
@@ -288,7 +310,8 @@ def run_seconds(job):
 def estimate_seconds(jobs, workers, sft_max_steps=demo.FULL["sft_max_steps"]):
     """Estimated wall seconds: the settings' SFT warm-ups one after another, then the runs spread over the workers."""
     settings = dict.fromkeys(job["setting"] for job in jobs)
-    sft = sum(SFT_S * sft_max_steps / demo.FULL["sft_max_steps"] * SETTINGS[s].cost[1] for s in settings)
+    scale = sft_max_steps / demo.FULL["sft_max_steps"]
+    sft = sum(SFT_S * scale * SETTINGS[s].sft_scale * SETTINGS[s].cost[1] for s in settings)
     return sft + sum(run_seconds(job) for job in jobs) / workers
 
 
@@ -311,7 +334,8 @@ def prepare_settings(out, jobs, sft_max_steps):
         setting, where = SETTINGS[name], setting_dir(out, name)
         train, held_out = demo.prepare_data(where, setting.max_operand)
         print(f"setting {name}: SFT warm-up in {where / 'sft'}")
-        infos[name] = demo.warm_up(where, train, held_out, None, sft_max_steps, sft_config=setting.sft_config())
+        steps = sft_max_steps * setting.sft_scale
+        infos[name] = demo.warm_up(where, train, held_out, None, steps, sft_config=setting.sft_config())
     return infos
 
 
@@ -475,6 +499,39 @@ def regime_section(table):
     return {"conditions": rows, "closest": closest}
 
 
+LEARNABLE_MIN_ACC = 0.25  # learnable-regime's rule: GRPO's final held-out accuracy at least this, and above step 0's
+
+
+def learnable_section(runs, table):
+    """learnable-regime: per setting GRPO's backbone n_eff, α_t, PR (last 20 %), its held-out accuracy at step 0 (the
+    SFT model) and at the end, and the paired gain RL made; the candidate chosen by the protocol's rule (the learnable
+    one with the smallest backbone n_eff) and whether its n_eff is below 1 (the condition for a salt-scaling rerun)."""
+    from openrlhf_geo.eval.metrics import paired_gain
+
+    rows = {}
+    for name in ("demo", *LEARNABLE):
+        condition = f"{name}_grpo"
+        if condition not in runs:
+            continue
+        seeds = sorted(s for s, r in runs[condition].items() if FINAL in r.scalars and "eval/accuracy" in r.curves)
+        start = [float(runs[condition][s].curves["eval/accuracy"][1][0]) for s in seeds]  # its first eval: step 0
+        end = [runs[condition][s].scalars[FINAL] for s in seeds]
+        gain = paired_gain(end, start)
+        rows[name] = {
+            "n_eff": cell(table, condition, t10("salt/n_eff_in")),
+            "alpha": cell(table, condition, t10("salt/alpha")),
+            "pr": cell(table, condition, t10("salt/pr")),
+            "response_length": cell(table, condition, t10("response_length")),
+            "acc_step0": float(np.mean(start)) if start else math.nan,
+            "acc": cell(table, condition, FINAL),
+            "rl_gain": gain,
+            "learnable": bool(cell(table, condition, FINAL) >= LEARNABLE_MIN_ACC and gain["low"] > 0),
+        }
+    eligible = [k for k in LEARNABLE if k in rows and rows[k]["learnable"] and math.isfinite(rows[k]["n_eff"])]
+    chosen = min(eligible, key=lambda k: rows[k]["n_eff"]) if eligible else None
+    return {"settings": rows, "chosen": chosen, "run_salt_scaling": chosen is not None and rows[chosen]["n_eff"] < 1}
+
+
 def ablation_section(runs, table):
     """salt-ablations: per SALT variant the final accuracy and the share of SALT's loss against GRPO it recovers,
     (acc_variant − acc_salt) / (acc_grpo − acc_salt), with its geometry and the share of its steps with α_t > 0."""
@@ -529,6 +586,8 @@ def summarize(study, out, jobs, setup):
         summary["scaling"] = scaling_section(table, rows)
     elif study.name == "regime":
         summary["regime"] = regime_section(table)
+    elif study.name == "learnable-regime":
+        summary["learnable"] = learnable_section(runs, table)
     elif study.name == "salt-ablations":
         summary["ablations"] = ablation_section(runs, table)
     else:
@@ -600,6 +659,8 @@ def render(summary):
         lines += _render_scaling(summary["scaling"])
     if "regime" in summary:
         lines += _render_regime(summary["regime"])
+    if "learnable" in summary:
+        lines += _render_learnable(summary["learnable"])
     if "ablations" in summary:
         lines += _render_ablations(summary["ablations"])
     if "geoalign" in summary:
@@ -663,6 +724,31 @@ def _render_regime(section):
         f"(`openrlhf-geo study salt-scaling --regime {section['closest']}`).",
     ]
     return lines
+
+
+def _render_learnable(section):
+    chosen = section["chosen"]
+    if chosen is None:
+        verdict = "No candidate is learnable by the rule; salt-scaling is not rerun."
+    elif section["run_salt_scaling"]:
+        verdict = (f"Chosen: `{chosen}`, backbone n_eff below 1: rerun salt-scaling there "
+                   f"(`openrlhf-geo study salt-scaling --regime {chosen}`).")  # fmt: skip
+    else:
+        verdict = f"Chosen: `{chosen}`, but its backbone n_eff is not below 1: salt-scaling is not rerun."
+    return [
+        "",
+        f"## Settings (GRPO; learnable = final accuracy ≥ {LEARNABLE_MIN_ACC} and RL's gain over step 0 has a CI > 0)",
+        "",
+        "| setting | n_eff | α_t | PR | response length | acc step 0 | acc final | RL gain [95 % CI] | learnable |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {name} | {_f(v['n_eff'])} | {_f(v['alpha'])} | {_f(v['pr'], 1)} | {_f(v['response_length'], 1)} | "
+            f"{_f(v['acc_step0'])} | {_f(v['acc'])} | {_ci(v['rl_gain'])} | {'yes' if v['learnable'] else 'no'} |"
+            for name, v in section["settings"].items()
+        ),
+        "",
+        verdict,
+    ]
 
 
 def _render_ablations(section):
@@ -841,7 +927,7 @@ def build_parser():
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the protocol's)")
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, two conditions, 2 steps, short SFT")
     p.add_argument("--workers", type=int, default=None, help="runs in parallel processes (default 2; --quick 1)")
-    p.add_argument("--regime", default=None, help="salt-scaling only: the regime study's condition to run in")
+    p.add_argument("--regime", default=None, help="salt-scaling only: a regime or learnable-regime setting to run in")
     return p
 
 
