@@ -254,6 +254,22 @@ def test_final_never_falls_back_to_an_earlier_step(eval_runs, capsys):
         report.final_scalars(runs, ["m"], ("last", 1))
 
 
+def test_final_skip_undefined_leaves_out_nan_steps_and_runs_without_a_value():
+    """A diagnostic's window mean over the finite values only (the studies' last-20 % means of SALT's geometry)."""
+    steps = list(range(1, 11))  # window: steps 9 and 10
+    runs = _runs({("a", 0): steps, ("a", 1): steps, ("b", 0): steps, ("b", 1): steps[:8] + [10]})
+    runs["a"][1].curves["m"][1][-1] = np.nan  # step 10 undefined: the mean is step 9's alone
+    runs["b"][0].curves["m"][1][-2:] = np.nan  # nothing defined in the window: no scalar
+    runs["c"] = {0: report.Run()}  # does not log it: no scalar, no error
+    with pytest.raises(ValueError, match="null/NaN at step"):
+        report.final_scalars(runs, ["m"], ("last-frac", 0.2))
+    report.final_scalars(runs, ["m"], ("last-frac", 0.2), skip_undefined=True)
+    name = "last20%/m"
+    assert runs["a"][0].scalars[name] == 9.5 and runs["a"][1].scalars[name] == 9.0
+    assert name not in runs["b"][0].scalars and runs["b"][1].scalars[name] == 10.0  # step 9 never logged
+    assert name not in runs["c"][0].scalars
+
+
 def _ema_brute_force(x, w):
     return np.array(
         [sum(w ** (t - i) * x[i] for i in range(t + 1)) / sum(w**k for k in range(t + 1)) for t in range(len(x))]

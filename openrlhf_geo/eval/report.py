@@ -220,14 +220,17 @@ def final_name(key, final):
     return {"last": "final", "last-n": f"last{value}", "last-frac": f"last{100 * value:g}%"}[mode] + f"/{key}"
 
 
-def final_scalars(runs, keys, final=("last", 1), sources=None):
+def final_scalars(runs, keys, final=("last", 1), sources=None, skip_undefined=False):
     """Adds ``final_name(key, final)`` to every run's scalars: the mean of curve ``key`` over the final window.
 
     The window is the last steps of the union of the steps any run logged ``key`` at: one (``last``), N (``last-n``,
     GeoAlign arXiv 2606.26917 App. B.2) or ceil(F·T) of the T steps (``last-frac``, SALT arXiv 2606.05800 App. F.5
     Table 10). Every run must have a finite value at every window step, so a run that stopped early, or logged
     null/NaN there, is a ValueError naming it rather than a silent fallback to its own last step.
-    Returns ``{key: window steps}``. ``sources``: ``scan_runs``'s ``{(method, seed): {metric: file}}`` for messages.
+    ``skip_undefined``: for a diagnostic that is undefined on some steps (SALT's geometry is NaN on a step where every
+    group is tied), such a step is left out of the run's mean instead, and a run without a value in the window, or
+    not logging ``key``, gets no scalar. Returns ``{key: window steps}``. ``sources``: ``scan_runs``'s
+    ``{(method, seed): {metric: file}}`` for messages.
     """
     mode, value = final
     flag = f"--final {mode}" + ("" if mode == "last" else f" {value}")
@@ -246,9 +249,16 @@ def final_scalars(runs, keys, final=("last", 1), sources=None):
                 where = f"method {method!r} seed {seed}"
                 if sources and key in sources.get((method, seed), {}):
                     where += f" ({sources[method, seed][key]})"
+                if key not in run.curves and skip_undefined:
+                    continue
                 if key not in run.curves:
                     raise ValueError(f"{flag}: {where} does not log {key!r}; other runs do, up to step {steps[-1]}")
                 values = dict(zip(*(a.tolist() for a in run.curves[key])))
+                if skip_undefined:
+                    defined = [values[t] for t in window if t in values and math.isfinite(values[t])]
+                    if defined:
+                        run.scalars[final_name(key, final)] = float(np.mean(defined))
+                    continue
                 missing = [t for t in window if t not in values]
                 if missing:
                     raise ValueError(

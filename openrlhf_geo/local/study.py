@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from openrlhf_geo.eval.report import final_name
 from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.local import demo
 
@@ -344,7 +345,8 @@ def prepare_settings(out, jobs, sft_max_steps):
 
 def load_planned(out, jobs, metrics):
     """The planned runs as {condition: {seed: Run}} (eval.report.scan_runs, restricted to the plan), each with the
-    scalar FINAL (eval.report.final_scalars) and `last20%/<key>` for each key of `metrics` it logs (`window_means`)."""
+    scalar FINAL (eval.report.final_scalars) and `last20%/<key>` (`t10`) for each key of `metrics` it logs: its mean
+    over the last 20 % of the steps, SALT Table 10's window, without the steps where the key is undefined."""
     from openrlhf_geo.eval.report import final_scalars, scan_runs
 
     found, sources, notes = scan_runs(Path(out) / "runs")
@@ -355,33 +357,14 @@ def load_planned(out, jobs, metrics):
             raise ValueError(f"{job['out']}: no metrics.jsonl; the run did not finish")
         runs.setdefault(job["condition"], {})[job["seed"]] = run
     final_scalars(runs, ["eval/accuracy"], ("last", 1), sources)
-    for key in metrics:
-        window_means(runs, key)
+    logged = [key for key in metrics if any(key in r.curves for seeds in runs.values() for r in seeds.values())]
+    # SALT's geometry is NaN on a step whose groups are all tied (a run near 100 % accuracy has some): left out
+    final_scalars(runs, logged, TABLE10, sources, skip_undefined=True)
     return runs, [t10(k) for k in metrics], notes
 
 
 def t10(key):
-    return f"last20%/{key}"
-
-
-def window_means(runs, key, fraction=TABLE10[1]):
-    """Adds the scalar `last20%/<key>` to every run that logs `key`: the mean of its finite values over the last
-    ceil(fraction·T) of the T steps any run logged it at (SALT Table 10: the last 20 % of checkpoints). Unlike
-    eval.report.final_scalars, a NaN step is left out rather than an error: SALT's geometry is NaN on a step whose
-    advantages are all zero (every group tied), which a run near 100 % accuracy has now and then. A run with no
-    finite value in the window gets no scalar."""
-    logged = [r.curves[key][0] for seeds in runs.values() for r in seeds.values() if key in r.curves]
-    if not logged:
-        return
-    steps = np.unique(np.concatenate(logged))
-    window = steps[-math.ceil(round(fraction * len(steps), 9)) :]
-    for seeds in runs.values():
-        for run in seeds.values():
-            if key in run.curves:
-                at, values = run.curves[key]
-                values = values[np.isin(at, window) & np.isfinite(values)]
-                if values.size:
-                    run.scalars[t10(key)] = float(values.mean())
+    return final_name(key, TABLE10)
 
 
 def describe(values):
