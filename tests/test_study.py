@@ -225,6 +225,12 @@ def test_misuse_is_a_one_line_error_before_any_work(tmp_path, capsys, argv, mess
     assert not (tmp_path / "o" / "settings").exists()
 
 
+def test_an_unusable_out_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    assert cli.main(["study", "regime", "--out", str(tmp_path / "a_file")]) == 2
+    assert capsys.readouterr().err.strip() == f"openrlhf-geo study: error: --out {tmp_path / 'a_file'}: File exists"
+
+
 def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path, monkeypatch):
     out = tmp_path / "study"
     assert cli.main(["study", "geoalign-failure", "--quick", "--out", str(out)]) == 0

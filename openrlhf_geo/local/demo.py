@@ -263,6 +263,16 @@ def run_all(jobs, workers, steps):
     bar.close()
 
 
+def output_dir(path):
+    """`--out` of the demo and the studies, created -> Path; an unusable one is a ValueError naming it."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: {error.strerror}") from None
+    return out
+
+
 def main(argv=None):
     from openrlhf_geo.local import report
 
@@ -277,11 +287,7 @@ def main(argv=None):
                 raise ValueError(f"{flag} must be >= 1 (got {value})")
         if args.sft_target is not None and not 0 < args.sft_target <= 1:
             raise ValueError(f"--sft-target must be an accuracy in (0, 1] (got {args.sft_target})")
-        out = Path(args.out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"--out {out}: {error.strerror}") from None
+        out = output_dir(args.out)
     except ValueError as error:
         print(f"openrlhf-geo demo: error: {error}", file=sys.stderr)
         return 2

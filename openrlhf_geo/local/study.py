@@ -925,11 +925,7 @@ def main(argv=None):
             raise ValueError(f"--workers must be >= 1 (got {workers})")
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ValueError(f"--seeds must be distinct (got {' '.join(map(str, args.seeds))})")
-        out = Path(args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""))
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"--out {out}: {error.strerror}") from None
+        out = demo.output_dir(args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""))
     except ValueError as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
