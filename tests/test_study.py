@@ -261,7 +261,7 @@ def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path
 def fake_run(out, condition, seed, curves, final, start=0.5):
     """A finished run's metrics.jsonl: eval/accuracy `start` at step 0 and `final` at the last, each curve at 1..T."""
     run = Path(out) / "runs" / condition / f"seed{seed}"
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)
     steps = len(next(iter(curves.values())))
     rows = [{"step": 0, "eval/accuracy": start}]
     rows += [{"step": t, **{k: v[t - 1] for k, v in curves.items()}} for t in range(1, steps + 1)]
@@ -318,6 +318,60 @@ def test_regime_closest_condition_is_the_nearest_to_table10_in_its_sds_and_never
                 for n, v in {"demo": (1.6, 0.9), "t06": (0.5, 0.5), "depth4": (0.9, 0.2)}.items()}  # fmt: skip
     assert section["conditions"]["t06"]["distance"] == pytest.approx(expected["t06"])
     assert section["closest"] == min(expected, key=expected.get) == "t06"  # g64 would be 0 but varies G
+
+
+def test_a_failing_run_does_not_stop_the_others_and_every_failure_is_named(tmp_path, monkeypatch):
+    jobs = [{"out": str(tmp_path / str(k)), "tags": {"method": "m", "seed": k}} for k in range(3)]
+    ran = []
+
+    def run_one(job):
+        ran.append(job["out"])
+        if job["tags"]["seed"] != 1:
+            raise RuntimeError(f"boom {job['tags']['seed']}")
+
+    monkeypatch.setattr(demo, "run_one", run_one)
+    with pytest.raises(
+        demo.RunsFailed, match=rf"2 run\(s\) failed; the first, {jobs[0]['out']}: RuntimeError: boom 0"
+    ):
+        demo.run_all(jobs, 1, 2)
+    try:
+        demo.run_all(jobs, 1, 2)
+    except demo.RunsFailed as failed:
+        assert [(job["out"], str(error)) for job, error in failed.failures] == [
+            (jobs[0]["out"], "boom 0"), (jobs[2]["out"], "boom 2")]  # fmt: skip
+    assert ran == [j["out"] for j in jobs] * 2
+
+
+def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_tables(tmp_path, monkeypatch, capsys):
+    """salt-scaling's protocol: a DAPO run whose dynamic filtering finds no informative prompt stops with an error; the
+    other runs finish, and the report names the stopped run and the step it failed at instead of comparing it."""
+    out, rng = tmp_path / "s", np.random.default_rng(0)
+    message = "dynamic filtering removed every prompt in 4 rounds"
+
+    def run_all(jobs, workers, steps):
+        failed = []
+        for job in jobs:
+            curves = {k: rng.normal(1, 0.3, steps).tolist() for k in study.GEOMETRY}
+            if job["condition"] == "g02_dapo" and job["seed"] == 1:
+                fake_run(out, job["condition"], job["seed"], {k: v[:16] for k, v in curves.items()}, 0.5)
+                failed.append((job, RuntimeError(message)))
+            else:
+                fake_run(out, job["condition"], job["seed"], curves, float(rng.uniform()))
+        raise demo.RunsFailed(failed)
+
+    monkeypatch.setattr(demo, "run_all", run_all)
+    monkeypatch.setattr(study, "prepare_settings", lambda out, jobs, steps: {})
+    assert cli.main(["study", "salt-scaling", "--seeds", "0", "1", "--out", str(out)]) == 1
+    assert "1 run(s) stopped by an error" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == {"g02_dapo": {"0": {"step": None, "error": None},
+                                               "1": {"step": 17, "error": f"RuntimeError: {message}"}}}  # fmt: skip
+    assert "g02_dapo" not in summary["table"] and "g02_dapo_salt" in summary["table"]
+    assert not any("g02_dapo" in (r["method"], r["baseline"]) for r in summary["comparisons"])
+    assert any(r["method"] == "g04_dapo_salt" for r in summary["comparisons"])
+    assert summary["scaling"]["by_g"]["2/dapo"]["gain"] is None
+    report = (out / "report.md").read_text()
+    assert f"- `g02_dapo`: seed 0: finished, seed 1: stopped at step 17. RuntimeError: {message}" in report
 
 
 def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_the_smallest_n_eff(tmp_path):

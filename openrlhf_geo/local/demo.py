@@ -238,15 +238,29 @@ def _count_lines(path):
         return 0
 
 
+class RunsFailed(RuntimeError):
+    """Some runs of `run_all` raised; the others ran to the end. `failures`: [(job, exception)] in job order."""
+
+    def __init__(self, failures):
+        self.failures = failures
+        job, error = failures[0]
+        super().__init__(f"{len(failures)} run(s) failed; the first, {job['out']}: {type(error).__name__}: {error}")
+
+
 def run_all(jobs, workers, steps):
-    """Run the jobs (in `workers` processes, or in this one), with one progress bar over all steps."""
+    """Run the jobs (in `workers` processes, or in this one), with one progress bar over all steps. A run that
+    raises does not stop the others; RunsFailed names every failed run at the end."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(jobs) * steps, desc="RL runs", unit="step")
+    failures = []
     if workers <= 1:
         for job in jobs:
             bar.set_description(f"RL {job['tags']['method']} seed {job['tags']['seed']}")
-            run_one({**job, "progress": lambda row: bar.update(1)})
+            try:
+                run_one({**job, "progress": lambda row: bar.update(1)})
+            except Exception as error:
+                failures.append((job, error))
     else:
         import multiprocessing
 
@@ -257,10 +271,11 @@ def run_all(jobs, workers, steps):
                 # eval rows (step 0) are not RL steps
                 done = sum(max(0, _count_lines(Path(j["out"]) / "metrics.jsonl") - 1) for j in jobs)
                 bar.update(done - bar.n)
-            for f in futures:
-                f.result()  # re-raise a run's error here
+            failures = [(job, f.exception()) for job, f in zip(jobs, futures) if f.exception() is not None]
     bar.update(bar.total - bar.n)
     bar.close()
+    if failures:
+        raise RunsFailed(failures)
 
 
 def output_dir(path):

@@ -557,13 +557,19 @@ def geoalign_section(runs, out, steps):
     return {"detection": detection, "corrupted_share": corrupted}
 
 
-def summarize(study, out, jobs, setup):
-    """Every number of the study's report -> dict (strict JSON once passed through `strict_json`)."""
-    runs, scalars, notes = load_planned(out, jobs, study.metrics)
+def summarize(study, out, jobs, setup, stopped=None):
+    """Every number of the study's report -> dict (strict JSON once passed through `strict_json`).
+
+    `stopped`: {run directory: error} of runs that raised (e.g. DAPO's dynamic filtering finding no informative
+    prompt, docs/studies/salt-scaling.md). A condition with a stopped run leaves the tables and comparisons and is
+    reported as stopped, as that protocol fixes: per seed, the step that failed and the error."""
+    stopped = stopped or {}
+    out_of = {job["condition"] for job in jobs if job["out"] in stopped}
+    runs, scalars, notes = load_planned(out, [job for job in jobs if job["condition"] not in out_of], study.metrics)
     table = condition_table(runs, scalars)
     rows = paired(runs, study.comparisons, scalars)
     summary = {"study": study.name, "title": study.title, "setup": setup, "notes": notes, "shown": study.shown}
-    summary.update(table=table, comparisons=rows)
+    summary.update(table=table, comparisons=rows, stopped=stopped_runs(jobs, out_of, stopped))
     steps = max(int(s.max()) for seeds in runs.values() for r in seeds.values() for s, _ in r.curves.values())
     if study.name == "salt-scaling":
         summary["scaling"] = scaling_section(table, rows)
@@ -576,6 +582,24 @@ def summarize(study, out, jobs, setup):
     else:
         summary["geoalign"] = geoalign_section(runs, out, steps)
     return summary, runs
+
+
+def stopped_runs(jobs, conditions, stopped):
+    """{condition: {seed: {"step", "error"}}} for the `conditions` with a stopped run: the step each stopped run
+    failed at (one after the last step in its metrics.jsonl) and its error; a finished seed is {"step": None}."""
+    result = {}
+    for job in jobs:
+        if job["condition"] in conditions:
+            entry = {"step": None, "error": None}
+            if job["out"] in stopped:
+                try:
+                    lines = (Path(job["out"]) / "metrics.jsonl").read_text().splitlines()
+                    entry["step"] = json.loads(lines[-1]).get("step", 0) + 1 if lines else 1
+                except (OSError, ValueError):
+                    entry["step"] = 1
+                entry["error"] = stopped[job["out"]]
+            result.setdefault(job["condition"], {})[job["seed"]] = entry
+    return result
 
 
 def _f(x, digits=3):
@@ -648,6 +672,13 @@ def render(summary):
         lines += _render_ablations(summary["ablations"])
     if "geoalign" in summary:
         lines += _render_geoalign(summary["geoalign"])
+    if summary.get("stopped"):
+        lines += ["", "## Stopped runs (their conditions are left out of the tables and comparisons above)", ""]
+        for condition, seeds in summary["stopped"].items():
+            at = ", ".join(f"seed {s}: " + (f"stopped at step {e['step']}" if e["step"] else "finished")
+                           for s, e in seeds.items())  # fmt: skip
+            errors = sorted({e["error"] for e in seeds.values() if e["error"]})
+            lines.append(f"- `{condition}`: {at}. " + " / ".join(errors))
     lines += [w for note in summary["notes"] for w in ("", f"> warning: {note}")]
     plots = summary.get("plots", [])
     lines += ["", "## Plots", "", *(f"![{name}]({name})" for name in plots)] if plots else []
@@ -851,12 +882,12 @@ def plot_ablations(section, table, out):
     return [_save(plt, fig, out, "ablations_accuracy.png")]
 
 
-def write_report(study, out, jobs, setup):
-    """summary.json, report.md and the plots of the planned runs -> the summary."""
+def write_report(study, out, jobs, setup, stopped=None):
+    """summary.json, report.md and the plots of the planned runs -> the summary (`stopped`: as `summarize`'s)."""
     from openrlhf_geo.eval.report import plot_curve
 
     out = Path(out)
-    summary, runs = summarize(study, out, jobs, setup)
+    summary, runs = summarize(study, out, jobs, setup, stopped)
     plots = []
     if "scaling" in summary:
         plots += plot_scaling(summary["scaling"], out) + plot_alpha(runs, out)
@@ -946,14 +977,13 @@ def main(argv=None):
         for name in ("metrics.jsonl", "gdi.jsonl"):
             (run / name).unlink(missing_ok=True)
         (run / "study.json").write_text(json.dumps({"argv": job["argv"]}) + "\n")
-    start = time.perf_counter()
+    start, stopped = time.perf_counter(), {}
     try:
         if pending:
             demo.run_all(pending, workers, steps)
-    except Exception:
-        unfinished = [job["out"] for job in pending if not finished(job, steps)]
-        print(f"openrlhf-geo study: a run failed; unfinished runs: {', '.join(unfinished)}", file=sys.stderr)
-        raise
+    except demo.RunsFailed as failed:  # the report lists them and leaves their conditions out (`summarize`)
+        stopped = {job["out"]: f"{type(error).__name__}: {error}" for job, error in failed.failures}
+        print(f"openrlhf-geo study: {len(stopped)} run(s) stopped by an error: {', '.join(stopped)}", file=sys.stderr)
     setup = {
         "quick": args.quick,
         "seeds": sorted({job["seed"] for job in jobs}),
@@ -971,6 +1001,6 @@ def main(argv=None):
             },
         },
     }
-    write_report(study, out, jobs, setup)
-    print(f"study {study.name} finished: {out / 'report.md'}")
-    return 0
+    write_report(study, out, jobs, setup, stopped)
+    print(f"study {study.name} finished: {out / 'report.md'}" + (f", {len(stopped)} runs stopped" if stopped else ""))
+    return 1 if stopped else 0
