@@ -372,6 +372,11 @@ def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_ta
     assert summary["scaling"]["by_g"]["2/dapo"]["gain"] is None
     report = (out / "report.md").read_text()
     assert f"- `g02_dapo`: seed 0: finished, seed 1: stopped at step 17. RuntimeError: {message}" in report
+    # every run stopped before its first step: a report of stopped runs only, not a crash
+    jobs = study.plan(ALL["learnable-regime"], tmp_path / "none", seeds=[0])
+    summary, _ = study.summarize(ALL["learnable-regime"], tmp_path / "none", jobs, {}, {j["out"]: "E" for j in jobs})
+    assert summary["table"] == {} and summary["learnable"]["chosen"] is None
+    assert all(e == {"step": 1, "error": "E"} for seeds in summary["stopped"].values() for e in seeds.values())
 
 
 def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_the_smallest_n_eff(tmp_path):

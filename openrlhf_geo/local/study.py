@@ -349,6 +349,8 @@ def load_planned(out, jobs, metrics):
     over the last 20 % of the steps, SALT Table 10's window, without the steps where the key is undefined."""
     from openrlhf_geo.eval.report import final_scalars, scan_runs
 
+    if not jobs:  # every planned run stopped (`summarize`)
+        return {}, [t10(k) for k in metrics], []
     found, sources, notes = scan_runs(Path(out) / "runs")
     runs = {}
     for job in jobs:
@@ -496,9 +498,12 @@ def learnable_section(runs, table):
         condition = f"{name}_grpo"
         if condition not in runs:
             continue
-        seeds = sorted(s for s, r in runs[condition].items() if FINAL in r.scalars and "eval/accuracy" in r.curves)
-        start = [float(runs[condition][s].curves["eval/accuracy"][1][0]) for s in seeds]  # its first eval: step 0
-        end = [runs[condition][s].scalars[FINAL] for s in seeds]
+        start, end = [], []  # held-out accuracy at step 0 (the SFT model) and at the end, per seed that has both
+        for run in runs[condition].values():
+            at, values = run.curves.get("eval/accuracy", (np.array([]), np.array([])))
+            if FINAL in run.scalars and np.any(at == 0):
+                start.append(float(values[at == 0][0]))
+                end.append(run.scalars[FINAL])
         gain = paired_gain(end, start)
         rows[name] = {
             "n_eff": cell(table, condition, t10("salt/n_eff_in")),
@@ -570,7 +575,8 @@ def summarize(study, out, jobs, setup, stopped=None):
     rows = paired(runs, study.comparisons, scalars)
     summary = {"study": study.name, "title": study.title, "setup": setup, "notes": notes, "shown": study.shown}
     summary.update(table=table, comparisons=rows, stopped=stopped_runs(jobs, out_of, stopped))
-    steps = max(int(s.max()) for seeds in runs.values() for r in seeds.values() for s, _ in r.curves.values())
+    last = [int(s.max()) for seeds in runs.values() for r in seeds.values() for s, _ in r.curves.values()]
+    steps = max(last, default=0)  # every condition stopped: no curves
     if study.name == "salt-scaling":
         summary["scaling"] = scaling_section(table, rows)
     elif study.name == "regime":
