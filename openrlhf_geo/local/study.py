@@ -97,6 +97,7 @@ class Regime:
 
 
 BUDGET = 128  # rollouts per step (the demo's 8 prompts x G = 16), fixed while G varies
+LEARNABLE = ("operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # learnable-regime's candidates
 REGIMES = {
     "demo": Regime(),
     "g4": Regime(rollout={"--rollout.batch_size": 32, "--rollout.n_samples_per_prompt": 4}, varies_g=True),
@@ -107,10 +108,9 @@ REGIMES = {
     "all_strategies": Regime("all_strategies"),
     "width128": Regime("width128"),
     "depth4": Regime("depth4"),
-    **{name: Regime(name) for name in ("operands199", "operands499", "no_shortcut", "three_digit_sft4x")},
+    **{name: Regime(name) for name in LEARNABLE},
 }
 ONE_FACTOR = ("demo", "g4", "g64", "t06", "t13", "three_digit", "all_strategies", "width128", "depth4")  # regime's
-LEARNABLE = ("operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # learnable-regime's candidates
 
 
 @dataclass(frozen=True)
@@ -316,16 +316,23 @@ def estimate_seconds(jobs, workers, sft_max_steps=demo.FULL["sft_max_steps"]):
     return sft + sum(run_seconds(job) for job in jobs) / workers
 
 
+def last_step(run):
+    """The step of the last row of <run>/metrics.jsonl; None without a readable one (missing, empty, torn)."""
+    try:
+        lines = (Path(run) / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1]).get("step") if lines else None
+    except (OSError, ValueError):
+        return None
+
+
 def finished(job, steps):
     """Whether the run of `job` is complete: its stored command is the job's and metrics.jsonl reaches `steps`."""
-    run = Path(job["out"])
     try:
-        if json.loads((run / "study.json").read_text())["argv"] != job["argv"]:
+        if json.loads((Path(job["out"]) / "study.json").read_text())["argv"] != job["argv"]:
             return False
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-        return bool(lines) and json.loads(lines[-1]).get("step") == steps
     except (OSError, ValueError, KeyError):
         return False
+    return last_step(job["out"]) == steps
 
 
 def prepare_settings(out, jobs, sft_max_steps):
@@ -598,12 +605,7 @@ def stopped_runs(jobs, conditions, stopped):
         if job["condition"] in conditions:
             entry = {"step": None, "error": None}
             if job["out"] in stopped:
-                try:
-                    lines = (Path(job["out"]) / "metrics.jsonl").read_text().splitlines()
-                    entry["step"] = json.loads(lines[-1]).get("step", 0) + 1 if lines else 1
-                except (OSError, ValueError):
-                    entry["step"] = 1
-                entry["error"] = stopped[job["out"]]
+                entry = {"step": (last_step(job["out"]) or 0) + 1, "error": stopped[job["out"]]}
             result.setdefault(job["condition"], {})[job["seed"]] = entry
     return result
 
