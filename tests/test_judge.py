@@ -170,20 +170,25 @@ def server():
                 state.inflight += 1
                 state.max_inflight = max(state.max_inflight, state.inflight)
             try:
-                if self.path != "/v1/chat/completions" or body["messages"][0]["content"] != judge.JUDGE_INSTRUCTION:
-                    return self._send(404, {"error": "unexpected request"})
-                if state.key and self.headers.get("Authorization") != f"Bearer {state.key}":
-                    return self._send(401, {"error": "bad key"})
-                if state.refuse_after is not None and number > state.refuse_after:
-                    return self._send(403, {"error": "quota exceeded"})
-                if number <= state.fail_first:
-                    return self._send(503, {"error": "overloaded"}, [("Retry-After", "0")])
-                time.sleep(1.0 if number <= state.slow_first else state.delay)
-                content = state.answer(body["messages"][1]["content"])
-                self._send(200, {"choices": [{"message": {"role": "assistant", "content": content}}]})
-            finally:
+                reply = self._reply(body, number)
+            finally:  # before the reply goes out: once it has it, the client may send its next request at once
                 with state.lock:
                     state.inflight -= 1
+            self._send(*reply)
+
+        def _reply(self, body, number):
+            """(status, payload, headers) of one request."""
+            if self.path != "/v1/chat/completions" or body["messages"][0]["content"] != judge.JUDGE_INSTRUCTION:
+                return 404, {"error": "unexpected request"}
+            if state.key and self.headers.get("Authorization") != f"Bearer {state.key}":
+                return 401, {"error": "bad key"}
+            if state.refuse_after is not None and number > state.refuse_after:
+                return 403, {"error": "quota exceeded"}
+            if number <= state.fail_first:
+                return 503, {"error": "overloaded"}, [("Retry-After", "0")]
+            time.sleep(1.0 if number <= state.slow_first else state.delay)
+            content = state.answer(body["messages"][1]["content"])
+            return 200, {"choices": [{"message": {"role": "assistant", "content": content}}]}
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.handle_error = lambda request, address: None  # a client that timed out closed its socket
