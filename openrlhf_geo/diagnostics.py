@@ -56,11 +56,13 @@ def _energy(x: torch.Tensor, K: torch.Tensor) -> float:
 
 def _group_index(group_ids, m: int) -> tuple[torch.Tensor, int]:
     """Group index (m,) in 0..B-1 (groups in sorted-id order) and the number of groups B."""
-    ids = torch.as_tensor(group_ids)
-    if ids.shape != (m,) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(
-            f"group_ids must be an integer tensor of shape (m,) = ({m},), got {ids.dtype} {tuple(ids.shape)}"
-        )
+    try:
+        ids = torch.as_tensor(group_ids)
+    except (TypeError, ValueError, RuntimeError):  # e.g. strings, or ragged lists: no tensor to check
+        ids = None
+    if ids is None or ids.shape != (m,) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        got = f"{ids.dtype} {tuple(ids.shape)}" if ids is not None else f"{str(group_ids)[:60]} (not integers)"
+        raise ValueError(f"group_ids must be an integer tensor of shape (m,) = ({m},), got {got}")
     _, index = torch.unique(ids.cpu(), return_inverse=True)
     return index, int(index.max()) + 1
 
@@ -276,6 +278,7 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
     """
     c = _float64(advantages, "advantages", "(m,)")
     m = c.numel()
+    index, n_groups = _group_index(group_ids, m)  # before the features: a bad group_ids is named, not torch's error
     if is_gram:
         c, K = _coeffs_gram(c, features_or_gram, "advantages")
     else:
@@ -285,7 +288,6 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
         K = gram(F).to(c.device)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0 (got {eps})")
-    index, n_groups = _group_index(group_ids, m)
     index = index.to(c.device)
     sizes = torch.bincount(index, minlength=n_groups).to(torch.float64)
     per_group = {key: [] for key in ("r_in", "pr_in", "n_eff_group", "e_tot", "e_sh", "e_delta", "rho_delta")}

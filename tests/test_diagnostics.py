@@ -372,6 +372,8 @@ def test_salt_weight_stats_without_geometry_are_nan_or_zero():
         (lambda: dg.gram(torch.ones(3)), "features"),
         (lambda: dg.positive_alignment(torch.zeros(0, 3)), "features"),
         (lambda: dg.group_geometry(torch.ones(2), torch.eye(2), torch.tensor([0.5, 1.0])), "group_ids"),
+        (lambda: dg.group_geometry(torch.ones(8), torch.eye(8), ["a"] * 8, is_gram=True), "group_ids"),
+        (lambda: dg.group_geometry(torch.ones(2), torch.ones(3, 4), [[0], [1]]), "group_ids"),
         (lambda: dg.group_geometry(torch.ones(2), torch.ones(3, 4), torch.tensor([0, 1])), "features"),
         (lambda: dg.group_geometry(torch.ones(2), torch.eye(3), torch.tensor([0, 1]), is_gram=True), "gram"),
         (lambda: dg.residual_strength(torch.ones(2), torch.eye(2), torch.ones(3, 1)), "basis"),
