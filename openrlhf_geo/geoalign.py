@@ -41,8 +41,11 @@ SKIP_REASONS = ("no_pairs", "few_scores", "degenerate")  # stats["skipped_reason
 SAME_TOL = 1e-6
 # Within-prompt Gram distances that cancel below this fraction of ||hc_k||^2 + ||hc_l||^2 are recomputed directly.
 CANCEL_TOL = 1e-2
-# GDI scores spread over less than this fraction of their magnitude are float32 noise: no density to threshold.
+# GDI scores spread over less than this (in GDI units: a pair's deviation lies in [0, 2]) or this fraction of their
+# magnitude are float32 noise of directions that agree: curate skips them, no density to threshold.
 SCORE_TOL = 1e-5
+# Scores (any units) spread over at most this many float64 ulps of their magnitude have lost the spread to rounding.
+SPREAD_ULPS = 64
 KDE_GRID = 2048  # grid points between the smallest and largest GDI score for the threshold rule's crossing
 
 
@@ -398,10 +401,19 @@ def _compact(hidden, winner, loser, dist, select):
 def prototype(v, margins, kind="margin"):
     """GeoAlign Eq. 5: v_proto = normalize(sum_p (r_k - r_l) v_p) -> (v_proto (o,), resultant length in [0, 1]).
 
-    v (P, o) unit pair directions, margins (P,) = r_k - r_l > 0; kind "plain" uses equal weights (the reference
-    code). The resultant length ||sum_p m_p v_p|| / sum_p m_p measures the consensus (1 = all directions agree).
+    v (P, o) unit pair directions, margins (P,) = r_k - r_l > 0 (finite; ValueError otherwise); kind "plain" uses
+    equal weights (the reference code). The resultant length ||sum_p m_p v_p|| / sum_p m_p measures the consensus
+    (1 = all directions agree). Both are invariant to a common positive scale of the margins, which Eq. 5's
+    normalization cancels: the weights are divided by their peak, so neither the weighted sum of margins near the
+    float limit overflows nor the squared norm of tiny ones underflows.
     """
-    weights = margins.to(v) if kind == "margin" else torch.ones(len(v), dtype=v.dtype, device=v.device)
+    if kind == "margin":
+        weights = margins.to(v)
+        if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+            raise ValueError("margins must be finite and >= 0 (reward differences r_k - r_l of the pairs)")
+        weights = weights / weights.max() if len(weights) and weights.max() > 0 else weights
+    else:
+        weights = torch.ones(len(v), dtype=v.dtype, device=v.device)
     centroid = weights @ v
     return F.normalize(centroid, dim=0), (centroid.norm() / weights.sum()).item()
 
@@ -425,28 +437,30 @@ def gdi(dev, winner, loser, n, kind="cumulative"):
 
 
 def _kde(scores):
-    """scipy's Gaussian KDE of scores (n,) float64 with Scott's bandwidth; None when the scores are degenerate
-    (all equal to float32 precision, or a singular covariance): there is no density to compare against."""
-    if len(scores) < 2 or np.ptp(scores) <= SCORE_TOL * max(1.0, float(np.abs(scores).max())):
+    """(f̂, z, center, half): scipy's Gaussian KDE (Scott's bandwidth) of the standardized scores
+    z = (scores - center) / half in [-1, 1] (center the midrange, half half the range), or None when the scores
+    are degenerate (fewer than two, spread over at most SPREAD_ULPS ulps of their magnitude, or a singular
+    covariance): no density to compare against.
+
+    Both rules compare densities with alpha times the peak, which an affine map of the scores leaves unchanged
+    (Scott's bandwidth scales with the scores), so the KDE works on z: finite scores near the float64 limit would
+    overflow scipy's covariance, and any scale gives the same flags. midrange and half range are computed from
+    halves, which cannot overflow.
+    """
+    if len(scores) < 2 or np.ptp(scores) <= SPREAD_ULPS * np.finfo(np.float64).eps * float(np.abs(scores).max()):
         return None
+    low, high = float(scores.min()), float(scores.max())
+    center, half = low / 2 + high / 2, high / 2 - low / 2
+    z = (scores - center) / half
     try:
-        return gaussian_kde(scores, bw_method="scott")
+        return gaussian_kde(z, bw_method="scott"), z, center, half
     except np.linalg.LinAlgError:
         return None
 
 
-def kde_tail_threshold(scores, alpha):
-    """The threshold rule's tail start: the first point right of the density mode where f̂ < alpha * f̂(mode).
-
-    scores (n,) float64; f̂ = scipy `gaussian_kde` (Scott's bandwidth). Returns (threshold, mode): threshold = inf
-    when the density stays >= alpha * peak up to the largest score (no tail to flag), NaN when degenerate. The
-    reference code takes the crossing on a 200-point grid and, without one, falls back to mean + 2 sd; here the
-    crossing is refined by root finding on a KDE_GRID grid, and no crossing flags nothing.
-    """
-    kde = _kde(scores)
-    if kde is None:
-        return math.nan, math.nan
-    grid = np.linspace(scores.min(), scores.max(), KDE_GRID)  # a Gaussian KDE's mode lies inside the data range
+def _tail_start(kde, z, alpha):
+    """kde_tail_threshold on standardized scores z (see _kde) -> (threshold, mode) in z's units."""
+    grid = np.linspace(z.min(), z.max(), KDE_GRID)  # a Gaussian KDE's mode lies inside the data range
     density = kde(grid)
     top = int(np.argmax(density))
     lo, hi = grid[max(top - 1, 0)], grid[min(top + 1, KDE_GRID - 1)]
@@ -460,6 +474,23 @@ def kde_tail_threshold(scores, alpha):
     # density >= level at `left` (the previous grid point, or the mode itself) and < level at grid[i]
     left = max(grid[i - 1], mode)
     return float(optimize.brentq(lambda x: kde(x)[0] - level, left, grid[i])), float(mode)
+
+
+def kde_tail_threshold(scores, alpha):
+    """The threshold rule's tail start: the first point right of the density mode where f̂ < alpha * f̂(mode).
+
+    scores (n,) float64 (any finite scale: the KDE works on standardized scores, see _kde); f̂ = scipy
+    `gaussian_kde` (Scott's bandwidth). Returns (threshold, mode) in the scores' units: threshold = inf when the
+    density stays >= alpha * peak up to the largest score (no tail to flag), NaN when degenerate. The reference code
+    takes the crossing on a 200-point grid and, without one, falls back to mean + 2 sd; here the crossing is refined
+    by root finding on a KDE_GRID grid, and no crossing flags nothing.
+    """
+    fit = _kde(scores)
+    if fit is None:
+        return math.nan, math.nan
+    kde, z, center, half = fit
+    threshold, mode = _tail_start(kde, z, alpha)
+    return center + half * threshold, center + half * mode
 
 
 def kde_flags(scores, alpha, rule="pointwise"):
@@ -478,16 +509,16 @@ def kde_flags(scores, alpha, rule="pointwise"):
                e.g. a systematic reward-model artifact) is flagged as a whole, where the pointwise rule keeps every
                member whose local density exceeds alpha * peak.
     """
-    flags = np.zeros(len(scores), dtype=bool)
+    fit = _kde(scores)
+    if fit is None:
+        return np.zeros(len(scores), dtype=bool), math.nan, math.nan
+    kde, z, center, half = fit  # flags are decided on the standardized scores z, the same at any scale
     if rule == "threshold":
-        threshold, mode = kde_tail_threshold(scores, alpha)
-        return flags | (scores >= threshold), mode, threshold
-    kde = _kde(scores)
-    if kde is None:
-        return flags, math.nan, math.nan
-    density = kde(scores)
-    mode = scores[np.argmax(density)]
-    return (scores > mode) & (density < alpha * density.max()), float(mode), math.nan
+        threshold, mode = _tail_start(kde, z, alpha)
+        return z >= threshold, center + half * mode, center + half * threshold
+    density = kde(z)
+    top = int(np.argmax(density))
+    return (z > z[top]) & (density < alpha * density.max()), float(scores[top]), math.nan
 
 
 def best_random_probs(rewards, stable):
@@ -609,7 +640,8 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
       no_pairs    no within-prompt pair with a direction (tied prompts, identical hidden states, an empty batch):
                   the paper's only identity case (§4.5, Algorithm 1 lines 12-13)
       few_scores  fewer than config.min_scores scored rollouts (opt-in gate of the reference code)
-      degenerate  projected directions that cancel exactly, or GDI scores without a density (all equal)
+      degenerate  projected directions that cancel exactly, or GDI scores without a density (all equal up to
+                  float32 noise: spread <= SCORE_TOL)
     Otherwise skipped_reason is "" and config.rule flags rollouts (see kde_flags); with the opt-in cap
     config.max_flag_frac, at most that fraction of the scored rollouts stay flagged, highest GDI first (the
     reference code's cap; it truncates, curation still runs).
@@ -700,9 +732,13 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     if val_mask.any():
         stats["val_acc"] = _orientation_acc(s_pos[val_mask], s_neg[val_mask])
 
-    # Eq. 5-7: prototype, deviations, GDI
+    # Eq. 5-7: prototype, deviations, GDI. A positive reward scale cancels in Eq. 5 (`prototype` rescales the
+    # margins); only rewards beyond half the float64 limit make a difference overflow: then the halves are taken.
     v = F.normalize(out[0].double().cpu(), dim=1)
-    v_proto, stats["consensus"] = prototype(v, r[winner] - r[loser], config.prototype)
+    margins = r[winner] - r[loser]
+    if not bool(torch.isfinite(margins).all()):
+        margins = r[winner] / 2 - r[loser] / 2
+    v_proto, stats["consensus"] = prototype(v, margins, config.prototype)
     dev = deviation(v, v_proto)
     stats["cos_mean"] = (1 - dev).mean().item()
     stats["cos_gt_0.8"] = (1 - dev > 0.8).double().mean().item()
@@ -713,6 +749,9 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
         return finish("few_scores")
     if stats["consensus"] < SAME_TOL:
         return finish("degenerate")
+    scored = scores[index]  # not empty: there are pairs
+    if float(scored.max() - scored.min()) <= SCORE_TOL * max(1.0, float(scored.abs().max())):
+        return finish("degenerate")  # float32 noise of agreeing directions, not a distribution to threshold
 
     # §4.4 anomaly rule on the batch's GDI scores, then the opt-in cap (highest GDI first)
     flags, stats["kde_mode"], stats["kde_threshold"] = kde_flags(scores[index].numpy(), config.alpha, config.rule)

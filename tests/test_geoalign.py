@@ -424,11 +424,47 @@ def test_kde_tail_threshold_matches_a_hand_written_kde_on_a_fine_grid(alpha):
     assert same == threshold and np.array_equal(flags, scores >= threshold)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 10**6),
+    st.integers(20, 200),
+    st.integers(0, 6),
+    st.sampled_from([0.05, 0.12, 0.3]),
+    st.floats(-300, 300),
+    st.floats(-10, 10),
+)
+def test_kde_rules_give_the_same_flags_under_an_affine_rescaling_of_the_scores(seed, n, n_far, alpha, log_a, b):
+    """The rules compare densities with alpha * peak, which an affine map s -> a s + b (a > 0) leaves alone: the
+    flags are the same (the KDE works on standardized scores; at a ~ 1e300 scipy's covariance overflowed)."""
+    rng = np.random.default_rng(seed)
+    scores = np.concatenate([rng.gamma(2.0, 0.5, n), rng.uniform(3.0, 12.0, n_far)])
+    a = 10.0**log_a
+    moved = a * scores + a * b  # b in units of a: a shift far beyond the spread leaves only float noise (degenerate)
+    for rule in ("pointwise", "threshold"):
+        flags, mode, threshold = kde_flags(scores, alpha, rule)
+        moved_flags, moved_mode, moved_threshold = kde_flags(moved, alpha, rule)
+        assert np.array_equal(moved_flags, flags), rule
+        assert moved_mode == pytest.approx(a * mode + a * b, rel=1e-9, abs=1e-9 * a)
+        if rule == "threshold" and math.isfinite(threshold):
+            assert moved_threshold == pytest.approx(a * threshold + a * b, rel=1e-9, abs=1e-9 * a)
+
+
+def test_kde_tail_threshold_of_finite_scores_near_the_float_limit():
+    threshold, mode = kde_tail_threshold(np.array([0.0, 1.0, 2.0]), 0.05)
+    huge_threshold, huge_mode = kde_tail_threshold(np.array([0.0, 1e300, 2e300]), 0.05)
+    assert huge_mode == pytest.approx(mode * 1e300) and huge_threshold == threshold == math.inf
+    scores = np.concatenate([np.random.default_rng(0).gamma(2.0, 0.5, 100), [9.0]])
+    top = float(np.finfo(np.float64).max) / 10
+    expected, _ = kde_tail_threshold(scores, 0.3)
+    assert kde_tail_threshold(scores * top, 0.3)[0] == pytest.approx(expected * top, rel=1e-9)
+
+
 def test_kde_rules_flag_nothing_without_a_sparse_tail_or_a_density():
     flat = np.linspace(0.0, 1.0, 200)
     assert kde_tail_threshold(flat, 0.05)[0] == math.inf  # flat density: no tail
     assert not kde_flags(flat, 0.05, "threshold")[0].any()
-    for degenerate in (np.ones(200), 1 + 1e-9 * np.random.default_rng(0).normal(size=200), np.array([2.0])):
+    # a spread within float64 rounding of the scores' magnitude (curate also skips GDI spreads of float32 noise)
+    for degenerate in (np.ones(200), 1 + 1e-15 * np.random.default_rng(0).normal(size=200), np.array([2.0])):
         assert math.isnan(kde_tail_threshold(degenerate, 0.05)[0])
         for rule in ("pointwise", "threshold"):
             flags, mode, _ = kde_flags(degenerate, 0.05, rule)
@@ -680,6 +716,31 @@ def test_curate_is_invariant_to_the_scale_of_hidden_states():
     plan, stats = curate(hidden * 1e19, rewards, ids, TINY, gen(2))
     assert stats["pairs"] == base[1]["pairs"] and stats["skipped_reason"] == ""
     assert bool(torch.isfinite(plan.gdi[~torch.isnan(base[0].gdi)]).all())
+
+
+def test_curate_is_invariant_to_a_common_positive_scale_of_the_rewards():
+    """Eq. 5 normalizes the margin-weighted centroid, so a positive reward scale cancels; at 1e300 the raw weighted
+    sum overflows (it flagged nothing) and at 1e-300 its squared norm underflows."""
+    hidden, rewards, ids, _ = planted(16, 8, 16, 0.1, seed=1)
+    config = replace(TINY, alpha=0.3)
+    base, stats = curate(hidden, rewards, ids, config, gen(0))
+    assert base.flagged.any()
+    for scale in (2.0**-1000, 1e-300, 1e30, 1e300, float(np.finfo(np.float64).max)):
+        plan, scaled = curate(hidden, rewards * scale, ids, config, gen(0))
+        assert torch.equal(plan.flagged, base.flagged), scale
+        assert scaled["consensus"] == pytest.approx(stats["consensus"], rel=1e-12)
+
+
+def test_prototype_weights_are_relative_and_must_be_finite_and_positive():
+    v = torch.nn.functional.normalize(torch.randn(6, 4, generator=gen(0), dtype=torch.float64), dim=1)
+    margins = torch.rand(6, generator=gen(1), dtype=torch.float64) + 0.1
+    proto, consensus = prototype(v, margins)
+    for scale in (1e-300, 1e300):
+        assert_close(prototype(v, margins * scale)[0], proto)
+        assert prototype(v, margins * scale)[1] == pytest.approx(consensus, rel=1e-12)
+    for bad in (margins * math.inf, -margins):
+        with pytest.raises(ValueError, match="margins"):
+            prototype(v, bad)
 
 
 def test_group_ids_may_be_lists_of_integers_or_strings():
