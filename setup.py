@@ -21,7 +21,7 @@ setup(
     packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"]) + ["openrlhf_geo.patches"],
     # The fork's diffs live at the repository root (patches/) and ship inside the package.
     package_dir={"openrlhf_geo.patches": "patches"},
-    package_data={"openrlhf_geo.patches": ["*.diff", "*.md"], "openrlhf_geo": ["assets/**/*"]},
+    package_data={"openrlhf_geo.patches": ["*.diff", "*.md", "cpu/*.diff"], "openrlhf_geo": ["assets/**/*"]},
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
     extras_require={

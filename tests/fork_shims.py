@@ -10,8 +10,7 @@ import importlib.util
 import sys
 import types
 
-import torch
-from einops import rearrange
+from openrlhf_geo.cpu_fork import all_gather, index_first_axis, pad_input, rearrange, unpad_input
 
 _INSTALLED = []
 
@@ -24,36 +23,6 @@ def _module(name, **attrs):
     sys.modules[name] = module
     _INSTALLED.append(name)
     return module
-
-
-def index_first_axis(x, indices):
-    """Rows `indices` of x flattened over its first axis: (N, ...) -> (len(indices), ...)."""
-    return x.reshape(-1, *x.shape[1:])[indices]
-
-
-def unpad_input(hidden_states, attention_mask, unused_mask=None):
-    """(B, S, ...) + mask (B, S) -> (T, ...) kept tokens, flat indices (T,), cu_seqlens (B+1,), max len, lengths."""
-    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
-    flat = rearrange(hidden_states, "b s ... -> (b s) ...")
-    return flat[indices], indices, cu_seqlens, int(seqlens.max()), seqlens
-
-
-def pad_input(hidden_states, indices, batch, seqlen):
-    """Inverse of unpad_input: (T, ...) -> (batch, seqlen, ...) with zeros at padded positions."""
-    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
-    out[indices] = hidden_states
-    return out.view(batch, seqlen, *hidden_states.shape[1:])
-
-
-def all_gather(tensor, group):
-    """flash_attn.utils.distributed.all_gather: concatenate every rank's tensor along dim 0."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
 
 
 class SamplingParams:
