@@ -173,6 +173,7 @@ def test_cpu_eval_end_to_end_writes_per_problem_and_summary_files(tiny_model, tm
         # the summary is recomputable from the per-problem file
         assert metrics["avg@2"] == pytest.approx(np.mean([r["correct"] for r in records]))
         assert metrics["pass@2"] == pytest.approx(np.mean([r["pass@2"] for r in records]))
+        assert metrics["bad_gold_rate"] == np.mean([s == "bad_gold" for r in records for s in r["status"]])
     captured = capsys.readouterr()
     assert "math500:" in captured.out
     assert "Loading weights" not in captured.err  # transformers' per-load progress bar is silenced

@@ -627,3 +627,27 @@ def test_reward_memo_that_overflows_mid_batch_still_scores_every_rollout():
     got = reward([""] * 4, ["\\boxed{3}", "\\boxed{5}", "\\boxed{6}", "\\boxed{4}"], ["3", "5", "5", "3"])
     assert got.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert len(reward.cache) <= 3
+
+
+class ReportingReward:
+    """A reward that reports math-verify verdict kinds, as train.CachedMathVerify does: prompt "bad" has no gold."""
+
+    def __call__(self, prompts, responses, answers):
+        self.last_statuses = ["bad_gold" if p == "bad" else "wrong" for p in prompts]
+        return torch.zeros(len(prompts))
+
+
+def test_verdict_kinds_of_the_reward_are_logged_as_shares(tokenizer):
+    rows = [{"prompt": "bad", "answer": "\\frac{"}, {"prompt": "1+2=", "answer": "3"}]
+    args = make_args(*("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2"))
+    metrics = Trainer(args, tiny_model(tokenizer), tokenizer, rows, ReportingReward()).step()
+    assert metrics["math_verify/bad_gold"] == 0.5 and metrics["math_verify/no_box"] == 0.0
+
+
+def test_cached_math_verify_reports_an_unparseable_gold_as_bad_gold():
+    from openrlhf_geo.local.train import CachedMathVerify
+
+    reward = CachedMathVerify()
+    for _ in range(2):  # the second call is answered from the memo, with the same statuses
+        assert reward([""] * 3, ["\\boxed{5}", "\\boxed{5}", "5"], ["\\frac{", "5", "5"]).tolist() == [0.0, 1.0, 0.0]
+        assert reward.last_statuses == ["bad_gold", "correct", "no_box"]

@@ -80,6 +80,8 @@ CASES = [
     # unusable gold
     ("\\boxed{3}", "", False, "bad_gold"),
     ("\\boxed{3}", "\\boxed{", False, "bad_gold"),
+    ("\\boxed{5}", "\\frac{", False, "bad_gold"),  # math-verify parses nothing of it: not a silent "wrong"
+    ("\\boxed{10^{}}", "10^{", False, "bad_gold"),
 ]
 
 
@@ -108,6 +110,16 @@ def test_grpo_rewards_one_zero_and_stats_count_statuses(scorer):
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     assert (stats["correct"], stats["wrong"], stats["no_box"], stats["bad_gold"], stats["timeout"]) == (1, 1, 1, 1, 0)
     assert stats["accuracy"] == 0.25
+
+
+def test_an_unparseable_gold_is_a_bad_gold_verdict_with_a_reason(scorer, caplog):
+    with caplog.at_level(logging.WARNING, logger=mv.__name__):
+        (verdict,) = scorer.verdicts(["\\boxed{5}"], ["\\frac{"])
+    assert (verdict.correct, verdict.status, verdict.answer) == (False, "bad_gold", "5")
+    assert "cannot parse the gold answer" in verdict.reason and "\\frac{" in verdict.reason
+    assert any("bad_gold" in r.getMessage() for r in caplog.records)
+    rewards, stats = scorer(["\\boxed{5}", "\\boxed{5}"], ["\\frac{", "5"])
+    assert rewards.tolist() == [0.0, 1.0] and stats["bad_gold"] == 1
 
 
 def test_pathological_answer_times_out_and_pool_recovers():

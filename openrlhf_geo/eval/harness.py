@@ -316,6 +316,7 @@ def evaluate(problems, texts, truncated, ks, scorer):
         **{f"pass@{k}": mean_pass_at_k(correct.sum(1), n, k) for k in ks},
         "no_box_rate": statuses.count("no_box") / len(statuses),
         "timeout_rate": statuses.count("timeout") / len(statuses),
+        "bad_gold_rate": statuses.count("bad_gold") / len(statuses),  # a gold math-verify cannot parse scores 0
         "truncated_rate": float(np.mean(truncated)),
     }
     return records, metrics

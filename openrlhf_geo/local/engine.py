@@ -35,7 +35,7 @@ from openrlhf_geo import baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.options import geometry_config
 from openrlhf_geo.pipeline import GeometryPipeline, check_finite
-from openrlhf_geo.rewards.math_verify import MathVerifyReward
+from openrlhf_geo.rewards.math_verify import PROBLEMS, MathVerifyReward
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
 MAX_FILTER_ROUNDS = 4
@@ -326,7 +326,9 @@ class Trainer:
     """The local engine. `args` is the validated nested namespace of `openrlhf_geo.local.train.parse_args`.
 
     reward_fn(prompts, responses, answers) -> (N,) float tensor of binary verdicts (1 correct, 0 not) or any
-    scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones).
+    scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones). A reward_fn with `last_statuses`
+    (math-verify verdict kinds of its last call, train.CachedMathVerify) gets their shares logged as
+    math_verify/<status> (no_box, bad_gold, timeout, error), as the fork logs them.
     rollout_stats(prompts, responses, correct) -> {name: count}: optional task-specific counts over a generated
     batch (e.g. `task.shortcut_stats`), summed over DAPO's generation rounds and merged into the step's metrics.
     misspecified_pay(prompts, responses, answers) -> (N,) bool: the rollouts a misspecified verifier also pays
@@ -445,6 +447,7 @@ class Trainer:
         args = self.args
         need, kept, correct, distinct, generated = args.rollout.batch_size, [], [], [], 0
         counts = {}  # rollout_stats, summed over generation rounds
+        statuses = []  # math-verify verdict kinds when the reward function reports them (train.CachedMathVerify)
         for _ in range(MAX_FILTER_ROUNDS if args.algo.dynamic_filtering_enable else 1):
             rows = self.sampler.next(need)
             batch = generate_rollouts(
@@ -458,6 +461,7 @@ class Trainer:
                 args.rollout.top_p,
             )
             self._score(batch)
+            statuses += getattr(self.reward_fn, "last_statuses", None) or []
             if self.rollout_stats is not None:
                 for key, value in self.rollout_stats(batch.prompts, batch.responses, batch.correct).items():
                     counts[key] = counts.get(key, 0.0) + float(value)
@@ -481,6 +485,8 @@ class Trainer:
         # over everything generated, before filtering
         stats = {"accuracy": torch.cat(correct).mean().item(), "distinct_responses": sum(distinct) / generated}
         stats.update(counts)
+        if statuses:  # shares, as the fork logs the math-verify reward's extra_logs (e.g. a gold it cannot parse)
+            stats.update({f"math_verify/{s}": statuses.count(s) / len(statuses) for s in PROBLEMS})
         if args.algo.dynamic_filtering_enable:
             stats["filter/pass_rate"] = (len(batch) // args.rollout.n_samples_per_prompt) / generated
         return batch, stats

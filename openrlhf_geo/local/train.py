@@ -307,7 +307,8 @@ class CachedMathVerify:
     """math-verify verdicts (1/0) memoised per (response, answer): rollouts of a sharpening policy repeat a lot.
 
     Timed-out or failed items score 0 and are not memoised (a retry may succeed); the memo is cleared when it
-    exceeds `max_entries` so long runs with unique responses stay bounded in memory.
+    exceeds `max_entries` so long runs with unique responses stay bounded in memory. `last_statuses`: the verdict
+    status (math_verify.STATUSES) of each item of the last call, which the engine counts (math_verify/<status>).
     """
 
     def __init__(self, workers=1, timeout=5.0, max_entries=200_000):
@@ -315,6 +316,7 @@ class CachedMathVerify:
 
         self.scorer = MathVerifyReward(mode="grpo", timeout=timeout, workers=workers)
         self.cache, self.max_entries = {}, max_entries
+        self.last_statuses = []
 
     def __call__(self, prompts, responses, answers):
         keys = list(zip(responses, answers))
@@ -322,12 +324,13 @@ class CachedMathVerify:
         missing = list(dict.fromkeys(k for k in keys if k not in known))  # first-seen order, no sort
         if missing:
             verdicts = self.scorer.verdicts([r for r, _ in missing], [a for _, a in missing])
-            fresh = {key: float(v.correct) for key, v in zip(missing, verdicts)}
+            fresh = {key: v.status for key, v in zip(missing, verdicts)}
             if len(self.cache) + len(fresh) > self.max_entries:
                 self.cache.clear()
             self.cache.update({k: fresh[k] for k, v in zip(missing, verdicts) if v.status not in ("timeout", "error")})
             known.update(fresh)
-        return torch.tensor([known[k] for k in keys])
+        self.last_statuses = [known[k] for k in keys]
+        return torch.tensor([float(status == "correct") for status in self.last_statuses])
 
 
 def make_reward_fn(spec):
@@ -456,9 +459,9 @@ PATH_FLAGS = (
 
 
 def run_config(args):
-    """The flags a checkpoint stores and a resume compares (`rundir.flag_config`), with existing paths resolved,
+    """The flags a checkpoint stores and a resume compares (`options.flag_config`), with existing paths resolved,
     the content hash of the prompt dataset and of a .py reward, and the wandb API key masked."""
-    config = rundir.flag_config(args)
+    config = options.flag_config(args)
     for key in PATH_FLAGS:
         if config.get(key) and Path(config[key]).exists():
             config[key] = str(Path(config[key]).resolve())

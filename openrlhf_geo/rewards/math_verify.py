@@ -17,7 +17,8 @@ killed and replaced in the background (about a second to restart), and the item 
 
 Bad input is a per-item verdict with a ``reason`` (and a logged warning), never an exception for the batch: a
 response that is not a string or is longer than MAX_RESPONSE_CHARS is ``error``; a gold answer that is NaN/inf,
-neither string nor number, or longer than MAX_RESPONSE_CHARS is ``bad_gold``. A missing gold (None) still raises:
+neither string nor number, longer than MAX_RESPONSE_CHARS, or that math-verify cannot parse into any expression
+(``\\frac{``) is ``bad_gold``, never a silent ``wrong``. A missing gold (None) still raises:
 that is a configuration error (``--data.label_key``), not a bad item.
 
 Use with upstream OpenRLHF 0.11.2 (``openrlhf.utils.agent.SingleTurnAgentExecutor`` loads
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 MODES = {"grpo": (1.0, 0.0), "dapo": (1.0, -1.0)}
 STATUSES = ("correct", "wrong", "no_box", "bad_gold", "timeout", "error")
+PROBLEMS = ("no_box", "bad_gold", "timeout", "error")  # the statuses the engines log as math_verify/<status> shares
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 ENV_MODE, ENV_TIMEOUT, ENV_WORKERS = "OPENRLHF_GEO_MATH_MODE", "OPENRLHF_GEO_MATH_TIMEOUT", "OPENRLHF_GEO_MATH_WORKERS"
 # A new worker imports sympy/antlr (about a second); give it this long before declaring the pool broken.
@@ -138,8 +140,8 @@ def verify_answer(answer, gold_latex):
     from math_verify import parse, verify  # here: only the worker processes need sympy/antlr (~0.5 s to import)
 
     gold_parsed = parse("\\boxed{" + gold_latex + "}", parsing_timeout=None)
-    if not gold_parsed:
-        return Verdict(False, "bad_gold", answer)
+    if all(isinstance(item, str) for item in gold_parsed):  # only the raw text came back: the gold holds no math
+        return Verdict(False, "bad_gold", answer, f"math-verify cannot parse the gold answer {gold_latex[:200]!r}")
     pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     correct = bool(pred_parsed) and verify(gold_parsed, pred_parsed, timeout_seconds=None)
     return Verdict(correct, "correct" if correct else "wrong", answer)
@@ -337,8 +339,7 @@ class MathVerifyReward:
         hit, miss = MODES[self.mode]
         correct = torch.tensor([float(v.correct) for v in verdicts])
         per_status = {
-            f"math_verify/{status}": torch.tensor([float(v.status == status) for v in verdicts])
-            for status in ("no_box", "bad_gold", "timeout", "error")
+            f"math_verify/{status}": torch.tensor([float(v.status == status) for v in verdicts]) for status in PROBLEMS
         }
         return {"rewards": torch.where(correct > 0, hit, miss), "scores": correct, "extra_logs": per_status}
 
