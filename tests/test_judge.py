@@ -1,6 +1,7 @@
 """HH pairwise judge (GeoAlign arXiv 2606.26917 App. B.2): verdict parsing, the swap/tie rule, bootstrap CIs, and
 end-to-end runs against a deterministic OpenAI-compatible stand-in server on 127.0.0.1."""
 
+import email.utils
 import itertools
 import json
 import re
@@ -127,6 +128,8 @@ class StandIn:
         self.policy, self.key, self.delay = "quality", None, 0.0
         self.fail_first = self.slow_first = self.requests = self.inflight = self.max_inflight = 0
         self.garbage_for, self.refuse_after = set(), None
+        self.truncate_first = 0  # these first requests get a body cut short: Content-Length 1000, 6 bytes, close
+        self.retry_after = None  # (requests, Retry-After value): the first requests get HTTP 429 with it
         self.lock = threading.Lock()
 
     def answer(self, user):
@@ -174,6 +177,13 @@ def server():
             finally:  # before the reply goes out: once it has it, the client may send its next request at once
                 with state.lock:
                     state.inflight -= 1
+            if number <= state.truncate_first:
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b'{"choi')
+                self.close_connection = True
+                return
             self._send(*reply)
 
         def _reply(self, body, number):
@@ -186,6 +196,8 @@ def server():
                 return 403, {"error": "quota exceeded"}
             if number <= state.fail_first:
                 return 503, {"error": "overloaded"}, [("Retry-After", "0")]
+            if state.retry_after is not None and number <= state.retry_after[0]:
+                return 429, {"error": "rate limited"}, [("Retry-After", state.retry_after[1])]
             time.sleep(1.0 if number <= state.slow_first else state.delay)
             content = state.answer(body["messages"][1]["content"])
             return 200, {"choices": [{"message": {"role": "assistant", "content": content}}]}
@@ -288,6 +300,42 @@ def test_retries_transient_errors_and_timeouts_and_bounds_concurrency(server, fi
     assert judge.main(argv) == 0 and server.requests == 17  # the timed-out request was asked again
 
 
+def test_a_response_cut_short_is_retried_and_one_that_stays_cut_is_one_line(server, files, capsys):
+    server.truncate_first = 3  # Content-Length 1000, then 6 bytes and a close: http.client.IncompleteRead
+    assert judge.main(_argv(server, files, "--judge.concurrency", "1")) == 0
+    assert server.requests == 16 + 3
+    capsys.readouterr()
+    server.truncate_first, server.requests = 10**6, 0
+    (files[2] / "results.jsonl").unlink()
+    assert judge.main(_argv(server, files, "--judge.max_retries", "1")) == 2
+    line = _error(capsys, after_start=True)
+    assert "no answer after 2 attempts" in line and "IncompleteRead" in line
+
+
+def test_a_server_asking_for_a_long_wait_is_given_up_on_in_one_line(server, files, capsys, monkeypatch):
+    waits = []
+    # nothing here may wait for real (time.sleep is patched for all: the stand-in's own sleeps of 0 s are skipped)
+    monkeypatch.setattr(judge.time, "sleep", lambda seconds: seconds and waits.append(seconds))
+    server.retry_after = (10**6, "100000")
+    assert judge.main(_argv(server, files, "--judge.concurrency", "1")) == 2
+    line = _error(capsys, after_start=True)
+    assert "Retry-After" in line and "100000" in line and "--judge.max_retry_wait 60" in line
+    assert not waits  # the default cap gives up at once, without sleeping
+    # a wait under the cap is honoured; an HTTP date is understood too; exponential backoff is capped as well
+    server.retry_after, server.requests = (2, "3"), 0
+    assert judge.main(_argv(server, files, "--judge.concurrency", "1", "--judge.max_retry_wait", "5")) == 0
+    assert len(waits) == 2 and all(1.5 <= w <= 3 for w in waits) and server.requests == 16 + 2
+    (files[2] / "results.jsonl").unlink()
+    waits.clear()
+    server.fail_first, server.retry_after, server.requests = 4, None, 0
+    argv = _argv(server, files, "--judge.concurrency", "1", "--judge.backoff", "10", "--judge.max_retry_wait", "4")
+    assert judge.main(argv) == 0 and len(waits) == 4 and max(waits) <= 4
+    client = judge.ChatClient("http://x", "m", backoff=0.5, max_retry_wait=60)
+    assert client.retry_wait(0, "Wed, 21 Oct 2015 07:28:00 GMT") == 0.5  # a date in the past: the backoff
+    assert client.retry_wait(0, email.utils.formatdate(time.time() + 3600, usegmt=True)) is None
+    assert client.retry_wait(0, "soon") == 0.5 and client.retry_wait(9) == 60  # unreadable: ignored; capped
+
+
 def test_unparseable_verdicts_are_recorded_and_judged_again_on_rerun(server, files, capsys):
     server.garbage_for = {"answer 4"}  # this judge never gives a verdict for prompt 4
     assert judge.main(_argv(server, files, "--judge.parse_retries", "1")) == 1
@@ -320,8 +368,9 @@ def test_api_key_is_sent_from_the_named_environment_variable(server, files, monk
     assert judge.main(_argv(server, files, "--judge.api_key_env", "JUDGE_KEY")) == 0
 
 
-def _error(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
+def _error(capsys, after_start=False):
+    """The one error line on stderr (`after_start`: after the "judging N prompts" line)."""
+    err = capsys.readouterr().err.strip().splitlines()[1 if after_start else 0 :]
     assert len(err) == 1 and err[0].startswith("openrlhf-geo judge: error:"), err
     return err[0]
 

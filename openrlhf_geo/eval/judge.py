@@ -27,6 +27,8 @@ reward: ArmoRM scores of both response sets and their paired difference.
 
 import argparse
 import ast
+import email.utils
+import http.client
 import json
 import math
 import os
@@ -172,18 +174,45 @@ class ChatClient:
     """POSTs chat requests to an OpenAI-compatible endpoint; retries transient failures with exponential backoff.
 
     ``url``: the API base (``http://host:8000/v1``) or the full ``.../chat/completions`` address. Each attempt has
-    ``timeout`` seconds; timeouts, connection errors and statuses in ``RETRY_STATUS`` are retried up to
-    ``max_retries`` times, waiting ``backoff * 2**attempt`` seconds (or the server's Retry-After), with jitter.
-    Other HTTP errors raise ``JudgeError`` at once.
+    ``timeout`` seconds; every transport failure (timeouts, refused or dropped connections, a reply cut short,
+    malformed HTTP) and the statuses in ``RETRY_STATUS`` are retried up to ``max_retries`` times, waiting
+    ``backoff * 2**attempt`` seconds (or the server's longer Retry-After), with jitter, never more than
+    ``max_retry_wait`` seconds: a server whose Retry-After asks for more is given up on at once (``JudgeError``), as
+    is any other HTTP error.
     """
 
     def __init__(
-        self, url, model, api_key=None, timeout=60.0, max_retries=5, backoff=1.0, temperature=0.0, max_tokens=512
+        self,
+        url,
+        model,
+        api_key=None,
+        timeout=60.0,
+        max_retries=5,
+        backoff=1.0,
+        temperature=0.0,
+        max_tokens=512,
+        max_retry_wait=60.0,
     ):
         self.url = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.timeout = model, api_key, timeout
-        self.max_retries, self.backoff = max_retries, backoff
+        self.max_retries, self.backoff, self.max_retry_wait = max_retries, backoff, max_retry_wait
         self.temperature, self.max_tokens = temperature, max_tokens
+
+    def retry_wait(self, attempt, retry_after=None):
+        """Seconds to wait before retry number ``attempt`` + 1 (before jitter): the backoff, or the server's longer
+        Retry-After (seconds or an HTTP date), capped at ``max_retry_wait``; None when Retry-After asks for more."""
+        wait_s = self.backoff * 2**attempt
+        asked = None
+        if retry_after is not None and retry_after.strip().isdigit():
+            asked = float(retry_after)
+        elif retry_after is not None:
+            try:
+                asked = max(0.0, email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time())
+            except (TypeError, ValueError, OverflowError):  # not a date either: ignored, as before
+                asked = None
+        if asked is not None and asked > self.max_retry_wait:
+            return None
+        return min(max(wait_s, asked or 0.0), self.max_retry_wait)
 
     def complete(self, messages):
         body = json.dumps(
@@ -205,18 +234,25 @@ class ChatClient:
                     content = json.loads(response.read())["choices"][0]["message"]["content"]
                     return content if isinstance(content, str) else ""  # null content: no verdict, asked again
             except urllib.error.HTTPError as error:
-                detail = error.read()[:300].decode(errors="replace")
+                try:
+                    detail = " ".join(error.read()[:300].decode(errors="replace").split())
+                except (OSError, http.client.HTTPException):  # the error body itself was cut off
+                    detail = "(no body)"
                 if error.code not in RETRY_STATUS:
                     raise JudgeError(f"{self.url} answered HTTP {error.code}: {detail}") from None
                 last = f"HTTP {error.code}: {detail}"
                 retry_after = error.headers.get("Retry-After")
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
-                # URLError, timeouts and dropped connections are OSErrors; the rest is a malformed answer.
-                last = f"{type(error).__name__}: {error}"
+            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as error:
+                # URLError, timeouts and dropped connections are OSErrors, a body cut short (IncompleteRead) or a
+                # malformed status line HTTPExceptions; the rest is a malformed answer.
+                last = " ".join(f"{type(error).__name__}: {error}".split())
             if attempt < self.max_retries:
-                wait_s = self.backoff * 2**attempt
-                if retry_after is not None and retry_after.strip().isdigit():
-                    wait_s = max(wait_s, float(retry_after))
+                wait_s = self.retry_wait(attempt, retry_after)
+                if wait_s is None:
+                    raise JudgeError(
+                        f"{self.url} answered {last} with Retry-After {retry_after.strip()}, a longer wait than "
+                        f"--judge.max_retry_wait {self.max_retry_wait:g} s; giving up (rerun later, same --out)"
+                    )
                 time.sleep(wait_s * random.uniform(0.5, 1.0))
         raise JudgeError(f"{self.url}: no answer after {self.max_retries + 1} attempts (last: {last})")
 
@@ -362,6 +398,13 @@ def build_parser():
     add("--judge.timeout", dest="timeout", type=float, default=120.0, help="seconds per request")
     add("--judge.max_retries", dest="max_retries", type=int, default=5, help="retries per request (backoff)")
     add("--judge.backoff", dest="backoff", type=float, default=2.0, help="first retry wait in seconds (doubles)")
+    add(
+        "--judge.max_retry_wait",
+        dest="max_retry_wait",
+        type=float,
+        default=60.0,
+        help="longest wait before a retry, in seconds; a server whose Retry-After asks for more is given up on",
+    )
     add("--judge.parse_retries", dest="parse_retries", type=int, default=2, help="re-asks for an unparseable answer")
     add("--judge.concurrency", dest="concurrency", type=int, default=8, help="prompts judged at once")
     add("--judge.temperature", dest="temperature", type=float, default=0.0)
@@ -392,6 +435,8 @@ def _check(args):
             raise ValueError(f"{flag} must be >= {low} (got {value})")
     if not args.timeout > 0:
         raise ValueError(f"--judge.timeout must be > 0 seconds (got {args.timeout})")
+    if not 0 <= args.max_retry_wait < math.inf:
+        raise ValueError(f"--judge.max_retry_wait must be a finite number of seconds >= 0 (got {args.max_retry_wait})")
     if not 0 < args.confidence < 1:
         raise ValueError(f"--confidence must be in (0, 1) (got {args.confidence})")
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
@@ -408,7 +453,15 @@ def run(args):
     )[: args.limit]
     api_key = os.environ[args.api_key_env] if args.api_key_env else None
     client = ChatClient(
-        args.url, args.model, api_key, args.timeout, args.max_retries, args.backoff, args.temperature, args.max_tokens
+        args.url,
+        args.model,
+        api_key,
+        args.timeout,
+        args.max_retries,
+        args.backoff,
+        args.temperature,
+        args.max_tokens,
+        args.max_retry_wait,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
