@@ -333,6 +333,76 @@ def test_serve_rm_cli_binds_localhost_by_default_and_reads_the_token_from_env(mo
     assert made[1]["auth_token"] == "from-flag"
     with pytest.raises(SystemExit):
         armorm.main(["--model", "unused", "--max-queries", "0"])
+    assert made[0]["max_query_chars"] == armorm.MAX_QUERY_CHARS
+
+
+def test_serve_rm_refuses_other_machines_without_a_token_unless_told_to(monkeypatch, capsys):
+    """--host 0.0.0.0 without --auth-token started silently; now a one-line error, unless --allow-unauthenticated."""
+    made = []
+
+    class Recorded:  # nothing binds: a test server listens on 127.0.0.1 only
+        server_address = ("0.0.0.0", 5000)
+
+        def serve_forever(self):
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            pass
+
+    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args: _fake_scores)
+    monkeypatch.setattr(armorm, "make_server", lambda *a, **k: made.append((a, k)) or Recorded())
+    monkeypatch.delenv(armorm.ENV_AUTH_TOKEN, raising=False)
+    for host in ("0.0.0.0", "::", "10.1.2.3", "rm.example.org"):
+        assert armorm.main(["--model", "unused", "--host", host]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--host {host}" in err[0] and "--allow-unauthenticated" in err[0], err
+    assert not made  # refused before the model loads or anything binds
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert armorm.main(["--model", "unused", "--host", host]) == 0
+    assert armorm.main(["--model", "unused", "--host", "0.0.0.0", "--allow-unauthenticated"]) == 0
+    assert armorm.main(["--model", "unused", "--host", "0.0.0.0", "--auth-token", "t"]) == 0
+    assert [a[1] for a, _ in made] == ["127.0.0.1", "localhost", "::1", "0.0.0.0", "0.0.0.0"]
+
+
+def test_a_query_or_prompt_over_the_character_cap_gets_413_before_it_is_tokenized(scorer):
+    """One 60 MiB query (under the 64 MiB body cap) drove the server to 21 GB while tokenizing; the character cap
+    refuses it first. The real stand-in scorer: without the cap, this query would be scored (200)."""
+    server = armorm.make_server(armorm.BatchingScorer(scorer, max_wait_s=0.0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        long = "a" * armorm.MAX_QUERY_CHARS
+        status, reply = _post_raw(url, json.dumps({"query": ["hi " + long], "prompts": ["hi "]}).encode())
+        assert status == 413 and f"{armorm.MAX_QUERY_CHARS + 3} characters" in reply["error"]
+        assert "query 0" in reply["error"] and "--max-query-chars" in reply["error"]
+        status, reply = _post_raw(url, json.dumps({"query": ["hi there"], "prompts": ["hi " + long]}).encode())
+        assert status == 413 and "prompt 0" in reply["error"]
+        assert _post_raw(url, json.dumps({"query": ["hi " + long[:1000]], "prompts": ["hi "]}).encode())[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert armorm.MAX_QUERY_CHARS * 64 <= armorm.MAX_BODY_BYTES  # the body cap alone let a query this long through
+
+
+def test_a_long_conversation_is_truncated_while_it_is_tokenized(standin):
+    """The tokenizer keeps only the tail (and the first token) as it encodes: no Python list of every token."""
+    short = armorm.ArmoRMScorer(str(standin[0]), device="cpu", max_length=30)
+    calls = []
+    real = short.tokenizer.__class__.__call__
+
+    def spy(self, text, **kwargs):
+        calls.append(kwargs)
+        return real(self, text, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(short.tokenizer.__class__, "__call__", spy)
+        ids = short.tokenize([CONVERSATIONS[3], CONVERSATIONS[5]])
+    full, whole = (
+        short.tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]
+        for c in (CONVERSATIONS[3], CONVERSATIONS[5])
+    )
+    assert ids == [full[:1] + full[-29:], whole] and short.truncated == 1 and len(whole) < 30
+    assert calls and all(c.get("truncation") is True and c.get("max_length", 10**9) <= 31 for c in calls)
 
 
 def test_oversized_body_and_batch_get_413(serve):

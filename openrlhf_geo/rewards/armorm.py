@@ -17,7 +17,7 @@ Two ways to use it with upstream OpenRLHF 0.11.2 (``--reward.remote_url``):
   ``--reward.remote_url http://HOST:5000/get_reward``. Concurrent requests are merged into batches. The server
   listens on 127.0.0.1 unless ``--host`` says otherwise (``--host 0.0.0.0`` for trainers on other nodes; then
   also set ``--auth-token``, which upstream's client sends when the URL carries it:
-  ``http://:TOKEN@HOST:5000/get_reward``).
+  ``http://:TOKEN@HOST:5000/get_reward``; without one, such a host needs ``--allow-unauthenticated``).
 * reward-function file, loaded inside every vLLM engine actor (budget its GPU memory next to vLLM's):
   ``--reward.remote_url $(python -c "import openrlhf_geo.rewards.armorm as m; print(m.__file__)")`` with
   OPENRLHF_GEO_ARMORM_MODEL (path or hub id, required), OPENRLHF_GEO_ARMORM_DEVICE (default cuda if available),
@@ -32,7 +32,9 @@ import argparse
 import base64
 import binascii
 import contextlib
+import copy
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -57,6 +59,10 @@ ENV_AUTH_TOKEN = "OPENRLHF_GEO_RM_AUTH_TOKEN"
 # ~0.3 MB of JSON, so these leave room for batch clients while bounding what one request can make the server hold.
 MAX_BODY_BYTES = 64 * 2**20  # larger request bodies get 413 before being read
 MAX_QUERIES = 4096  # more conversations in one request get 413
+# Longest query (or prompt) in characters; longer ones get 413 before tokenizing. Tokenizing is what costs memory (a
+# 60 MiB query took the server to 21 GB); ArmoRM keeps --max-length (8192) tokens, ~32k characters, so this leaves
+# 30x room for text whose head is cut off anyway.
+MAX_QUERY_CHARS = 2**20
 READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this, or the connection is dropped
 LINGER_S = 1.0  # after an early refusal, how long unread body bytes are drained so the client sees the reply
 # End-of-turn markers a policy's decoded response may end with (skip_special_tokens=False upstream).
@@ -138,7 +144,8 @@ class ArmoRMScorer:
         dtype: ``bf16`` | ``fp16`` | ``fp32`` (default bf16 on GPU, fp32 on CPU).
         batch_size: sequences per forward.
         max_length: longer conversations keep their first token (BOS) and their last ``max_length - 1`` tokens,
-            so the response end that is scored survives; counted in ``self.truncated``.
+            so the response end that is scored survives; counted in ``self.truncated``. The tokenizer truncates
+            as it encodes, so no conversation becomes a Python list of more than ``max_length + 1`` tokens.
     """
 
     def __init__(self, model_path, device=None, dtype=None, batch_size=8, max_length=8192):
@@ -163,16 +170,21 @@ class ArmoRMScorer:
             raise ValueError(f"{model_path}: the tokenizer has no chat template; ArmoRM scores chat-formatted text")
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
         self.truncated = 0
+        self._tail_tokenizer = copy.deepcopy(self.tokenizer)  # truncates on the left: keeps the scored end
+        self._tail_tokenizer.truncation_side = "left"
 
     def tokenize(self, conversations):
-        """Token ids (lists) of each conversation rendered with the RM's chat template (as the model card does)."""
+        """Token ids (lists) of each conversation rendered with the RM's chat template (as the model card does),
+        truncated to the first token and the last ``max_length - 1`` (see the class docstring)."""
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template already has BOS
+        # the template already has BOS; one token more than max_length tells a truncated text from a full one
+        tails = self._tail_tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_length + 1)
         out = []
-        for seq in ids:
+        for text, seq in zip(texts, tails["input_ids"]):
             if len(seq) > self.max_length:
                 self.truncated += 1
-                seq = seq[:1] + seq[len(seq) - self.max_length + 1 :]
+                head = self.tokenizer(text, add_special_tokens=False, truncation=True, max_length=1)["input_ids"]
+                seq = head + seq[len(seq) - self.max_length + 1 :]
             out.append(seq)
         return out
 
@@ -243,11 +255,11 @@ class BatchingScorer:
                 at += len(conversations)
 
 
-def _conversations_from_payload(payload, max_queries=MAX_QUERIES):
+def _conversations_from_payload(payload, max_queries=MAX_QUERIES, max_query_chars=MAX_QUERY_CHARS):
     """Conversations of an upstream request ``{"query": [...], "prompts": [...], "labels": [...]}``.
 
     Raises ValueError (the server's 400) for a malformed request and OverflowError (413) for more than
-    ``max_queries`` queries.
+    ``max_queries`` queries or a query or prompt longer than ``max_query_chars`` characters.
     """
     if not isinstance(payload, dict):
         raise ValueError(f'request JSON must be an object with a "query" list (got a {type(payload).__name__})')
@@ -262,6 +274,13 @@ def _conversations_from_payload(payload, max_queries=MAX_QUERIES):
         raise ValueError('"query" is empty: send at least one query')
     if len(queries) > max_queries:
         raise OverflowError(f'"query" has {len(queries)} entries, more than this server accepts ({max_queries})')
+    for name, texts in (("query", queries), ("prompt", prompts if isinstance(prompts, list) else [])):
+        for i, text in enumerate(texts):
+            if isinstance(text, str) and len(text) > max_query_chars:
+                raise OverflowError(
+                    f"{name} {i} has {len(text)} characters, more than this server accepts per query "
+                    f"({max_query_chars}; serve-rm --max-query-chars)"
+                )
     if prompts is None:
         return [conversation_from_query(q) for q in queries]
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -303,6 +322,7 @@ def make_server(
     *,
     max_body_bytes=MAX_BODY_BYTES,
     max_queries=MAX_QUERIES,
+    max_query_chars=MAX_QUERY_CHARS,
     read_timeout=READ_TIMEOUT_S,
     auth_token=None,
 ):
@@ -312,16 +332,20 @@ def make_server(
     ``{"rewards": [...], "scores": [...], "extra_logs": {}}``; ``GET /health`` → ``{"status": "ok"}`` (no token).
     Errors are JSON ``{"error": ...}``: 400 malformed request (bad JSON, empty or ill-typed ``query``), 401 missing
     or wrong token (when ``auth_token`` is set), 408 headers/body not received within ``read_timeout`` seconds
-    (or fewer body bytes than Content-Length), 411 no Content-Length, 413 body over ``max_body_bytes`` or more
-    than ``max_queries`` queries, 500 scoring failed. Port 0 picks a free port (``server.server_address[1]``).
-    Run with ``server.serve_forever()``.
+    (or fewer body bytes than Content-Length), 411 no Content-Length, 413 body over ``max_body_bytes``, more
+    than ``max_queries`` queries or a query or prompt over ``max_query_chars`` characters, 500 scoring failed.
+    Port 0 picks a free port (``server.server_address[1]``). Run with ``server.serve_forever()``.
 
     Why the standard library rather than upstream's FastAPI/uvicorn: neither is a dependency of this package's
     base install, and the hardening needed here (a hard per-request read deadline, body/batch caps, a token)
     is a few lines on ``ThreadingHTTPServer``; one thread per connection suits a server whose work happens in
     the batcher thread anyway.
     """
-    for name, value in (("max_body_bytes", max_body_bytes), ("max_queries", max_queries)):
+    for name, value in (
+        ("max_body_bytes", max_body_bytes),
+        ("max_queries", max_queries),
+        ("max_query_chars", max_query_chars),
+    ):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
     if not read_timeout > 0:
@@ -408,7 +432,7 @@ def make_server(
                 self._refuse(408, f"got {len(body)} of {length} body bytes within {read_timeout:g} s")
                 return
             try:
-                conversations = _conversations_from_payload(json.loads(body), max_queries)
+                conversations = _conversations_from_payload(json.loads(body), max_queries, max_query_chars)
             except OverflowError as error:
                 self._reply(413, {"error": str(error)})
                 return
@@ -461,6 +485,16 @@ def reward_func(queries, prompts, labels):
     return {"rewards": scores, "scores": scores, "extra_logs": {}}
 
 
+def _is_loopback(host):
+    """Whether ``host`` (an address or name) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to any interface
+        return False
+
+
 def main(argv=None):
     """``openrlhf-geo serve-rm --model PATH [--port 5000] ...``: serve ArmoRM scores for ``--reward.remote_url``."""
     parser = argparse.ArgumentParser(prog="openrlhf-geo serve-rm", description=main.__doc__)
@@ -474,6 +508,9 @@ def main(argv=None):
     parser.add_argument("--max-wait-ms", type=float, default=10.0, help="how long to gather concurrent requests")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests get HTTP 413")
     parser.add_argument("--max-queries", type=int, default=MAX_QUERIES, help="more queries per request get 413")
+    parser.add_argument(
+        "--max-query-chars", type=int, default=MAX_QUERY_CHARS, help="longer queries or prompts get 413"
+    )
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, help="seconds to receive a request")
     parser.add_argument(
         "--auth-token",
@@ -481,14 +518,30 @@ def main(argv=None):
         default=os.environ.get(ENV_AUTH_TOKEN) or None,
         help=f"require 'Authorization: Bearer TOKEN' (or http://:TOKEN@host URLs); default ${ENV_AUTH_TOKEN}",
     )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a --host other machines reach without --auth-token (anyone there may use the RM)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must lie in [0, 65535] (got {args.port})")
-    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-queries", args.max_queries)):
+    for flag, value in (
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-queries", args.max_queries),
+        ("--max-query-chars", args.max_query_chars),
+    ):
         if value < 1:
             parser.error(f"{flag} must be >= 1 (got {value})")
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
+    if not (args.auth_token or args.allow_unauthenticated or _is_loopback(args.host)):
+        print(
+            f"openrlhf-geo serve-rm: error: --host {args.host} lets other machines score with the RM: set "
+            f"--auth-token (or ${ENV_AUTH_TOKEN}), or pass --allow-unauthenticated",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scorer = ArmoRMScorer(args.model, args.device, args.dtype, args.batch_size, args.max_length)
     batcher = BatchingScorer(scorer, max_batch=4 * args.batch_size, max_wait_s=args.max_wait_ms / 1000)
@@ -498,6 +551,7 @@ def main(argv=None):
         args.port,
         max_body_bytes=args.max_body_bytes,
         max_queries=args.max_queries,
+        max_query_chars=args.max_query_chars,
         read_timeout=args.read_timeout,
         auth_token=args.auth_token,
     )
