@@ -258,6 +258,88 @@ def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path
     assert json.loads((out / "summary.json").read_text())["setup"]["skipped"] == 2
 
 
+# ---------------------------------------------------------------- who may write --out
+
+
+def fake_work(monkeypatch, tag):
+    """The demo's and the studies' work faked: SFT is skipped, each run leaves a metrics.jsonl and a checkpoint.pt
+    holding `tag`, each report a report.md and summary.json holding `tag`."""
+    from openrlhf_geo.local import report
+
+    def run_all(jobs, workers, steps):
+        for job in jobs:
+            run = Path(job["out"])
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "metrics.jsonl").write_text(
+                "".join(json.dumps({"step": t, "by": tag}) + "\n" for t in range(steps + 1))
+            )
+            (run / "checkpoint.pt").write_text(tag)
+
+    def write_report(out, *args, **kwargs):
+        for name in ("report.md", "summary.json"):
+            (Path(out) / name).write_text(json.dumps(tag))
+
+    monkeypatch.setattr(demo, "prepare_data", lambda out, max_operand=99: ([], []))
+    monkeypatch.setattr(demo, "warm_up", lambda *args, **kwargs: {})
+    monkeypatch.setattr(study, "prepare_settings", lambda out, jobs, steps: {})
+    monkeypatch.setattr(demo, "run_all", run_all)
+    monkeypatch.setattr(report, "write_report", write_report)  # (out, runs, comparisons, setup, methods)
+    monkeypatch.setattr(study, "write_report", lambda s, out, *args: write_report(out))
+
+
+def snapshot(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()}
+
+
+def test_an_out_written_by_another_command_is_refused_and_left_as_it_was(tmp_path, monkeypatch, capsys):
+    """A quick study in the demo's directory replaced the demo's runs/grpo/seed0 logs and checkpoint, its report and
+    summary, and exited 0. The demo and the studies now own their --out as `openrlhf-geo train` owns its output
+    directory: the command that wrote it may go on (the demo reruns, a study resumes), anything else is refused."""
+    fake_work(monkeypatch, "demo")
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--out", str(out), "--seeds", "1", "--steps", "3"]) == 0
+    before = snapshot(out)
+    assert before["runs/grpo/seed0/checkpoint.pt"] == b"demo"
+    refusals = {
+        ("study", "salt-ablations", "--quick"): "openrlhf-geo demo --seeds 1 --steps 3",
+        ("demo", "--quick"): "openrlhf-geo demo --seeds 1 --steps 3",  # another demo configuration, as well
+    }
+    for argv, owner in refusals.items():
+        fake_work(monkeypatch, "intruder")
+        assert cli.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {out} holds the output of `{owner}`" in err[0], err
+        assert snapshot(out) == before
+    # the same command again proceeds (the demo reruns its runs), here with another --workers
+    fake_work(monkeypatch, "demo again")
+    assert cli.main(["demo", "--out", str(out), "--seeds", "1", "--steps", "3", "--workers", "1"]) == 0
+    assert (out / "runs" / "grpo" / "seed0" / "checkpoint.pt").read_text() == "demo again"
+
+
+def test_a_study_resumes_only_its_own_out(tmp_path, monkeypatch, capsys):
+    fake_work(monkeypatch, "quick")
+    out = tmp_path / "s"
+    assert cli.main(["study", "salt-scaling", "--quick", "--out", str(out)]) == 0
+    before = snapshot(out)
+    for argv, message in (
+        (["salt-scaling"], "holds the output of `openrlhf-geo study salt-scaling --quick`"),  # full on quick: refused
+        (["salt-scaling", "--quick", "--regime", "t06"], "`openrlhf-geo study salt-scaling --quick`"),
+        (["regime", "--quick"], "`openrlhf-geo study salt-scaling --quick`"),
+    ):
+        assert cli.main(["study", *argv, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err and snapshot(out) == before
+    assert cli.main(["study", "salt-scaling", "--quick", "--out", str(out), "--seeds", "7"]) == 0  # more seeds: fine
+    assert cli.main(["study", "salt-scaling", "--quick", "--regime", "demo", "--out", str(out)]) == 0  # the default
+    # a directory with files but no record (a train run, anything else) is refused too, and so is a busy one
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text("{}\n")
+    assert cli.main(["study", "regime", "--quick", "--out", str(tmp_path / "train")]) == 2
+    assert "not written by `openrlhf-geo study regime --quick` (metrics.jsonl)" in capsys.readouterr().err
+    with demo.claim_output(out, "openrlhf-geo study salt-scaling --quick"):
+        assert cli.main(["study", "salt-scaling", "--quick", "--out", str(out)]) == 2
+        assert "another run is writing it" in capsys.readouterr().err
+
+
 def fake_run(out, condition, seed, curves, final, start=0.5):
     """A finished run's metrics.jsonl: eval/accuracy `start` at step 0 and `final` at the last, each curve at 1..T."""
     run = Path(out) / "runs" / condition / f"seed{seed}"

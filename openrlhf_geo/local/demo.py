@@ -11,8 +11,12 @@
    grpo, salt (exact LM-head features), grpo_noise and geoalign_noise (10 % flipped binary rewards).
 4. The runs' logs in <out>/runs/<method>/seed<k>/ (metrics.jsonl, gdi.jsonl), and from them <out>/summary.json
    (every number of the report), <out>/report.md and PNG plots (`openrlhf_geo.local.report`).
+
+<out> belongs to the demo configuration that first wrote it (`claim_output`, shared with the studies): running it
+again reruns it there; another configuration, a study or a directory of other files is refused.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -21,9 +25,12 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from openrlhf_geo.local.rundir import LOCK
 
 NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
 # fmt: off
@@ -68,7 +75,7 @@ def build_parser():
     p.add_argument("--quick", action="store_true", help="smoke check: 1 seed, a few steps, short SFT (<= 60 s)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method (default 5; --quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 60; --quick 4)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--out", default=None, help="output directory (default runs/demo, runs/demo-quick with --quick)")
     p.add_argument(
         "--sft-target",
         type=float,
@@ -278,19 +285,70 @@ def run_all(jobs, workers, steps):
         raise RunsFailed(failures)
 
 
-def output_dir(path):
-    """`--out` of the demo and the studies, created -> Path; an unusable one is a ValueError naming it."""
+COMMAND_FILE = "command.json"  # in the --out of the demo and the studies: the command it belongs to
+
+
+class OutputClaimed(ValueError):
+    """`--out` cannot be used by this command (`claim_output`); the message names it."""
+
+
+@contextmanager
+def claim_output(path, command):
+    """Create and lock `--out` of the demo or a study for `command` -> yields it as a Path.
+
+    `command` is what the outputs depend on, as a command line (e.g. "openrlhf-geo demo --quick --seeds 1 --steps 4";
+    not --workers). The protection `openrlhf-geo train` gives its output directory (`rundir.claim`): the first use
+    records `command` in <out>/command.json; the same command later proceeds (the demo reruns its runs, a study
+    resumes the unfinished ones), while a directory recorded for another command, holding files but no record (a
+    train run, an older version's output, anything else) or being written by another process is refused with an
+    OutputClaimed naming --out, before anything in it changes. The lock is held until the block ends.
+    """
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / LOCK, "a+")
     except OSError as error:
-        raise ValueError(f"--out {out}: {error.strerror}") from None
-    return out
+        raise OutputClaimed(f"--out {out}: {error.strerror}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputClaimed(
+                f"--out {out}: another run is writing it; wait for it or choose another --out"
+            ) from None
+        try:
+            record = out / COMMAND_FILE
+            if record.exists():
+                try:
+                    owner = json.loads(record.read_text())["command"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    owner = f"unreadable {record}"
+                if owner != command:
+                    raise OutputClaimed(
+                        f"--out {out} holds the output of `{owner}`; `{command}` would replace it: choose another "
+                        "--out (or delete that directory)"
+                    )
+            else:
+                held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+                if held:
+                    shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+                    raise OutputClaimed(
+                        f"--out {out} holds files not written by `{command}` ({shown}); choose another --out "
+                        "(an empty or new directory)"
+                    )
+                record.write_text(json.dumps({"command": command}) + "\n")
+            yield out
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def demo_command(args, seeds, steps):
+    """The demo's identity for `claim_output`: the options its outputs depend on, resolved."""
+    command = ["openrlhf-geo demo", *(["--quick"] if args.quick else []), f"--seeds {seeds} --steps {steps}"]
+    return " ".join(command + ([f"--sft-target {args.sft_target:g}"] if args.sft_target is not None else []))
 
 
 def main(argv=None):
-    from openrlhf_geo.local import report
-
     try:
         args = build_parser().parse_args(argv)
         preset = QUICK if args.quick else FULL
@@ -302,10 +360,22 @@ def main(argv=None):
                 raise ValueError(f"{flag} must be >= 1 (got {value})")
         if args.sft_target is not None and not 0 < args.sft_target <= 1:
             raise ValueError(f"--sft-target must be an accuracy in (0, 1] (got {args.sft_target})")
-        out = output_dir(args.out)
     except ValueError as error:
         print(f"openrlhf-geo demo: error: {error}", file=sys.stderr)
         return 2
+    try:
+        path = args.out or ("runs/demo-quick" if args.quick else "runs/demo")  # a smoke run never takes the demo's
+        with claim_output(path, demo_command(args, len(seeds), steps)) as out:
+            return run(args, out, preset, seeds, steps, workers)
+    except OutputClaimed as error:
+        print(f"openrlhf-geo demo: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args, out, preset, seeds, steps, workers):
+    """The demo in its claimed `out` (`main` checked the options) -> exit status."""
+    from openrlhf_geo.local import report
+
     eval_steps = min(preset["eval_steps"], steps)
     start = time.perf_counter()
     torch.set_num_threads(1)  # a 0.13M-parameter model gains nothing from more; extra threads only contend

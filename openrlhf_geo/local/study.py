@@ -964,10 +964,24 @@ def main(argv=None):
             raise ValueError(f"--workers must be >= 1 (got {workers})")
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ValueError(f"--seeds must be distinct (got {' '.join(map(str, args.seeds))})")
-        out = demo.output_dir(args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""))
     except ValueError as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
+    # what the runs depend on (not --seeds: each run records its own command, `finished`)
+    regime = f" --regime {args.regime}" if args.regime not in (None, "demo") else ""
+    command = f"openrlhf-geo study {args.name}{regime}" + (" --quick" if args.quick else "")
+    try:
+        with demo.claim_output(
+            args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""), command
+        ) as out:
+            return run(args, study, out, workers)
+    except demo.OutputClaimed as error:
+        print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args, study, out, workers):
+    """The study in its claimed `out` (`main` checked the options) -> exit status."""
     torch.set_num_threads(1)  # as the demo: the runs' workers take one thread each
     steps, eval_steps = (QUICK["steps"], QUICK["eval_steps"]) if args.quick else (study.steps, study.eval_steps)
     sft_steps = QUICK["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
