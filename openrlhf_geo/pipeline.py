@@ -29,6 +29,10 @@ sample-weighted mean (upstream's `info` logging; the local engine's `nanmean`) i
 weighted for SALT. String stats (`geo/skipped_reason`) live in `step.text_metrics`. The baselines' stats are
 `baseline/<name>/<stat>`. When SALT applies, `salt/out_of_regime` flags steps far outside SALT Table 10's regime
 (`SaltRegimeWarning`, docs/salt_regime.md).
+
+`SignalGuard` (one per engine, whatever the flags) checks each rollout batch for learning signal: it logs
+`signal/truncated` and `signal/tied_groups` and warns (`LearningSignalWarning`) when most responses hit the length
+limit or when every prompt's rollouts have had equal rewards for several steps in a row.
 """
 
 import copy
@@ -68,6 +72,86 @@ REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_reg
 
 class SaltRegimeWarning(UserWarning):
     """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
+
+
+# The learning-signal guard. A response cut at the length limit has no final answer for a verifier to pay, and a
+# prompt whose rollouts all got the same reward has zero group advantages: a run where that holds everywhere trains on
+# nothing, and still exits 0. "Most" responses: above half; "several" steps: a streak of SIGNAL_FLAT_STEPS, so that a
+# step or two of an all-right or all-wrong batch (common on easy or hard tasks) stays quiet.
+SIGNAL_MAX_TRUNCATED = 0.5
+SIGNAL_FLAT_STEPS = 3
+SIGNAL_WARN_EVERY = 50  # steps between two warnings of one kind (the metrics are logged every step)
+
+
+class LearningSignalWarning(UserWarning):
+    """The rollouts give the policy little or nothing to learn from (cut responses, or all rewards tied per prompt)."""
+
+
+class SignalGuard:
+    """Per rollout batch: `check(rewards, group_ids, truncated)` -> {"signal/truncated": share of responses that hit
+    the length limit (when `truncated` (N,) bool is given), "signal/tied_groups": share of prompts whose rollouts all
+    got the same reward}, warning at most once per SIGNAL_WARN_EVERY steps for each kind when the truncated share is
+    above SIGNAL_MAX_TRUNCATED, or when every prompt has been tied for SIGNAL_FLAT_STEPS steps in a row.
+    `max_new_tokens` (the engine's limit) is named in the warning. `state_dict`/`load_state_dict` keep the streak and
+    the warning windows across a resume."""
+
+    def __init__(self, max_new_tokens=None):
+        self.max_new_tokens = max_new_tokens
+        self.steps, self.flat_steps = 0, 0
+        self.last_warning = {"truncated": None, "flat": None}  # step of each kind's last warning
+
+    def check(self, rewards, group_ids, truncated=None) -> dict:
+        self.steps += 1
+        rewards, group_ids = rewards.detach().cpu().double(), group_ids.detach().cpu()
+        _, group = torch.unique(group_ids, return_inverse=True)
+        n_groups = int(group.max()) + 1 if group.numel() else 0
+        low = torch.full((n_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
+        high = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
+        tied = float((low == high).double().mean()) if n_groups else 0.0
+        metrics = {"signal/tied_groups": tied}
+        cut = None
+        if truncated is not None:
+            cut = float(truncated.detach().cpu().double().mean()) if truncated.numel() else 0.0
+            metrics["signal/truncated"] = cut
+            if cut > SIGNAL_MAX_TRUNCATED and self._due("truncated"):
+                limit = f" ({self.max_new_tokens} new tokens)" if self.max_new_tokens is not None else ""
+                counts = f"{int(truncated.sum())} of {truncated.numel()}"
+                self._warn(
+                    f"step {self.steps}: {100 * cut:.0f} % of the responses ({counts}) hit the length limit{limit} "
+                    "without ending; a reward that needs the final answer pays them "
+                    "nothing. If the task's answers are longer, raise --rollout.max_new_tokens"
+                )
+        self.flat_steps = self.flat_steps + 1 if n_groups and tied == 1.0 else 0
+        if self.flat_steps >= SIGNAL_FLAT_STEPS and self._due("flat"):
+            why = f"; {100 * cut:.0f} % of the responses were cut at the length limit" if cut else ""
+            self._warn(
+                f"steps {self.steps - self.flat_steps + 1}-{self.steps}: every prompt's rollouts got the same reward "
+                f"(mean {float(rewards.mean()):g}, {n_groups} prompts of this step){why}: every group advantage is 0, "
+                "no learning signal. Make the task fit the model (neither always right nor always wrong), or raise "
+                "--rollout.n_samples_per_prompt (or --rollout.max_new_tokens when responses are cut)"
+            )
+        return metrics
+
+    def _due(self, kind):
+        last = self.last_warning[kind]
+        if last is not None and self.steps - last < SIGNAL_WARN_EVERY:
+            return False
+        self.last_warning[kind] = self.steps
+        return True
+
+    def _warn(self, message):
+        warnings.warn(
+            f"{message} (signal/* is logged every step, this warning at most once per {SIGNAL_WARN_EVERY} steps).",
+            LearningSignalWarning,
+            stacklevel=3,
+        )
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "flat_steps": self.flat_steps, "last_warning": dict(self.last_warning)}
+
+    def load_state_dict(self, state) -> None:
+        self.steps, self.flat_steps = state["steps"], state["flat_steps"]
+        self.last_warning = dict(state["last_warning"])
 
 
 @dataclass(frozen=True)

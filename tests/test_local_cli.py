@@ -315,3 +315,19 @@ def test_demo_misuse_is_a_one_line_error_before_any_work(tmp_path, capsys, argv,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message.replace("{file}", str(file)) in err
     assert not (tmp_path / "sft").exists()
+
+
+def test_the_readme_local_engine_command_generates_as_long_as_the_demo_needs():
+    """The README's command continues from the demo's SFT model; at the default --rollout.max_new_tokens (16) every
+    response was cut before its answer (the demo's need 48), so it trained on zero rewards."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from openrlhf_geo.local import demo
+    from openrlhf_geo.local.train import parse_args
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (command,) = re.findall(r"openrlhf-geo train --actor\.model_name_or_path runs/demo/sft[^`]*?(?=\n```)", readme)
+    args = parse_args(shlex.split(command.replace("\\\n", " "))[2:])
+    assert args.rollout.max_new_tokens >= demo.MAX_NEW_TOKENS

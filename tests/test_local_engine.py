@@ -651,3 +651,24 @@ def test_cached_math_verify_reports_an_unparseable_gold_as_bad_gold():
     for _ in range(2):  # the second call is answered from the memo, with the same statuses
         assert reward([""] * 3, ["\\boxed{5}", "\\boxed{5}", "5"], ["\\frac{", "5", "5"]).tolist() == [0.0, 1.0, 0.0]
         assert reward.last_statuses == ["bad_gold", "correct", "no_box"]
+
+
+def test_a_run_without_learning_signal_warns_with_its_numbers(tokenizer):
+    """One new token per response (none ends) and a reward that pays nothing: the engine logs signal/* every step
+    and warns once about each, naming the numbers and the flag to change."""
+    import warnings
+
+    from openrlhf_geo import pipeline
+
+    rows = addition_problems(8, seed=0)
+    args = make_args(
+        *("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "1")
+    )
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, rows, lambda p, r, a: torch.zeros(len(r)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = [trainer.step() for _ in range(pipeline.SIGNAL_FLAT_STEPS + 1)]
+    assert all(m["signal/tied_groups"] == 1.0 and m["signal/truncated"] >= 0.5 for m in metrics)
+    found = [str(w.message) for w in caught if issubclass(w.category, pipeline.LearningSignalWarning)]
+    assert len(found) == 2 and "hit the length limit (1 new tokens)" in found[0]
+    assert found[1].startswith(f"steps 1-{pipeline.SIGNAL_FLAT_STEPS}: every prompt's rollouts got the same reward")

@@ -282,3 +282,51 @@ def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
 def test_salt_diagnostics_have_no_regime_guard():
     pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact", apply=False)))
     assert "salt/out_of_regime" not in salt_regime_step(pipe, inside=False).metrics
+
+
+def signal_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, pipeline.LearningSignalWarning)]
+
+
+def test_learning_signal_guard_warns_about_cut_responses_and_tied_groups_once_per_window():
+    """The README's local-engine command cut every response at 16 tokens: reward, accuracy and every advantage were
+    0 and the run exited 0 without a word. The guard logs both shares every step and warns, rate-limited."""
+    guard = pipeline.SignalGuard(max_new_tokens=16)
+    groups = torch.arange(8) // 4  # two prompts of four rollouts
+    cut = torch.tensor([True] * 7 + [False])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = [guard.check(torch.zeros(8), groups, cut) for _ in range(pipeline.SIGNAL_WARN_EVERY)]
+    assert all(r == {"signal/truncated": 7 / 8, "signal/tied_groups": 1.0} for r in rows)
+    cut_warning, tied_warning = signal_warnings(caught)  # one of each in the window, tied after the streak
+    assert cut_warning.startswith("step 1: 88 % of the responses (7 of 8) hit the length limit (16 new tokens)")
+    assert "raise --rollout.max_new_tokens" in cut_warning
+    n = pipeline.SIGNAL_FLAT_STEPS
+    assert tied_warning.startswith(f"steps 1-{n}: every prompt's rollouts got the same reward (mean 0, 2 prompts")
+    assert "no learning signal" in tied_warning and "88 % of the responses were cut" in tied_warning
+    with warnings.catch_warnings(record=True) as caught:  # the next windows; a resumed guard keeps them
+        warnings.simplefilter("always")
+        resumed = pipeline.SignalGuard(max_new_tokens=16)
+        resumed.load_state_dict(guard.state_dict())
+        for _ in range(n):
+            resumed.check(torch.zeros(8), groups, cut)
+    window = pipeline.SIGNAL_WARN_EVERY
+    assert [w.split(":")[0] for w in signal_warnings(caught)] == [f"step {window + 1}", f"steps 1-{window + n}"]
+
+
+def test_learning_signal_guard_is_quiet_while_there_is_signal():
+    guard = pipeline.SignalGuard()
+    groups = torch.arange(8) // 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(10):  # half the responses cut, and one prompt tied in turn: below both limits
+            tied = step % 2
+            rewards = torch.tensor([1.0, 0, 1, 0, 1, 1, 1, 1]) if tied else torch.tensor([1.0, 0, 0, 0, 0, 1, 0, 0])
+            row = guard.check(rewards, groups, torch.arange(8) < 4)
+            assert row == {"signal/truncated": 0.5, "signal/tied_groups": 0.5 if tied else 0.0}
+        for _ in range(pipeline.SIGNAL_FLAT_STEPS - 1):  # a tied streak shorter than SIGNAL_FLAT_STEPS
+            guard.check(torch.ones(8), groups)
+        guard.check(torch.tensor([1.0, 0, 1, 0, 1, 1, 1, 1]), groups)
+        guard.check(torch.ones(8), groups)
+    assert not signal_warnings(caught)
+    assert guard.check(torch.ones(8), groups) == {"signal/tied_groups": 1.0}  # no mask: no truncation share

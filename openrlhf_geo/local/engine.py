@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 from openrlhf_geo import baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.options import geometry_config
-from openrlhf_geo.pipeline import GeometryPipeline, check_finite
+from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 from openrlhf_geo.rewards.math_verify import PROBLEMS, MathVerifyReward
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -61,6 +61,7 @@ class Rollouts:
     features: torch.Tensor = None  # (N, D) float32 LM-head-gradient proxy (SALT)
     hidden: torch.Tensor = None  # (N, d) float32 last-response-token hidden state (GeoAlign)
     entropy: torch.Tensor = None  # (N,) sum over tokens of entropy / log V (SALT entropy-alpha)
+    truncated: torch.Tensor = None  # (N,) bool: the response hit --rollout.max_new_tokens without an EOS
 
     def __len__(self):
         return self.sequences.shape[0]
@@ -104,6 +105,7 @@ class Rollouts:
             correct=torch.cat([b.correct for b in batches]),
             rewards=torch.cat([b.rewards for b in batches]),
             corrupted=None if batches[0].corrupted is None else torch.cat([b.corrupted for b in batches]),
+            truncated=torch.cat([b.truncated for b in batches]),
         )
 
 
@@ -171,6 +173,7 @@ def generate_rollouts(model, tokenizer, prompts, answers, n_samples, max_new_tok
         responses=texts,
         answers=[a for a in answers for _ in range(n_samples)],
         prompt_width=width,
+        truncated=~(responses == eos).any(1).cpu(),
     )
 
 
@@ -356,6 +359,7 @@ class Trainer:
         self.sampler = PromptSampler(rows, seed)
         # reward noise, GeoAlign, SALT: the pipeline the fork runs too (its own random streams, seeded from `seed`)
         self.pipeline = GeometryPipeline(geometry_config(args))
+        self.signal = SignalGuard(args.rollout.max_new_tokens)  # warns when a step has nothing to learn from
         salt = self.pipeline.salt
         # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default
         self.partition_prompts = salt.group_prompts if salt is not None else None
@@ -394,6 +398,7 @@ class Trainer:
         # 1-3. rollouts (HF generate), rewards, noise; DAPO refills filtered prompts with fresh ones
         batch, stats = self._collect()
         stats["time/rollout_s"] = time.perf_counter() - t0
+        stats.update(self.signal.check(batch.rewards, batch.group_ids, batch.truncated))
         metrics = {"step": self.global_step, **stats, **self.learn(batch)}
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
@@ -691,6 +696,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "pipeline": self.pipeline.state_dict(),
+            "signal": self.signal.state_dict(),
             "sampler": self.sampler.state_dict(),
             "minibatch_generator": self.minibatch_generator.get_state(),
             "loss_generator": self.loss_generator.get_state(),
@@ -703,6 +709,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
+        if "signal" in state:  # checkpoints from before the learning-signal guard
+            self.signal.load_state_dict(state["signal"])
         self.sampler.load_state_dict(state["sampler"])
         self.minibatch_generator.set_state(state["minibatch_generator"])
         if "loss_generator" in state:  # checkpoints from before Clip-Cov

@@ -5,6 +5,7 @@ and the fork (`--advantage_estimator salt`, `--salt.*`, `--geoalign.*`, `--rewar
 translates to a Ray run flag by flag. Example, continuing from the demo's SFT model::
 
     openrlhf-geo train --actor.model_name_or_path runs/demo/sft --data.prompt_dataset runs/demo/data/train.jsonl \\
+        --rollout.max_new_tokens 48 --actor.adam.lr 3e-4 \\
         --advantage_estimator salt --salt.features exact --train.steps 50 --ckpt.output_dir runs/my_salt
 
 Writes `<ckpt.output_dir>/metrics.jsonl` (one JSON object per step), `checkpoint.pt` (resume with
