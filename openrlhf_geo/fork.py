@@ -304,16 +304,17 @@ def check_worker() -> None:
     _check_marker(openrlhf)
 
 
-def verify(site_packages=None, cache_dir=None) -> tuple[bool, list[str]]:
+def verify(site_packages=None, cache_dir=None, device="cuda") -> tuple[bool, list[str]]:
     """Everything `materialize` checks, as a readable report: (ok, lines)."""
-    lines, problems = [f"openrlhf-geo fork {FORK_ID}"], []
+    lines, problems = [f"openrlhf-geo fork {FORK_ID}" + (" (CPU mode)" if device == "cpu" else "")], []
     try:
-        patches = load_patches()
+        patches = fork_patches(device)
         lines.append(f"patches: {patch_dir()} ({len(patches)} diffs)")
         check_lines, problems = check_upstream(patches, upstream_distribution(site_packages))
         lines += check_lines
         if not problems:
-            lines.append(f"patched copy: {materialize(site_packages, cache_dir)} (diffs applied exactly)")
+            root = materialize(site_packages, cache_dir, device=device)
+            lines.append(f"patched copy: {root} (diffs applied exactly)")
     except ForkError as e:
         problems = [*problems, str(e)]
     if problems:
@@ -369,8 +370,32 @@ def main(argv=None) -> int:
         print(f"openrlhf-geo: {e}", file=sys.stderr)
         return 1
     sys.argv = [UPSTREAM_MAIN, *argv]
-    runpy.run_module(UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
+    except Exception as e:
+        line = ray_failure(e)
+        if line is None:
+            raise
+        # The workers' tracebacks are in the log above (Ray forwards them); exiting shuts down a head this
+        # process started, and a job on a running cluster loses its actors with its driver.
+        print(f"openrlhf-geo: {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def ray_failure(error) -> str | None:
+    """One line for an error raised inside a Ray actor: the innermost actor method and its cause; None otherwise."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    if ray_exceptions is None or not isinstance(error, ray_exceptions.RayError):
+        return None
+    where = None
+    # A RayTaskError's text is the worker's traceback, headed "ray::Actor.method() (pid=...)"; its cause is what the
+    # method raised (another actor's RayTaskError when it called one).
+    while isinstance(error, ray_exceptions.RayTaskError) and getattr(error, "cause", None) is not None:
+        found = re.search(r"ray::[\w.]+\(\)", str(error))
+        where, error = found.group(0) if found else where, error.cause
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{where or 'a Ray actor'} failed: {type(error).__name__}: {lines[-1] if lines else ''}"
 
 
 def main_fork(argv=None) -> int:
@@ -384,13 +409,14 @@ def main_fork(argv=None) -> int:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--site-packages", help="check the openrlhf installed in this folder instead")
         cmd.add_argument("--cache-dir", help=f"cache root (default ${CACHE_ENV} or ~/.cache/openrlhf-geo)")
+        cmd.add_argument("--device", choices=DEVICES, default="cuda", help="cpu: with the CPU overlay (patches/cpu/)")
     args = parser.parse_args(argv)
     if args.command == "verify":
-        ok, lines = verify(args.site_packages, args.cache_dir)
+        ok, lines = verify(args.site_packages, args.cache_dir, args.device)
         print("\n".join(lines))
         return 0 if ok else 1
     try:
-        print(materialize(args.site_packages, args.cache_dir))
+        print(materialize(args.site_packages, args.cache_dir, device=args.device))
     except ForkError as e:
         print(f"openrlhf-geo: {e}", file=sys.stderr)
         return 1

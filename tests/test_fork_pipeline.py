@@ -532,6 +532,22 @@ def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monke
         assert not hasattr(e, fork_hooks.SIDE_ATTR)
 
 
+def test_an_http_reward_models_per_sample_lists_give_the_same_advantages(up, tiny_path, monkeypatch):
+    """An HTTP reward model answers a list per query, so upstream's rewards are (B, 1): found by the CPU smoke."""
+    monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE))
+    argv = "--advantage_estimator salt --geoalign.enable --reward.noise.type flip --reward.noise.rate 0.5".split()
+    results = []
+    for shape in ((1,), (1, 1)):
+        maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+        samples = rollouts(up, 3, seed=5, rewards=REWARDS)
+        for sample in samples:
+            sample.rewards = sample.rewards.reshape(shape)
+        experiences, _ = forward_batch(maker, samples)
+        results.append(maker.compute_advantages_and_returns(experiences))
+    torch.testing.assert_close(row_advantages(results[1], 12), row_advantages(results[0], 12))
+    assert results[1][0].rewards.shape[1:] == (1,)  # noisy rewards keep upstream's shape
+
+
 def test_metrics_survive_the_replay_buffer_split_and_merge(up, tiny_path, monkeypatch):
     monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE))
     maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from openrlhf_geo import options
 from openrlhf_geo.local import rundir, tracking
 
 
@@ -303,7 +304,7 @@ def test_flag_config_flattens_the_namespace_and_changes_split_into_safe_and_unsa
         train=types.SimpleNamespace(steps=5, seed=1, threads=None),
         actor=types.SimpleNamespace(adam=types.SimpleNamespace(betas=(0.9, 0.95))),
     )
-    old = rundir.flag_config(args)
+    old = options.flag_config(args)
     assert old == {"train.steps": 5, "train.seed": 1, "train.threads": None, "actor.adam.betas": [0.9, 0.95]}
     new = {**old, "train.steps": 9, "train.threads": 2, "train.seed": 2, "salt.new_flag": 1}
     safe, unsafe = rundir.config_changes(old, new)

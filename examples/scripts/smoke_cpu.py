@@ -1,21 +1,32 @@
 """The fork end to end on a CPU-only machine: `openrlhf-geo train-ppo-ray --fork.device cpu` through upstream's real
 Ray actors, one vLLM CPU engine and DeepSpeed (CPU accelerator, gloo), on a tiny Qwen2 built from a config.
 
-    python examples/scripts/smoke_cpu.py OUT_DIR [--conditions a,b,...] [--list]
+    python examples/scripts/smoke_cpu.py OUT_DIR [--conditions a,b,...]
 
 It checks the wiring (flags -> actor forward -> experience maker -> loss -> logged metrics -> weight sync ->
-checkpoint/resume), not learning. One local Ray head on 127.0.0.1 (declared GPU slots, so upstream's placement
-groups schedule) serves every condition and is shut down by this process, also on failure or Ctrl-C; each condition
-is its own `train-ppo-ray` process (its own vLLM engine and DeepSpeed actors). Writes OUT_DIR/summary.json: per
-condition the steps completed, the last step's logged metrics (upstream's train/*, the fork's salt/*, geo/*) and the
-wall time. Exit 0 only if every condition ran and passed its checks.
+checkpoint/resume), not learning. Each run is its own process group: `train-ppo-ray` starts a local Ray head on
+127.0.0.1 (the CPU overlay declares GPU slots so upstream's placement groups schedule) and stops it when it exits;
+this script then checks that nothing of the group is left, and stops what is (its own handle), also on failure or
+Ctrl-C. The HH condition runs upstream's SFT (`deepspeed --module openrlhf.cli.train_sft`) and serves a stand-in
+ArmoRM with `openrlhf-geo serve-rm` on 127.0.0.1.
+
+Writes OUT_DIR/summary.json: per condition the steps completed, the last step's logged metrics (upstream's train/*,
+the fork's salt/*, geo/*, noise/*), the checks below and the wall time. Exit 0 only if every condition passed.
+Per run, OUT_DIR/<run>/ holds train.log, tensorboard/, final/ (the trained model) and dump/step<N>.pt (what the
+geometry pipeline received and returned each step, OPENRLHF_GEO_DUMP_DIR).
+
+Checks per run: exit code; the required metrics finite at every step, no metric infinite; the policy's weights
+changed; vLLM's log-probs of the sampled tokens equal the actor's at every step after the first (the weight sync
+worked); no process left behind.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +34,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 16
-SAMPLES = 4
 # Per rollout step: 8 prompts x 4 samples = 32 = one optimizer step; 16 prompts = 2 steps per episode.
 COMMON = [
     "--fork.device", "cpu",
@@ -34,30 +44,76 @@ COMMON = [
     "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.1",
     "--vllm.enforce_eager", "--vllm.sync_backend", "gloo",
     "--ds.zero_stage", "2", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager",
-    "--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", str(SAMPLES), "--rollout.micro_batch_size", "8",
+    "--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", "4", "--rollout.micro_batch_size", "8",
     "--train.batch_size", "32", "--train.micro_batch_size", "8", "--train.max_epochs", "1",
-    "--actor.adam.lr", "1e-3", "--algo.kl.init_coef", "0", "--actor.loss_agg_mode", "seq-mean-token-mean",
-    "--algo.advantage.is_correction_level", "token",
+    "--actor.adam.lr", "5e-3", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+    "--algo.kl.init_coef", "0", "--actor.loss_agg_mode", "seq-mean-token-mean",
 ]  # fmt: skip
+# vLLM's log-probs of the sampled tokens come back with the rollouts (train/vllm_kl; the weight-sync check)
+SYNC = ["--algo.advantage.is_correction_level", "token"]
 GEOALIGN = ["--geoalign.enable", "--geoalign.min_scores", "8", "--geoalign.projector.steps", "5"]
 FLIPS = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.2"]
-# name -> (extra flags, metric prefixes that every step must log)
+# Metrics every step must log with a finite value. Others may be NaN where the pipeline defines them as undefined
+# that step (geo/precision with nothing flagged, geo/kde_threshold of the pointwise rule, ...); none may be ±inf.
+SALT = ["salt/pr", "salt/k", "salt/n_eff_in", "salt/alpha"]
+GEO = ["geo/pairs", "geo/flag_frac", "geo/gdi_p50"]
+NOISE = ["noise/corrupted"]
+RESUMED = ["--advantage_estimator", "salt", "--salt.variant", "entropy-alpha", *GEOALIGN, *FLIPS]
+# Reward models are checked by a sequence-classification model over HTTP; prompts in HH's format.
+HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "rlhf", "--geoalign.min_scores",
+      "8", "--geoalign.projector.steps", "5", "--reward.noise.type", "swap", "--reward.noise.rate", "0.2"]  # fmt: skip
+
+# name -> flags, metrics every step must log finite, and how the run is set up:
+#   after: a run whose checkpoint this one resumes (same --ckpt.path, --ckpt.load_enable, one more episode)
+#   fails: the run must fail with this text in its last stderr line (a one-line error)
+#   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
 CONDITIONS = {
-    "grpo_diagnostics": (["--advantage_estimator", "group_norm", "--salt.diagnostics"], ["salt/"]),
-    "salt": (["--advantage_estimator", "salt"], ["salt/"]),
-    "geoalign_flip": (["--advantage_estimator", "group_norm", *GEOALIGN, *FLIPS], ["geo/", "noise/"]),
-    "salt_geoalign_flip": (["--advantage_estimator", "salt", *GEOALIGN, *FLIPS], ["salt/", "geo/", "noise/"]),
-}
+    "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
+    "salt": {"flags": ["--advantage_estimator", "salt"], "finite": [*SALT, "salt/n_eff_out", "salt/U_perp_gain"]},
+    "geoalign_flip": {"flags": ["--advantage_estimator", "group_norm", *GEOALIGN, *FLIPS], "finite": [*GEO, *NOISE]},
+    # SALT (entropy-alpha: the entropy range is state) + GeoAlign + noise, checkpointed at step 2 ...
+    "salt_geoalign_flip": {"flags": [*RESUMED, "--ckpt.save_steps", "2"], "finite": [*SALT, *GEO, *NOISE]},
+    # ... resumed in a new process to step 4
+    "resume": {"flags": RESUMED, "finite": [*SALT, *GEO, *NOISE], "after": "salt_geoalign_flip"},
+    # ... and refused when a geometry flag changed
+    "resume_changed_flags": {
+        "flags": [*RESUMED, "--salt.dim", "1024"],
+        "after": "salt_geoalign_flip",
+        "fails": "written with other flags: --salt.dim",
+    },
+    # clip_cov_ratio 0.2: enough of 32 x 16 tokens are covariance-clipped to exercise the branch. Clip-Cov replaces
+    # the surrogate that applies vLLM's IS correction, so this run has no vLLM log-probs (no sync check).
+    "clip_cov": {
+        "flags": ["--advantage_estimator", "group_norm", "--baseline.policy_loss", "clip_cov",
+                  "--baseline.clip_cov_ratio", "0.2"],
+        "sync": False,
+    },
+    "pf_ppo_br": {
+        "flags": ["--advantage_estimator", "group_norm", "--baseline.curation", "pf_ppo_br",
+                  "--baseline.pf_ppo_keep_count"],
+    },
+    "dapo_salt": {
+        "flags": ["--advantage_estimator", "salt", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range",
+                  "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean"],
+        "finite": SALT,
+    },
+    "hh_sft_rm_geoalign": {"flags": HH, "finite": [*GEO, *NOISE], "hh": True},
+}  # fmt: skip
+SYNC_TOLERANCE = 0.1  # max |vLLM - actor| log-prob of a sampled token after a sync (both bf16; measured < 0.03)
 
 
 def build_assets(out: Path) -> None:
-    """Tiny Qwen2 (head_dim 64: vLLM's CPU attention rejects 16), byte-level BPE tokenizer, prompts, reward file."""
+    """Tiny Qwen2 (head_dim 64: vLLM's CPU attention rejects 16), byte-level BPE tokenizer, math and HH prompts,
+    a reward-function file, an HH SFT set and a stand-in ArmoRM."""
+    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    if (out / "model" / "config.json").is_file():
+    if (out / "done").is_file():
         return
+    pairs = [(a % 10, (3 * a + 1) % 10) for a in range(PROMPTS * 2)]
     corpus = [f"Q: {a} + {b} = ? A: the answer is {a + b}" for a in range(10) for b in range(10)]
+    corpus += [f"Human: what is {a} + {b}?\n\nAssistant: it is {a + b}." for a, b in pairs]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -68,7 +124,7 @@ def build_assets(out: Path) -> None:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     hf_tok.save_pretrained(out / "model")
     config = Qwen2Config(
-        vocab_size=384,
+        vocab_size=384,  # >= the tokenizer's entries
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -81,14 +137,18 @@ def build_assets(out: Path) -> None:
         pad_token_id=hf_tok.pad_token_id,
         torch_dtype="bfloat16",
     )
-    import torch
-
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(out / "model")
     with open(out / "prompts.jsonl", "w") as f:
-        for a in range(PROMPTS):
-            b = (3 * a + 1) % 10
-            f.write(json.dumps({"input": f"Q: {a % 10} + {b} = ? A:", "label": str(a % 10 + b)}) + "\n")
+        for a, b in pairs[:PROMPTS]:
+            f.write(json.dumps({"input": f"Q: {a} + {b} = ? A:", "label": str(a + b)}) + "\n")
+    with open(out / "hh_prompts.jsonl", "w") as f:
+        for a, b in pairs[:PROMPTS]:
+            f.write(json.dumps({"input": f"Human: what is {a} + {b}?\n\nAssistant:", "label": ""}) + "\n")
+    with open(out / "hh_sft.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": f"Human: what is {a} + {b}?\n\nAssistant:", "chosen": f" it is {a + b}."}))
+            f.write("\n")
     (out / "reward_func.py").write_text(
         "import torch\n\n\n"
         "def reward_func(queries, prompts, labels):\n"
@@ -96,6 +156,52 @@ def build_assets(out: Path) -> None:
         "    r = torch.tensor([float(sum(map(ord, q[len(p):])) % 2) for q, p in zip(queries, prompts)])\n"
         "    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n"
     )
+    spec = importlib.util.spec_from_file_location("armorm_standin", REPO / "tests/fixtures/armorm_standin/build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(out / "armorm_standin")
+    (out / "done").write_text("")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_group(command, log_path: Path, env, cwd: Path) -> tuple[int, list[str]]:
+    """Run `command` in a new process group; (exit code, what of the group was left running and then stopped)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
+        try:
+            code = proc.wait()
+        finally:
+            left = stop_group(proc.pid)
+    return code, left
+
+
+def stop_group(pgid: int) -> list[str]:
+    """Stop what is left of process group `pgid` (ours: started with start_new_session); its command lines."""
+    import psutil
+
+    left = []
+    for _ in range(20):  # Ray's and vLLM's processes exit on their own within seconds of the driver
+        left = [p for p in psutil.process_iter(["cmdline"]) if _pgid(p.pid) == pgid]
+        if not left:
+            return []
+        time.sleep(0.5)
+    names = [" ".join(p.info["cmdline"] or [])[:120] for p in left]
+    os.killpg(pgid, signal.SIGKILL)
+    return names
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def read_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
@@ -111,90 +217,176 @@ def read_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def run_condition(name, flags, out: Path, assets: Path, env) -> dict:
-    """One `openrlhf-geo train-ppo-ray` process; its log goes to out/<name>/train.log."""
+def weight_change(before: Path, after: Path) -> float:
+    """max |w_after - w_before| over the policy's parameters (HF safetensors folders)."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    return max(float((b[k].float() - a[k].float()).abs().max()) for k in a)
+
+
+def sync_gaps(dump: Path) -> dict[int, float]:
+    """step -> max |vLLM - actor| log-prob of the sampled tokens, from the run's dumps."""
+    import torch
+
+    gaps = {}
+    for path in sorted(dump.glob("step*.pt")):
+        record = torch.load(path, weights_only=False)
+        if record.get("logprob_gap") is not None:
+            gaps[int(path.stem[4:])] = float(record["logprob_gap"].max())
+    return gaps
+
+
+def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> dict:
+    scalars = read_scalars(run / "tensorboard") if (run / "tensorboard").is_dir() else {}
+    steps = sorted({s for values in scalars.values() for s in values})
+    problems = [f"left running after exit, stopped: {p}" for p in left]
+    result = {"steps": len(steps), "first_step": steps[0] if steps else None}
+    if "fails" in spec:
+        # the fork's own line; Ray may still print its workers' last log lines after it
+        lines = [x for x in (run / "train.log").read_text().splitlines() if x.startswith("openrlhf-geo: ")]
+        result["error"] = lines[-1] if lines else ""
+        if code == 0 or len(lines) != 1 or spec["fails"] not in result["error"]:
+            problems.append(f"expected a one-line error with {spec['fails']!r}, got exit {code}: {result['error']}")
+        return {"ok": not problems, "problems": problems, **result}
+    if code != 0:
+        problems.append(f"exit code {code} (see {run / 'train.log'})")
+    if not steps:
+        problems.append("no step logged")
+    for key in spec.get("finite", []):
+        values = scalars.get(f"train/{key}", {})
+        bad = [s for s in steps if not math.isfinite(values.get(s, math.nan))]
+        if bad:
+            problems.append(f"train/{key} missing or not finite at steps {bad}")
+    for tag, values in scalars.items():
+        infinite = [s for s, v in values.items() if math.isinf(v)]
+        if infinite:
+            problems.append(f"{tag} is infinite at steps {infinite}")
+    if (run / "final" / "model.safetensors").is_file():
+        result["weight_change"] = weight_change(model, run / "final")
+        if not result["weight_change"] > 0:
+            problems.append("the policy's weights did not change")
+    elif code == 0:
+        problems.append("no final model saved")
+    result["sync_gap"] = sync_gaps(run / "dump")
+    synced = {s: g for s, g in result["sync_gap"].items() if s > min(result["sync_gap"], default=0)}
+    if code == 0 and not synced and spec.get("sync", True):
+        problems.append("no step after a weight sync has vLLM log-probs to compare")
+    bad_sync = {s: g for s, g in synced.items() if not g <= SYNC_TOLERANCE}
+    if bad_sync:
+        problems.append(f"vLLM's log-probs differ from the actor's after a weight sync: {bad_sync}")
+    result["last_step"] = {t: v[max(v)] for t, v in scalars.items() if v and t.startswith("train/")}
+    return {"ok": not problems, "problems": problems, **result}
+
+
+def sft(assets: Path, run: Path, env) -> tuple[int, list[str]]:
+    """Upstream's SFT (DeepSpeed's launcher, one CPU rank) on the patched copy, a few steps on HH-format pairs."""
+    root = subprocess.run(
+        [sys.executable, "-m", "openrlhf_geo.cli", "fork", "path", "--device", "cpu"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    sft_env = dict(env, PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    command = [
+        "deepspeed", "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "--module", "openrlhf.cli.train_sft",
+        "--model.model_name_or_path", str(assets / "model"), "--data.dataset", str(assets / "hh_sft.jsonl"),
+        "--data.input_key", "prompt", "--data.output_key", "chosen", "--data.input_template", "{}",
+        "--data.max_len", "64", "--train.batch_size", "8", "--train.micro_batch_size", "4",
+        "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ds.zero_stage", "2", "--ds.param_dtype", "bf16",
+        "--ds.attn_implementation", "eager", "--ckpt.output_dir", str(run / "sft"), "--ckpt.save_steps", "-1",
+    ]  # fmt: skip
+    return run_group(command, run / "sft.log", sft_env, run)
+
+
+def serve_rm(assets: Path, run: Path, env):
+    """`openrlhf-geo serve-rm` on the stand-in ArmoRM, 127.0.0.1, a free port: (process, URL)."""
+    port = free_port()
+    with open(run / "serve_rm.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openrlhf_geo.cli", "serve-rm", "--model", str(assets / "armorm_standin"),
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "fp32"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.time() + 120
+    while "serving" not in (run / "serve_rm.log").read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            stop_group(proc.pid)
+            raise RuntimeError(f"serve-rm did not start: {(run / 'serve_rm.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}/get_reward"
+
+
+def run_condition(name, spec, out: Path, assets: Path) -> dict:
     run = out / name
     run.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON,
-        "--actor.model_name_or_path", str(assets / "model"),
-        "--data.prompt_dataset", str(assets / "prompts.jsonl"),
-        "--reward.remote_url", str(assets / "reward_func.py"),
-        "--logger.tensorboard_dir", str(run / "tensorboard"),
-        "--ckpt.output_dir", str(run / "final"), *flags,
-    ]  # fmt: skip
+    env = dict(os.environ, OPENRLHF_GEO_DUMP_DIR=str(run / "dump"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("RAY_ADDRESS", None)  # each run starts (and stops) its own local head
     start = time.time()
-    with open(run / "train.log", "w") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run, start_new_session=True
-        )
-        try:
-            code = proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)  # its own process group: the driver and what it spawned
-            proc.wait()
-            raise
-    return {"returncode": code, "wall_s": round(time.time() - start, 1), "command": command}
-
-
-def summarize(result, run: Path, prefixes) -> dict:
-    scalars = read_scalars(run / "tensorboard") if (run / "tensorboard").is_dir() else {}
-    steps = sorted({s for values in scalars.values() for s in values if True})
-    problems = []
-    if result["returncode"] != 0:
-        problems.append(f"exit code {result['returncode']} (see {run / 'train.log'})")
-    for prefix in prefixes:
-        tags = [t for t in scalars if t.startswith(f"train/{prefix}")]
-        if not tags:
-            problems.append(f"no train/{prefix}* metric logged")
-        for tag in tags:
-            bad = {s: v for s, v in scalars[tag].items() if not math.isfinite(v)}
-            if bad:
-                problems.append(f"{tag} not finite at steps {sorted(bad)}")
-    last = {t: v[max(v)] for t, v in scalars.items() if v and t.startswith("train/")}
-    return {
-        "ok": not problems,
-        "problems": problems,
-        "steps": len(steps),
-        "wall_s": result["wall_s"],
-        "last_step": last,
-    }
+    model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
+    extra = ["--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard")]
+    try:
+        if spec.get("hh"):
+            code, left = sft(assets, run, env)
+            if code != 0:
+                return {"ok": False, "problems": [f"SFT failed, exit {code} (see {run / 'sft.log'})"]}
+            model, prompts = run / "sft", assets / "hh_prompts.jsonl"
+            server, reward = serve_rm(assets, run, env)
+        extra += ["--ckpt.path", str(out / spec.get("after", name) / "ckpt")]
+        if "after" in spec:
+            extra += ["--ckpt.load_enable", "--train.num_episodes", "2"]
+        command = [
+            sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON,
+            "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(prompts),
+            "--reward.remote_url", reward or str(assets / "reward_func.py"), *extra, *spec["flags"],
+            *(SYNC if spec.get("sync", True) else []),
+        ]  # fmt: skip
+        (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
+        code, more = run_group(command, run / "train.log", env, run)
+        left += more
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+            left += stop_group(server.pid)
+    result = check_run(name, spec, run, code, left, assets, model)
+    result["wall_s"] = round(time.time() - start, 1)
+    return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated subset")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated subset, run in order")
     args = parser.parse_args(argv)
     names = [c for c in args.conditions.split(",") if c]
     unknown = [c for c in names if c not in CONDITIONS]
     if unknown:
         parser.error(f"unknown --conditions {unknown}; known: {', '.join(CONDITIONS)}")
+    for name in names:
+        after = CONDITIONS[name].get("after")
+        if after and after not in names[: names.index(name)]:
+            parser.error(f"condition {name} resumes {after}: list {after} before it")
+    from openrlhf_geo.fork import ForkError, check_cpu_engines
+
+    try:
+        check_cpu_engines()
+    except ForkError as e:
+        print(f"smoke_cpu: {e}", file=sys.stderr)
+        return 1
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     assets = out / "assets"
     build_assets(assets)
-
-    import ray
-
-    # One local head for every condition, on loopback, with GPU slots declared for upstream's placement groups.
-    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     summary = {}
-    try:
-        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, DS_ACCELERATOR="cpu")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        for name in names:
-            flags, prefixes = CONDITIONS[name]
-            result = run_condition(name, flags, out, assets, env)
-            summary[name] = summarize(result, out / name, prefixes)
-            print(f"{name}: {'ok' if summary[name]['ok'] else 'FAILED'} in {result['wall_s']} s "
-                  f"{'; '.join(summary[name]['problems'])}", flush=True)  # fmt: skip
-            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    finally:
-        ray.shutdown()
+    for name in names:
+        summary[name] = run_condition(name, CONDITIONS[name], out, assets)
+        status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])
+        print(f"smoke_cpu {name}: {status} ({summary[name].get('wall_s')} s)", flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     failed = [n for n, s in summary.items() if not s["ok"]]
-    print(f"smoke_cpu: {len(summary) - len(failed)}/{len(names)} conditions passed; summary in {out / 'summary.json'}")
-    return 1 if failed or len(summary) != len(names) else 0
+    print(f"smoke_cpu: {len(names) - len(failed)}/{len(names)} conditions passed; summary in {out / 'summary.json'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ Layout of ``--ckpt.output_dir``::
     tensorboard/          --use_tensorboard's default event directory
 
 A checkpoint is ``{"format", "version", "step", "config", "state", "digest"}``: `state` is `Trainer.state_dict()`,
-`config` the run's flags (`flag_config`), `digest` a SHA-256 over config and state. The digest is needed because
-torch's zip reader does not verify the CRC of the records it reads: a flipped bit in a tensor loads silently.
+`config` the run's flags (`options.flag_config`), `digest` a SHA-256 over config and state. The digest is needed
+because torch's zip reader does not verify the CRC of the records it reads: a flipped bit in a tensor loads silently.
 """
 
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -25,7 +24,6 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -305,27 +303,6 @@ def trim_jsonl(path, step):
 
 
 # ---------------------------------------------------------------- flags
-
-
-def flag_config(args):
-    """The nested argparse namespace as {"group.flag": plain value} (tuples as lists), for storing and comparing."""
-    out = {}
-
-    def visit(prefix, value):
-        if isinstance(value, SimpleNamespace):
-            value = vars(value)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                visit(f"{prefix}.{key}" if prefix else key, item)
-        elif isinstance(value, (list, tuple)):
-            out[prefix] = [v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for v in value]
-        else:
-            out[prefix] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
-
-    visit("", args)
-    return out
 
 
 ABSENT = "(no such flag)"
