@@ -250,6 +250,51 @@ def test_bad_input_is_one_line_naming_the_flag_file_or_value(setup, capsys, extr
         assert not (setup / "out").exists()  # inputs are checked before the output dir is touched
 
 
+BAD_REWARDS = {
+    "strings": ("def reward_func(queries, prompts, labels):\n    return ['1'] * len(queries)\n",
+                "reward_func returned ['1', '1', '1', '1', '1', '1', ...]: expected 12 numbers"),
+    "count": ("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0, 0.0]}\n",
+              "reward_func returned 2 rewards for 12 responses"),
+    "raises": ("def reward_func(queries, prompts, labels):\n    return 1 / 0\n",
+               "reward_func raised ZeroDivisionError: division by zero"),
+    "syntax": ("def reward_func(queries, prompts, labels)\n    return []\n",
+               "cannot load it: SyntaxError: expected ':' (syntax.py, line 1)"),
+    "import": ("import no_such_module_here\n", "cannot load it: ModuleNotFoundError: No module named"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_REWARDS))
+def test_a_broken_reward_file_is_one_line_naming_flag_file_function_and_what_it_did(setup, capsys, name):
+    """A reward returning strings failed with torch's "too many dimensions 'str'"; a syntax error or a raising
+    function printed a traceback."""
+    code, message = BAD_REWARDS[name]
+    (setup / f"{name}.py").write_text(code)
+    assert cli.main(train_argv(setup, 1, "--reward.func", str(setup / f"{name}.py"))) != 0
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the progress bar of a run the error stopped
+    assert "Traceback" not in err and line.startswith(f"openrlhf-geo train: --reward.func {setup / name}.py: ")
+    assert message in line, err
+
+
+def test_zero_steps_names_only_what_it_wrote(setup, capsys):
+    assert cli.main(train_argv(setup, 0, "--eval.steps", "-1")) == 0
+    out = setup / "out"
+    assert not (out / "metrics.jsonl").exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {out / 'checkpoint.pt'} and {out / 'model'}"
+
+
+def test_misspecified_noise_is_not_offered_by_train_and_refused_before_anything_is_written(setup, capsys):
+    """It needs a task hook that says which wrong answers the verifier pays (the studies' task); train has none."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "misspecified" not in capsys.readouterr().out
+    argv = train_argv(setup, 1, "--reward.noise.type", "misspecified", "--reward.noise.rate", "0.2")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "openrlhf-geo study geoalign-failure" in err
+    assert not (setup / "out").exists()
+
+
 def test_tensorboard_and_offline_wandb_log_upstream_names_with_one_progress_bar(setup, capsys, monkeypatch):
     """A pretrained model directory, so transformers would show its own "Loading weights" bar if not silenced."""
     from openrlhf_geo.eval.report import read_tensorboard

@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import reprlib
 import sys
 from pathlib import Path
 
@@ -165,6 +166,14 @@ def build_parser():
     log.add_argument("--logger.wandb.run_name", default=None, help="default: the output directory's name")
 
     options.add_args(p)
+    # --reward.noise.type misspecified needs a task that says which wrong answers the verifier pays (the studies' demo
+    # task, `openrlhf-geo study geoalign-failure`): a train run has none, so its help does not offer it (`main`)
+    for action in p._actions:
+        if "--reward.noise.type" in action.option_strings:
+            action.metavar = "{" + ",".join(c for c in action.choices if c != "misspecified") + "}"
+            action.help = "flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes"
+        elif "--reward.noise.rate" in action.option_strings:
+            action.help = "fraction of each prompt's rollouts corrupted"
     return p
 
 
@@ -287,19 +296,49 @@ def check_local_path(flag, value):
         raise ValueError(f"{flag} {value}: no such file or directory")
 
 
+def _first_line(error):
+    """`Type: first line of the message` of an exception, for one-line errors."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
 def load_python_reward(path):
-    """reward_fn from a .py file defining upstream's `reward_func(queries, prompts, labels)`."""
+    """reward_fn from a .py file defining upstream's `reward_func(queries, prompts, labels)`.
+
+    Whatever goes wrong in the user's file is a ValueError naming --reward.func, the file and what happened: it
+    cannot be loaded (a syntax error, a failing import), reward_func raises, or it returns something other than one
+    number per response (a list, tensor or upstream's {"rewards": ...})."""
     spec = importlib.util.spec_from_file_location("openrlhf_geo_user_reward", path)
     if spec is None or not Path(path).is_file():
         raise ValueError(f"--reward.func {path!r}: not a Python file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the user's code: any exception, SyntaxError included
+        raise ValueError(f"--reward.func {path}: cannot load it: {_first_line(error)}") from None
     if not hasattr(module, "reward_func"):
         raise ValueError(f"--reward.func {path}: defines no reward_func(queries, prompts, labels)")
 
     def reward_fn(prompts, responses, answers):
-        out = module.reward_func([p + r for p, r in zip(prompts, responses)], list(prompts), list(answers))
-        return torch.as_tensor(out["rewards"] if isinstance(out, dict) else out, dtype=torch.float32).flatten()
+        try:
+            out = module.reward_func([p + r for p, r in zip(prompts, responses)], list(prompts), list(answers))
+        except Exception as error:
+            raise ValueError(f"--reward.func {path}: reward_func raised {_first_line(error)}") from None
+        value = out.get("rewards") if isinstance(out, dict) else out
+        try:
+            rewards = torch.as_tensor(value, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):  # strings, None, ragged lists: not numbers
+            rewards = None
+        if rewards is None:
+            raise ValueError(
+                f"--reward.func {path}: reward_func returned {reprlib.repr(out)}: expected {len(responses)} numbers, "
+                "one per response (a list, a tensor or {'rewards': ...})"
+            )
+        if rewards.numel() != len(responses):
+            raise ValueError(
+                f"--reward.func {path}: reward_func returned {rewards.numel()} rewards for {len(responses)} responses"
+            )
+        return rewards
 
     return reward_fn
 
@@ -537,6 +576,7 @@ def train(args):
     if args.eval.dataset:
         eval_rows = read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset")
     config = run_config(args)
+    reward_fn = make_reward_fn(args.reward.func)  # a broken reward file is found before the output dir is touched
     out = Path(args.ckpt.output_dir)
     with rundir.claim(out, args.ckpt.load_enable, args.ckpt.overwrite) as resuming:
         checkpoint = None
@@ -546,7 +586,7 @@ def train(args):
             for name in ("metrics.jsonl", "gdi.jsonl"):  # as fit does, but before the model loads and the bar shows
                 rundir.trim_jsonl(out / name, checkpoint["step"])
         model, tokenizer = load_model(args, device)
-        trainer = Trainer(args, model, tokenizer, rows, make_reward_fn(args.reward.func), eval_rows)
+        trainer = Trainer(args, model, tokenizer, rows, reward_fn, eval_rows)
         if checkpoint is not None:
             try:
                 trainer.load_state_dict(checkpoint["state"])
@@ -592,13 +632,19 @@ def train(args):
         with _quiet_transformers():
             model.save_pretrained(out / "model")
         tokenizer.save_pretrained(out / "model")
-    print(f"wrote {out / 'metrics.jsonl'}, {out / rundir.CHECKPOINT} and {out / 'model'}")
+    written = [str(p) for p in (out / "metrics.jsonl", out / rundir.CHECKPOINT, out / "model") if p.exists()]
+    print(f"wrote {', '.join(written[:-1])} and {written[-1]}")  # no metrics.jsonl after 0 steps without evaluation
     return 0
 
 
 def main(argv=None):
     try:
         args = parse_args(argv)
+        if args.reward.noise.type == "misspecified":  # the studies pass it to the engine with their task's hook
+            raise ValueError(
+                "--reward.noise.type misspecified needs a task that says which wrong answers its verifier pays; "
+                "`openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
+            )
     except ValueError as error:
         print(f"openrlhf-geo train: {error}", file=sys.stderr)
         return 2
