@@ -27,13 +27,14 @@ import torch
 
 from openrlhf_geo import baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
-from openrlhf_geo.pipeline import GeometryPipeline, check_finite
+from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 
 # Estimators whose per-prompt sequence advantages reach the loss unchanged (no batch whitening afterwards), so
 # GeoAlign's replacement can be expressed as multiplicities on advantage rows.
 GEOALIGN_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
+SIGNAL_KEY = "openrlhf_geo_signal"  # the learning-signal guard's streak and warning windows
 # A folder: each rollout step writes step<N>.pt with what the pipeline received and returned, and its state before and
 # after, so a test can replay a real run's step through openrlhf_geo.pipeline (examples/scripts/smoke_cpu.py).
 DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
@@ -246,6 +247,7 @@ class ExperienceGeometry:
         if _section(args, "salt") is None:
             return
         self.n_samples = args.rollout.n_samples_per_prompt  # also for the reward / advantage checks
+        self.signal = SignalGuard(args.rollout.max_new_tokens)
         config = options.geometry_config(args)
         if not config.active:
             return
@@ -304,11 +306,21 @@ class GeometryBatch:
         self.indices = torch.tensor([i for exp in experiences for i in exp.index])
         self.group_ids = torch.arange(len(self.indices)) // owner.n_samples
         # an HTTP reward model's per-sample list makes upstream's rewards (B, 1): one value per rollout either way
-        clean = self._prompt_order(torch.cat([exp.rewards.reshape(-1) for exp in experiences]))
-        check_finite("reward", clean, self.group_ids, owner.steps)  # every run, before any shaping or actor step
-        if not owner.active:
-            return
-        pipeline = owner.pipeline
+        rewards = self._prompt_order(torch.cat([exp.rewards.reshape(-1) for exp in experiences]))
+        check_finite("reward", rewards, self.group_ids, owner.steps)  # every run, before any shaping or actor step
+        if owner.active:
+            rewards = self._start(rewards)
+        # every run: warn when the step has nothing to learn from (signal/* into info, logged as train/signal/*)
+        truncated = None
+        if all(exp.truncated is not None for exp in experiences):
+            truncated = self._prompt_order(torch.cat([exp.truncated.reshape(-1).bool() for exp in experiences]))
+        for key, value in owner.signal.check(rewards, self.group_ids, truncated).items():
+            for exp in experiences:
+                exp.info[key] = torch.full((len(exp.index),), value)
+
+    def _start(self, clean):
+        """Reward noise and the pipeline's step; -> the rewards training sees (prompt order)."""
+        experiences, pipeline = self.experiences, self.owner.pipeline
         self.dump = None
         if os.environ.get(DUMP_ENV):
             state = pipeline.state_dict()
@@ -321,6 +333,7 @@ class GeometryBatch:
             for exp in experiences:
                 exp.rewards = noisy[exp.index].to(exp.rewards.dtype).view_as(exp.rewards)
             self.step.metrics["noise/clean_reward"] = clean.float()
+        return noisy
 
     def _prompt_order(self, rows):
         """Concatenated-row order (N, ...) -> prompt order."""
@@ -450,6 +463,8 @@ def save_geometry_state(trainer, client_states) -> None:
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active:
         client_states[STATE_KEY] = geometry.pipeline.state_dict()
+    if geometry is not None and geometry.n_samples is not None:
+        client_states[SIGNAL_KEY] = geometry.signal.state_dict()
     if _section(getattr(trainer, "args", None), "salt") is not None:
         client_states[FLAGS_KEY] = resume_flags(trainer.args)
 
@@ -470,3 +485,5 @@ def load_geometry_state(trainer, checkpoint_states) -> None:
     geometry = getattr(getattr(trainer, "experience_maker", None), "geometry", None)
     if geometry is not None and geometry.active and STATE_KEY in checkpoint_states:
         geometry.pipeline.load_state_dict(checkpoint_states[STATE_KEY])
+    if geometry is not None and geometry.n_samples is not None and SIGNAL_KEY in checkpoint_states:
+        geometry.signal.load_state_dict(checkpoint_states[SIGNAL_KEY])

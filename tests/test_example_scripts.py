@@ -83,7 +83,8 @@ VARIANTS = {
         {"NOISE_RATE": "0.05"},
         {"GEOALIGN": "1", "NOISE_RATE": "0.1", "MODEL_SIZE": "4B", "RM_URL": "http://rm-host:5000/get_reward"},
     ],
-    "serve_armorm.sh": [{}],
+    "serve_armorm.sh": [{"RM_TOKEN": "secret"}, {"RM_ALLOW_UNAUTHENTICATED": "1"}],
+    "smoke_cpu.sh": [{}],
     "sweep_rollout_scaling.sh": [{}],
     "sweep_fixed_alpha.sh": [{}],
     FORK_HELPERS_SCRIPT: [{}],
@@ -267,7 +268,8 @@ def test_script_runs_to_its_launch(runs, script, env):
 def test_every_launch_is_recorded(calls):
     tools = {key: [argv[0] for argv in made] for key, made in calls.items()}
     assert tools[case_id("train_hh_sft.sh", {})] == ["deepspeed"]
-    assert tools[case_id("serve_armorm.sh", {})] == ["openrlhf-geo"]
+    assert tools[case_id("serve_armorm.sh", {"RM_TOKEN": "secret"})] == ["openrlhf-geo"]
+    assert tools[case_id("smoke_cpu.sh", {})] == ["python"] * 3  # import checks, then smoke_cpu.py
     # train + eval per run: 8 G x 4 methods, 5 alphas
     assert tools[case_id("sweep_rollout_scaling.sh", {})] == ["ray"] * 2 * 8 * 4
     assert tools[case_id("sweep_fixed_alpha.sh", {})] == ["ray"] * 2 * 5
@@ -577,7 +579,7 @@ def check_recipe(script, env, args):
 @pytest.mark.parametrize("script,env", CASES, ids=[case_id(s, e) for s, e in CASES])
 def test_train_ppo_ray_accepts_every_flag(parsed, script, env):
     launches = parsed[case_id(script, env)]
-    if script in ("train_hh_sft.sh", "serve_armorm.sh"):
+    if script in ("train_hh_sft.sh", "serve_armorm.sh", "smoke_cpu.sh"):  # smoke_cpu: tests/test_smoke_cpu.py
         assert launches == []
         return
     expected = {"sweep_rollout_scaling.sh": 8 * 4, "sweep_fixed_alpha.sh": 5}.get(script, 1)
@@ -695,12 +697,24 @@ def test_serve_rm_accepts_the_server_flags(calls, monkeypatch):
     def scorer(*args):
         raise Parsed(args)
 
-    (argv,) = calls[case_id("serve_armorm.sh", {})]
-    assert argv[:2] == ["openrlhf-geo", "serve-rm"]
     monkeypatch.setattr(armorm, "ArmoRMScorer", scorer)
-    with pytest.raises(Parsed) as caught:
-        armorm.main(argv[2:])
-    assert caught.value.args[0] == ("RLHFlow/ArmoRM-Llama3-8B-v0.1", "cuda", "bf16", 16, 4096)
+    for env in VARIANTS["serve_armorm.sh"]:
+        (argv,) = calls[case_id("serve_armorm.sh", env)]
+        assert argv[:2] == ["openrlhf-geo", "serve-rm"]
+        assert ("--allow-unauthenticated" in argv) == ("RM_TOKEN" not in env)
+        if "RM_TOKEN" in env:  # the script hands the token over in the environment
+            monkeypatch.setenv(armorm.ENV_AUTH_TOKEN, env["RM_TOKEN"])
+        else:
+            monkeypatch.delenv(armorm.ENV_AUTH_TOKEN, raising=False)
+        with pytest.raises(Parsed) as caught:
+            armorm.main(argv[2:])
+        assert caught.value.args[0] == ("RLHFlow/ArmoRM-Llama3-8B-v0.1", "cuda", "bf16", 16, 4096)
+
+
+def test_serve_armorm_without_a_token_refuses_to_listen_on_every_interface(tmp_path):
+    done, made = run_script("serve_armorm.sh", {}, tmp_path)
+    assert done.returncode == 1 and made == []
+    assert "set RM_TOKEN" in done.stderr
 
 
 # ── prepare_math_data.py ──

@@ -548,6 +548,27 @@ def test_an_http_reward_models_per_sample_lists_give_the_same_advantages(up, tin
     assert results[1][0].rewards.shape[1:] == (1,)  # noisy rewards keep upstream's shape
 
 
+def test_the_fork_warns_when_a_run_has_no_learning_signal_and_logs_signal_metrics(up, tiny_path, monkeypatch):
+    """Plain GRPO (no fork method on) gets the learning-signal guard too; its state rides in checkpoints."""
+    maker = make_maker(up, tiny_path, monkeypatch, ["--advantage_estimator", "group_norm"], micro_batch=5)
+    with pytest.warns(pipeline.LearningSignalWarning, match=r"steps 1-3: every prompt's rollouts got the same"):
+        for _ in range(pipeline.SIGNAL_FLAT_STEPS):
+            samples = rollouts(up, 3, seed=5, rewards=torch.ones(12))
+            for sample in samples[:9]:
+                sample.truncated = torch.tensor([True])
+            experiences, _ = forward_batch(maker, samples)
+            result = maker.compute_advantages_and_returns(experiences)
+    for e in result:
+        assert torch.equal(e.info["signal/tied_groups"], torch.ones(len(e.index)))
+        assert torch.equal(e.info["signal/truncated"], torch.full((len(e.index),), 0.75))
+    trainer, states = NS(experience_maker=maker, args=maker.strategy.args), {}
+    fork_hooks.save_geometry_state(trainer, states)
+    assert states[fork_hooks.SIGNAL_KEY]["flat_steps"] == pipeline.SIGNAL_FLAT_STEPS
+    fresh = make_maker(up, tiny_path, monkeypatch, ["--advantage_estimator", "group_norm"], micro_batch=5)
+    fork_hooks.load_geometry_state(NS(experience_maker=fresh, args=fresh.strategy.args), states)
+    assert fresh.geometry.signal.state_dict() == maker.geometry.signal.state_dict()
+
+
 def test_metrics_survive_the_replay_buffer_split_and_merge(up, tiny_path, monkeypatch):
     monkeypatch.setattr(pipeline, "curate", stub_curate(SOURCE))
     maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)

@@ -24,7 +24,8 @@ import torch
 from openrlhf_geo.pipeline import GeometryPipeline
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines]
+# one worker runs the whole module, so the smoke (a module fixture) runs once under pytest-xdist (--dist loadgroup)
+pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines, pytest.mark.xdist_group("smoke_cpu")]
 
 
 def _engines_missing():
@@ -48,7 +49,6 @@ def smoke(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=1800,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
     summary_path = out / "summary.json"
     assert summary_path.is_file(), done.stdout[-3000:] + done.stderr[-3000:]

@@ -69,7 +69,12 @@ HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.pr
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
-    "salt": {"flags": ["--advantage_estimator", "salt"], "finite": [*SALT, "salt/n_eff_out", "salt/U_perp_gain"]},
+    # SALT Table 4's KL loss: a reference-model actor too
+    "salt": {
+        "flags": ["--advantage_estimator", "salt", "--algo.kl.use_loss", "--algo.kl.init_coef", "0.001",
+                  "--algo.kl.estimator", "k3"],
+        "finite": [*SALT, "salt/n_eff_out", "salt/U_perp_gain", "kl"],
+    },
     "geoalign_flip": {"flags": ["--advantage_estimator", "group_norm", *GEOALIGN, *FLIPS], "finite": [*GEO, *NOISE]},
     # SALT (entropy-alpha: the entropy range is state) + GeoAlign + noise, checkpointed at step 2 ...
     "salt_geoalign_flip": {"flags": [*RESUMED, "--ckpt.save_steps", "2"], "finite": [*SALT, *GEO, *NOISE]},
