@@ -21,13 +21,21 @@ fork and the local engine produce identical advantages and metrics on the same r
 """
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from openrlhf_geo import baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
-from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
+from openrlhf_geo.pipeline import (
+    GeometryPipeline,
+    SignalGuard,
+    check_finite,
+    minibatch_order,
+    minibatch_partitions,
+    salt_partition_prompts,
+)
 
 # Estimators whose per-prompt sequence advantages reach the loss unchanged (no batch whitening afterwards), so
 # GeoAlign's replacement can be expressed as multiplicities on advantage rows.
@@ -257,9 +265,7 @@ class ExperienceGeometry:
 
             self.verifier = reward_from_env()  # its worker processes start at the first check
         # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): --train.batch_size counts samples
-        self.partition_prompts = config.salt.group_prompts if config.salt is not None else None
-        if self.partition_prompts is None:
-            self.partition_prompts = max(args.train.batch_size // self.n_samples, 1)
+        self.partition_prompts = salt_partition_prompts(config.salt, args.train.batch_size, self.n_samples)
 
     @classmethod
     def disabled(cls):
@@ -439,6 +445,89 @@ class GeometryBatch:
             for key, values in self.step.metrics.items():
                 exp.info[key] = values[rows].clone()
             exp.__dict__.pop(SIDE_ATTR, None)
+
+
+# ── optimizer mini-batches = SALT partitions (trainer/ppo_trainer.py, trainer/ray/ppo_actor.py) ──
+
+
+def aligned_partitions(args) -> int:
+    """`pipeline.minibatch_partitions` for the fork's args: prompts per partition when every optimizer step must
+    train on exactly one SALT partition, else 0. Also 0 where upstream's data path cannot keep partitions together:
+    a critic (it shares the experience distribution), async training (another trainer)."""
+    if _section(args, "salt") is None or args.train.async_enable or args.critic.model_name_or_path:
+        return 0
+    salt = options.geometry_config(args).salt
+    return minibatch_partitions(salt, args.train.batch_size, args.rollout.n_samples_per_prompt)
+
+
+def _data_parallel_size(args) -> int:
+    return (
+        args.actor.num_nodes * args.actor.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size
+    )
+
+
+def rank_batches(trainer, experiences):
+    """PPOTrainer, before the experiences go to the actor ranks: one batch per data-parallel rank, each holding its
+    share of every SALT partition as consecutive blocks of --train.batch_size / ranks rollouts, the partitions in a
+    random order (the same on every rank), so that optimizer step i on every rank trains on partition i
+    (SALT §3.1: "the current mini-batch"). Inside a partition, rollouts are dealt to ranks by length (longest first,
+    snake order), as upstream's balance_experiences does. None when mini-batches are not partitions (upstream's
+    distribution stays), or when the batch does not split into whole partitions (a warning says why)."""
+    args = trainer.args
+    per = aligned_partitions(args)
+    if not per:
+        return None
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch, split_experience_batch
+
+    ranks, size = _data_parallel_size(args), args.train.batch_size
+    index = torch.tensor([i for exp in experiences for i in exp.index])  # prompt-order position of each rollout
+    items = [item for exp in experiences for item in split_experience_batch(exp)]
+    if len(items) % size or size % ranks:
+        warnings.warn(
+            f"{len(items)} rollouts do not split into SALT partitions of --train.batch_size {size} shared by {ranks} "
+            "ranks: this step's optimizer mini-batches mix partitions",
+            stacklevel=2,
+        )
+        return None
+    pipeline = trainer.experience_maker.geometry.pipeline
+    generator = torch.Generator().manual_seed(args.train.seed * 1_000_003 + pipeline.steps)
+    shares = [[] for _ in range(ranks)]
+    for p in torch.randperm(len(items) // size, generator=generator).tolist():
+        members = sorted(torch.nonzero(index // size == p)[:, 0].tolist(), key=lambda k: -int(items[k].total_length))
+        for j, k in enumerate(members):
+            lap, slot = divmod(j, ranks)
+            shares[slot if lap % 2 == 0 else ranks - 1 - slot].append(items[k])
+    return [make_experience_batch(share) for share in shares]
+
+
+class PartitionSampler(torch.utils.data.Sampler):
+    """A rank's replay-buffer order when its buffer holds SALT partitions as consecutive blocks (rank_batches):
+    every epoch, the blocks in a new random order (the same on every rank: same seed, same count) and the rollouts
+    inside each block shuffled. The DataLoader's --train.micro_batch_size batches then never cross a block."""
+
+    def __init__(self, n_items, block, seed):
+        self.n_items, self.block = n_items, block
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return self.n_items
+
+    def __iter__(self):
+        return iter(minibatch_order(torch.arange(self.n_items) // self.block, self.generator).tolist())
+
+
+def minibatch_sampling(actor_trainer, shuffle) -> dict:
+    """ActorPPOTrainer.ppo_train's DataLoader order: upstream's `shuffle`, or a PartitionSampler when each optimizer
+    step must be one SALT partition. Dynamic batching already steps through the buffer's blocks in order (its
+    token-balanced micro-batches stay inside one), so it keeps upstream's order."""
+    args = actor_trainer.args
+    if not aligned_partitions(args) or args.train.dynamic_batch_enable:
+        return {"shuffle": shuffle}
+    # a new seed per call, the same on every rank (each calls ppo_train once per rollout step)
+    actor_trainer.openrlhf_geo_epochs = getattr(actor_trainer, "openrlhf_geo_epochs", 0) + 1
+    block = args.train.batch_size // _data_parallel_size(args)
+    seed = args.train.seed * 1_000_003 + actor_trainer.openrlhf_geo_epochs
+    return {"sampler": PartitionSampler(len(actor_trainer.replay_buffer), block, seed)}
 
 
 # ── checkpoints (trainer/ppo_trainer.py) ──

@@ -23,7 +23,7 @@ from openrlhf_geo.salt import GRAMS, VARIANTS, SaltConfig
 # group statistics, which would re-centre and rescale SALT's a' (SALT §3 feeds a' to the loss unchanged).
 SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 # SaltConfig fields set by --salt.<field>; `base` and `diagnostics` are flags of this module, not of the config.
-SALT_FIELDS = ("variant", "features", "dim", "seed", "gram", "group_prompts", "alpha")
+SALT_FIELDS = ("variant", "features", "dim", "seed", "gram", "group_prompts", "alpha", "shuffle_minibatches")
 # --baseline.<flag> -> the --baseline.policy_loss it belongs to
 LOSS_FLAGS = {
     "clip_cov_ratio": "clip_cov",
@@ -79,6 +79,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="prompts per SALT partition of the rollout batch (SALT's m = B*G); default: the optimizer mini-batch's "
         "prompts (--train.batch_size / --rollout.n_samples_per_prompt, SALT §3.1 / Table 4); 0 = the whole batch",
+    )
+    salt.add_argument(
+        "--salt.shuffle_minibatches",
+        action="store_true",
+        default=None,
+        help="optimizer mini-batches mix prompts as upstream draws them; by default each optimizer step trains on "
+        "exactly the rollouts of one SALT partition (SALT §3.1's mini-batch)",
     )
     salt.add_argument(
         "--salt.alpha", type=float, default=None, help="fixed alpha_t in [0, 1], only with --salt.variant fixed-alpha"

@@ -115,6 +115,8 @@ class SaltConfig:
                    mini-batch", m = BG; resolved by the engine), 0 = the whole rollout batch, n > 0 = n prompts
     alpha          the fixed α of variant fixed-alpha, in [0, 1] (required by it and only allowed with it)
     apply          False: diagnostics only, the geometry is computed and logged and the advantages stay unchanged
+    shuffle_minibatches  True: optimizer mini-batches mix prompts as upstream draws them, so an optimizer step no
+                   longer trains on exactly one partition's rollouts (pipeline.minibatch_partitions)
     """
 
     variant: str = "full"
@@ -125,6 +127,7 @@ class SaltConfig:
     group_prompts: int | None = None
     alpha: float | None = None
     apply: bool = True
+    shuffle_minibatches: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -147,6 +150,8 @@ class SaltConfig:
         _check_alpha(self.variant, self.alpha, "--salt.alpha")
         if not isinstance(self.apply, bool):
             raise ValueError(f"--salt.apply must be True or False (got {self.apply!r})")
+        if not isinstance(self.shuffle_minibatches, bool):
+            raise ValueError(f"--salt.shuffle_minibatches must be True or False (got {self.shuffle_minibatches!r})")
 
     @property
     def needs_entropy(self) -> bool:

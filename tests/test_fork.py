@@ -186,16 +186,16 @@ def cpu_root(tmp_path_factory):
     return fork.materialize(cache_dir=tmp_path_factory.mktemp("cache"), device="cpu")
 
 
-# The GPU fork as it was before the CPU overlay existed: the overlay must never change it.
+# The GPU fork's six diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "3189c93b009152f8fcad197f01eb00857cbc29f82015b13c640cc9e0d160a56d",
+    "openrlhf.__init__.diff": "d99442f13fbb328eabb072815d6c03dc4b3b16590065e65a4febf6318327305f",
     "openrlhf.cli.train_ppo_ray.diff": "38cf53896074d741bdcd3d87c9aa065cad4f0d61473eabf1d5e77c6724f7ff09",
     "openrlhf.models.actor.diff": "488b13e2bce28dc3382ba593b6de20e0c35f9927a477da07c9e4cc781df91c8a",
-    "openrlhf.trainer.ppo_trainer.diff": "483c30577ea155a596818faf1af12aa7a8f58e4e9e3b024dcb1a053e8c4e5fb5",
+    "openrlhf.trainer.ppo_trainer.diff": "5c82a5705eb133fbf64864d3d6ca8d6715b4d39d4c638f8f3b014761357c0a61",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
         "17b272ad7f84f5926114c97a2af58edce46cc01e178ae521ad53d5810d1e55b0"
     ),
-    "openrlhf.trainer.ray.ppo_actor.diff": "cb7ae7dc8415c81b6b25b510cd32d98b09b2c1460c6c19f27f8e936874db8a89",
+    "openrlhf.trainer.ray.ppo_actor.diff": "085710550680a6babc8f50784d89a7376807c1ee62e1ce1cce0d704c17000d7f",
 }
 
 

@@ -887,3 +887,87 @@ def test_fork_and_local_engine_give_identical_advantages_and_metrics(up, tiny_pa
         if key.endswith(("time_s", "solve_ms")):
             continue  # wall time
         assert metrics[key] == pytest.approx(expected, rel=1e-3, abs=1e-4, nan_ok=True), key
+
+
+def _rank_steps(up, monkeypatch, args, batch, world, epochs):
+    """One data-parallel rank: the patched ActorPPOTrainer.ppo_train over a real replay buffer holding `batch`,
+    with training_step recording each micro-batch's rollout ids -> [ids of each optimizer step]."""
+    import openrlhf.trainer.ppo_utils.replay_buffer as replay_buffer
+
+    monkeypatch.setattr(up.ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names its (unused) device
+    micro = args.train.micro_batch_size
+    trainer = up.ppo_actor.ActorPPOTrainer(NS(args=args), None, None, None, None, micro_train_batch_size=micro)
+    trainer.max_epochs = epochs
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # the dynamic batching's count tensors
+    reduce = NS(get_world_size=lambda group=None: world, all_reduce=lambda *a, **k: None, ReduceOp=NS(MIN=0, SUM=1))
+    monkeypatch.setattr(replay_buffer, "dist", reduce)  # each rank alone: its own counts stand for the group's
+    trainer.strategy = NS(
+        args=args,
+        ring_attn_group=None,
+        accumulated_gradient=args.train.batch_size // args.train.micro_batch_size // world,
+        ds_device_mesh={"dp": NS(get_group=lambda: None)},
+        is_rank_0=lambda: True,
+        all_reduce=lambda data, op="mean": data,
+    )
+    trainer.replay_buffer.append(batch)
+    steps, current = [], []
+
+    def training_step(experience, kl_ctl, step, loss_batch_info=None):
+        current.extend(int(u) for u in experience.info["uid"])
+        window = trainer.strategy.accumulated_gradient
+        last = (
+            trainer.replay_buffer.dynamic_optimizer_step[step]
+            if args.train.dynamic_batch_enable
+            else ((step + 1) % window == 0)
+        )
+        if last:
+            steps.append(frozenset(current))
+            current.clear()
+        return {"metrics": {"policy_loss": 0.0}, "weights": {"policy_loss": None}, "num_action_tokens": 1,
+                "num_samples": 1}  # fmt: skip
+
+    trainer.training_step = training_step
+    trainer.ppo_train(0.0)
+    assert not current, "a trailing micro-batch outside any optimizer step"
+    return steps
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["shuffled", "dynamic-batch"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_each_optimizer_step_trains_on_exactly_one_salt_partition_on_every_rank(up, monkeypatch, world, dynamic):
+    """SALT §3.1 computes everything on "the current mini-batch": with --train.batch_size = 2 prompts x G, optimizer
+    step i on every data-parallel rank takes its share of SALT partition i, over two epochs, through the real
+    patched PPOTrainer distribution, replay buffer and ppo_train loop."""
+    argv = ["--advantage_estimator", "salt", "--rollout.batch_size", "8", "--train.batch_size", "8",
+            "--train.micro_batch_size", "1", "--actor.num_gpus_per_node", str(world), "--ref.num_gpus_per_node",
+            str(world), "--train.max_tokens_per_gpu", "64"]  # fmt: skip
+    if dynamic:
+        argv += ["--train.dynamic_batch_enable", "--vllm.num_engines", "1"]  # (it packs samples, which needs vLLM)
+    args = parse(up, monkeypatch, argv)
+    samples = rollouts(up, 8, seed=3)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    experiences = []
+    for k in order:  # the experience maker's micro-batches mix prompts
+        samples[k].index = [k]
+        samples[k].info["uid"] = torch.tensor([k])
+        experiences.append(samples[k])
+    partitions = {frozenset(range(p * 8, p * 8 + 8)) for p in range(4)}  # prompt order: 2 prompts x 4 per partition
+
+    trainer = NS(args=args, experience_maker=NS(geometry=NS(pipeline=NS(steps=1))))
+    batches = fork_hooks.rank_batches(trainer, experiences)
+    assert len(batches) == world and {len(b.sequences) for b in batches} == {32 // world}
+    ranks = [_rank_steps(up, monkeypatch, args, batch, world, epochs=2) for batch in batches]
+    assert {len(steps) for steps in ranks} == {8}  # 4 partitions x 2 epochs, on every rank
+    for i in range(8):
+        step = frozenset().union(*(steps[i] for steps in ranks))
+        assert step in partitions, f"optimizer step {i} mixes partitions: {sorted(step)}"
+    for epoch in (slice(0, 4), slice(4, 8)):
+        assert {frozenset().union(*(steps[i] for steps in ranks)) for i in range(8)[epoch]} == partitions
+
+
+def test_shuffle_minibatches_keeps_upstreams_distribution(up, monkeypatch):
+    args = parse(up, monkeypatch, ["--advantage_estimator", "salt", "--salt.shuffle_minibatches"])
+    trainer = NS(args=args, experience_maker=NS(geometry=NS(pipeline=NS(steps=1))))
+    assert fork_hooks.rank_batches(trainer, rollouts(up, 2, seed=3)) is None
+    assert fork_hooks.minibatch_sampling(NS(args=args), True) == {"shuffle": True}

@@ -672,3 +672,47 @@ def test_a_run_without_learning_signal_warns_with_its_numbers(tokenizer):
     found = [str(w.message) for w in caught if issubclass(w.category, pipeline.LearningSignalWarning)]
     assert len(found) == 2 and "hit the length limit (1 new tokens)" in found[0]
     assert found[1].startswith(f"steps 1-{pipeline.SIGNAL_FLAT_STEPS}: every prompt's rollouts got the same reward")
+
+
+def _optimizer_step_rows(tokenizer, *flags):
+    """Run one learn() step; -> the set of batch rows each AdamW step trained on, and the batch's group ids."""
+    prompts = [p for p in ("1+2=", "4+4=", "2+5=", "3+3=") for _ in range(3)]
+    responses = ["\\boxed{3}", "1", "\\boxed{12}", "\\boxed{8}", "8", "\\boxed{9}"] * 2
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0] * 2
+    args = make_args("--rollout.n_samples_per_prompt", "3", "--train.micro_batch_size", "2", *flags)
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
+    steps, rows = [], []
+    backward, step = trainer._loss_backward, trainer.optimizer.step
+
+    def record_backward(batch, advantages, part, *rest):
+        rows.extend(part.tolist())
+        return backward(batch, advantages, part, *rest)
+
+    def record_step(*a, **k):
+        steps.append(frozenset(rows))
+        rows.clear()
+        return step(*a, **k)
+
+    trainer._loss_backward, trainer.optimizer.step = record_backward, record_step
+    batch = hand_batch(tokenizer, prompts, responses, rewards)
+    trainer.learn(batch)
+    return steps, batch.group_ids
+
+
+@pytest.mark.parametrize("flags", [["--advantage_estimator", "salt"], ["--salt.diagnostics"]])
+def test_each_adamw_step_trains_on_exactly_one_salt_partition(tokenizer, flags):
+    """SALT §3.1: the geometry of "the current mini-batch": mini-batch = partition (2 prompts x G = 3 rollouts),
+    over two epochs; the partitions' order and the rows inside them are reshuffled, never their membership."""
+    steps, group_ids = _optimizer_step_rows(
+        tokenizer, *flags, "--salt.features", "exact", "--train.batch_size", "6", "--train.max_epochs", "2"
+    )
+    _, prompt = torch.unique(group_ids, return_inverse=True)
+    partitions = {frozenset(torch.nonzero(prompt // 2 == p)[:, 0].tolist()) for p in range(2)}
+    assert len(steps) == 4 and set(steps) == partitions
+
+
+def test_shuffle_minibatches_mixes_partitions_as_before(tokenizer):
+    flags = ["--advantage_estimator", "salt", "--salt.features", "exact", "--salt.shuffle_minibatches"]
+    steps, group_ids = _optimizer_step_rows(tokenizer, *flags, "--train.batch_size", "6", "--train.max_epochs", "2")
+    _, prompt = torch.unique(group_ids, return_inverse=True)
+    assert len(steps) == 4 and any(len({int(prompt[r]) // 2 for r in rows}) > 1 for rows in steps)

@@ -34,7 +34,14 @@ from transformers import GenerationConfig
 from openrlhf_geo import baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.options import geometry_config
-from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
+from openrlhf_geo.pipeline import (
+    GeometryPipeline,
+    SignalGuard,
+    check_finite,
+    minibatch_order,
+    minibatch_partitions,
+    salt_partition_prompts,
+)
 from openrlhf_geo.rewards.math_verify import PROBLEMS, MathVerifyReward
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -177,6 +184,11 @@ def generate_rollouts(model, tokenizer, prompts, answers, n_samples, max_new_tok
     )
 
 
+def _at_least_float32(x):
+    """bf16/fp16 logits as float32; a float64 model's stay float64 (--train.dtype float64 exists for its rounding)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def response_forward(
     model, sequences, attention_mask, prompt_width, temperature=1.0, with_geometry=False, return_logits=False
 ):
@@ -188,7 +200,7 @@ def response_forward(
     with lm_head_input(model, enabled=with_geometry) as captured:
         out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     tokens = sequences[:, prompt_width:]
-    scaled = out.logits[:, prompt_width - 1 : -1].float() / temperature
+    scaled = _at_least_float32(out.logits[:, prompt_width - 1 : -1]) / temperature
     logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     if not with_geometry:
         return logprobs, out.logits if return_logits else None, None
@@ -198,7 +210,7 @@ def response_forward(
 def token_entropy(logits, prompt_width, temperature=1.0):
     """Per-token policy entropy H(s_t) = -sum_a pi log pi (SALT Eq. 70) of the temperature-scaled policy that sampled
     the responses -> (N, R), differentiable; logits (N, S, V) raw, response-aligned as in `response_forward`."""
-    scaled = logits[:, prompt_width - 1 : -1].float() / temperature
+    scaled = _at_least_float32(logits[:, prompt_width - 1 : -1]) / temperature
     return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
 
 
@@ -360,11 +372,11 @@ class Trainer:
         # reward noise, GeoAlign, SALT: the pipeline the fork runs too (its own random streams, seeded from `seed`)
         self.pipeline = GeometryPipeline(geometry_config(args))
         self.signal = SignalGuard(args.rollout.max_new_tokens)  # warns when a step has nothing to learn from
-        salt = self.pipeline.salt
-        # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default
-        self.partition_prompts = salt.group_prompts if salt is not None else None
-        if self.partition_prompts is None:
-            self.partition_prompts = args.train.batch_size // args.rollout.n_samples_per_prompt
+        salt, n = self.pipeline.salt, args.rollout.n_samples_per_prompt
+        # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default, and
+        # then each AdamW step trains on exactly one partition's rollouts
+        self.partition_prompts = salt_partition_prompts(salt, args.train.batch_size, n)
+        self.minibatch_prompts = minibatch_partitions(salt, args.train.batch_size, n)
         self.minibatch_generator = torch.Generator().manual_seed(seed + 3)
         self.baseline = self.pipeline.baseline or baselines.BaselineConfig()
         self.loss_generator = torch.Generator().manual_seed(seed + 5)  # Clip-Cov's token draw
@@ -578,7 +590,8 @@ class Trainer:
 
     def _update(self, batch, advantages):
         """`--train.max_epochs` passes over shuffled mini-batches of `--train.batch_size` rollouts, one AdamW step
-        each, with gradient accumulation over `--train.micro_batch_size` rows -> metrics."""
+        each, with gradient accumulation over `--train.micro_batch_size` rows -> metrics. With SALT's partitions as
+        mini-batches (pipeline.minibatch_partitions), each mini-batch is one partition's rows."""
         args = self.args
         n = len(batch)
         mini = args.train.batch_size or n
@@ -587,7 +600,13 @@ class Trainer:
         updates = 0  # micro-batch shares of the mini-batch statistics add up; mini-batches are averaged
         self.model.train()
         for _ in range(args.train.max_epochs):
-            order = torch.randperm(n, generator=self.minibatch_generator) if mini < n else torch.arange(n)
+            if mini >= n:
+                order = torch.arange(n)
+            elif self.minibatch_prompts:
+                _, prompt = torch.unique(batch.group_ids.cpu(), return_inverse=True)
+                order = minibatch_order(prompt // self.minibatch_prompts, self.minibatch_generator)
+            else:
+                order = torch.randperm(n, generator=self.minibatch_generator)
             for start in range(0, n, mini):
                 rows = order[start : start + mini]
                 tokens = batch.mask[rows.to(self.device)].sum()
