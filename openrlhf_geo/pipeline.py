@@ -59,6 +59,9 @@ from openrlhf_geo.salt import VARIANTS, SaltConfig, entropy_alpha, salt_advantag
 # What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
 # batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
 DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
+# App. D.1 / B group statistics that depend on the coefficients (the rest describe the features only): with SALT
+# applied they are also logged for a' as salt/<key>_applied.
+APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_means", "g_norm")
 
 # SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
 # the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.
@@ -453,7 +456,13 @@ class GeometryStep:
                 stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
                 stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
             stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, lengths[source][part]))
+            # SALT App. D.1 (Eq. 37) weights each response by "the scalar coefficient used by the objective" and
+            # calls it "the normalized advantage" Â: for a SALT run these differ (a vs a'). The plain keys use a,
+            # comparable with the backbone's rows of Table 10; the coefficient-weighted ones are logged for a' too.
             stats.update(diagnostics.group_geometry(a[part], gram, self.group_ids[part], is_gram=True))
+            if salt.apply:
+                out_geometry = diagnostics.group_geometry(applied, gram, self.group_ids[part], is_gram=True)
+                stats.update({f"{key}_applied": out_geometry[key] for key in APPLIED_GROUP_KEYS})
             new[part] = applied
             self._record("salt", stats, part)
         if salt.apply:

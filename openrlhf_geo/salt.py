@@ -190,7 +190,10 @@ LANCZOS_MAX_FRACTION = 1 / 8
 
 
 def _subspace_dim(pr: float, m: int) -> int:
-    """SALT Eq. 14: k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up."""
+    """SALT Eq. 14: k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up.
+
+    App. G.1 restates it as clip(⌊PR_total⌋, 0, BG) (floor, lower bound 0); Eq. 14 and Algorithm 1 (nearest
+    integer, lower bound 1) define the method, G.1 only its cost, so Eq. 14 is followed."""
     return min(max(int(np.floor(pr + 0.5)), 1), m)
 
 
@@ -236,12 +239,6 @@ def _top_eigenspace(K: torch.Tensor, k: int, method: str | None = None) -> tuple
     lam_k, lam_next = max(float(lam_k), 0.0), max(float(lam_next), 0.0)
     gap = (lam_k - lam_next) / lam_k if lam_k > 0 else 0.0
     return torch.from_numpy(np.ascontiguousarray(basis)), is_top, gap
-
-
-def _project(x: torch.Tensor, basis: torch.Tensor, is_top: bool) -> torch.Tensor:
-    """P_k x (m,) for P_k = B Bᵀ (is_top) or I − B Bᵀ (B spans the complement)."""
-    inside = basis @ (basis.T @ x)
-    return inside if is_top else x - inside
 
 
 def _project(x: torch.Tensor, basis: torch.Tensor, is_top: bool) -> torch.Tensor:

@@ -324,3 +324,26 @@ def test_prompt_uses_chat_template_or_plain_text_and_placement(tiny_model):
     assert harness.render_prompt(tokenizer, "1+1?", "Box it.", "system") == "<|system|>Box it.<|user|>1+1?"
     tokenizer.chat_template = None  # a base model without a template: plain text
     assert harness.render_prompt(tokenizer, "1+1?", "Box it.", "system") == "Box it.\n\n1+1?\n"
+
+
+@pytest.mark.parametrize("choice_prompt", [None, "Box the letter."])
+def test_every_benchmark_gets_the_one_instruction_unless_multiple_choice_gets_its_own(
+    tiny_model, tmp_path, monkeypatch, choice_prompt
+):
+    """SALT App. C.2: "For all experiments, we applied a unified system prompt", GPQA too (--choice-prompt: own)."""
+    seen = []
+
+    def recording_generator(model, args):
+        def generate(prompts):
+            seen.extend(prompts)
+            return [["\\boxed{1}"] * args.n for _ in prompts], [[False] * args.n for _ in prompts]
+
+        return generate
+
+    monkeypatch.setattr(harness, "hf_generator", recording_generator)
+    argv = ["--model", str(tiny_model), "--benchmarks", "math500,gpqa_diamond", "--data-dir", str(FIXTURES)]
+    argv += ["--output-dir", str(tmp_path / "eval"), "--backend", "hf", "--n", "1"]
+    assert harness.main(argv + (["--choice-prompt", choice_prompt] if choice_prompt else [])) == 0
+    gpqa = [p for p in seen if "A)" in p]
+    assert gpqa and all(harness.SYSTEM_PROMPT in p for p in seen if p not in gpqa)
+    assert all((choice_prompt or harness.SYSTEM_PROMPT) in p for p in gpqa)

@@ -87,6 +87,40 @@ def test_partitions_follow_sorted_prompt_ids_and_each_gets_one_salt_call():
     torch.testing.assert_close(got, expected)
 
 
+def _np_coefficient_group_stats(c, F, groups):
+    """SALT App. D.1 Eq. 50-53 / App. B g_norm, independently in float64 numpy: u_i = c_i g_i (Eq. 37)."""
+    m, eps = len(c), 1e-8
+    u = c[:, None] * F
+    ids = sorted(set(groups))
+    per_group = []
+    for b in ids:
+        rows = [i for i in range(m) if groups[i] == b]
+        total = u[rows].sum(0)
+        den = sum(float(u[i] @ u[i]) for i in rows) / m + eps
+        per_group.append(float(total @ total) / m / den if den > eps else 0.0)
+    means = np.stack([u[[i for i in range(m) if groups[i] == b]].mean(0) for b in ids])
+    w_total = means.sum(0)
+    den = sum(float(x @ x) for x in means) / m + eps
+    g_norm = np.mean([np.linalg.norm(u[[i for i in range(m) if groups[i] == b]].mean(0)) for b in ids])
+    return {"n_eff_group": np.mean(per_group), "n_eff_means": float(w_total @ w_total) / m / den, "g_norm": g_norm}
+
+
+def test_a_salt_run_logs_the_group_statistics_of_a_and_of_the_objectives_a_prime():
+    """App. D.1's Â is "the scalar coefficient used by the objective": a' in a SALT run, logged as <key>_applied."""
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact"), seed=5))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    g = torch.Generator().manual_seed(3)
+    features, a = torch.randn(6, 7, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    step = pipe.start(group_ids)
+    new = step.reweight(a, features, None, torch.full((6,), 3.0))
+    groups, F = group_ids.tolist(), features.numpy()
+    for key, coefficients in ((None, a), ("applied", new)):
+        expected = _np_coefficient_group_stats(coefficients.numpy(), F, groups)
+        for name in pipeline.APPLIED_GROUP_KEYS:
+            got = float(step.metrics[f"salt/{name}_{key}" if key else f"salt/{name}"][0])
+            assert got == pytest.approx(expected[name], rel=1e-6), (name, key)  # metrics are float32
+
+
 def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_range():
     """SALT App. F.3: α_t = clip((H_t − H_min)/(H_max − H_min), 0, 1), H_t the step's token-weighted mean entropy."""
     salt = SaltConfig(variant="entropy-alpha", features="exact")

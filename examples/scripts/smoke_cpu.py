@@ -69,10 +69,11 @@ HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.pr
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
-    # SALT Table 4's KL loss: a reference-model actor too
+    # SALT Table 4's KL loss (a reference-model actor too) and its two optimizer steps per rollout step: each one
+    # trains on one SALT partition of 4 prompts (fork_hooks.rank_batches)
     "salt": {
         "flags": ["--advantage_estimator", "salt", "--algo.kl.use_loss", "--algo.kl.init_coef", "0.001",
-                  "--algo.kl.estimator", "k3"],
+                  "--algo.kl.estimator", "k3", "--train.batch_size", "16"],
         "finite": [*SALT, "salt/n_eff_out", "salt/U_perp_gain", "kl"],
     },
     "geoalign_flip": {"flags": ["--advantage_estimator", "group_norm", *GEOALIGN, *FLIPS], "finite": [*GEO, *NOISE]},

@@ -34,8 +34,9 @@ from openrlhf_geo.jsonl import read_jsonl
 from openrlhf_geo.rewards.math_verify import MathVerifyReward, Verdict, extract_last_boxed
 
 # The papers' instruction (the standard one for R1-distilled and Qwen math models); --system-prompt overrides it.
+# SALT App. C.2: "For all experiments, we applied a unified system prompt", GPQA's multiple choice included; the
+# choice verdict reads the letter in the last box. --choice-prompt gives multiple choice its own instruction.
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-CHOICE_PROMPT = "Please reason step by step, and put the letter of your final answer choice within \\boxed{}."
 LETTERS = "ABCDEFGHIJ"
 
 
@@ -337,8 +338,12 @@ def build_parser():
     parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (and GPQA choice order)")
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--system-prompt", default=SYSTEM_PROMPT, help="instruction for math benchmarks")
-    parser.add_argument("--choice-prompt", default=CHOICE_PROMPT, help="instruction for multiple choice")
+    parser.add_argument("--system-prompt", default=SYSTEM_PROMPT, help="instruction for every benchmark")
+    parser.add_argument(
+        "--choice-prompt",
+        default=None,
+        help="instruction for multiple choice (default: --system-prompt, SALT App. C.2)",
+    )
     parser.add_argument("--prompt-placement", choices=("system", "user"), default="system")
     parser.add_argument(
         "--chat-template-kwargs",
@@ -448,7 +453,7 @@ def main(argv=None):
                 render_prompt(
                     tokenizer,
                     p.question,
-                    args.system_prompt if p.kind == "math" else args.choice_prompt,
+                    args.choice_prompt if p.kind == "choice" and args.choice_prompt else args.system_prompt,
                     args.prompt_placement,
                     args.chat_template_kwargs,
                 )

@@ -11,7 +11,11 @@ CI_METHODS = ("percentile", "basic", "bca")
 def pass_at_k(n, c, k):
     """SALT Eq. 54: pass@k = 1 − C(n−c, k) / C(n, k) for one problem with c correct out of n samples.
 
-    Computed as 1 − Π_{i=n−c+1}^{n} (1 − k/i), which never forms the (huge) binomials.
+    Computed as 1 − Π_{i=n−c+1}^{n} (1 − k/i), which never forms the (huge) binomials. Eq. 54 as printed takes
+    pass@k = 1 when c ≥ k; the probability its text defines ("a uniformly chosen subset of k samples contains at
+    least one correct solution") is 1 exactly when n − c < k (no all-wrong k-subset), and C(n−c, k) = 0 there, so
+    this follows the formula and its definition: with n = 8, c = 2, k = 2 the printed case would say 1, the
+    definition gives 1 − C(6,2)/C(8,2) = 13/28.
     """
     for name, value in (("n", n), ("c", c), ("k", k)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
