@@ -403,6 +403,8 @@ class GeometryBatch:
             if self.dump is not None:
                 self.dump["reweight"] = {"advantages": a.clone(), **inputs}
             a = self.step.reweight(a, **inputs)
+            if self.dump is not None:
+                self.dump["reweight"]["out"] = a.clone()
         value, _ = self.step.rows(a)
         return value.view_as(advantages)
 

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import shutil
 import threading
 import time
 import urllib.error
@@ -12,20 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from openrlhf_geo.rewards import armorm
 
-STANDIN = Path(__file__).parent / "fixtures" / "armorm_standin" / "modeling_armo_standin.py"
-SPECIALS = ["[PAD]", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-# Llama-3's chat-template layout (as ArmoRM's tokenizer renders it), written for this tiny tokenizer.
-LLAMA3_TEMPLATE = (
-    "{{ '<|begin_of_text|>' }}{% for m in messages %}"
-    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+_spec = importlib.util.spec_from_file_location(
+    "armorm_standin_build", Path(__file__).parent / "fixtures" / "armorm_standin" / "build.py"
 )
+_builder = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_builder)
+build_standin = _builder.build  # the stand-in, shared with the CPU smoke's reward-model condition
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there!"}],
@@ -51,40 +45,7 @@ CONVERSATIONS = [
 def standin(tmp_path_factory):
     """A saved tiny model with ArmoRM's loading interface: config.json auto_map -> remote code, chat template."""
     path = tmp_path_factory.mktemp("armorm_standin")
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set("abcdefghijklmnopqrstuvwxyz0123456789 .,;:?!'\n")))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
-    tok.add_special_tokens(SPECIALS)
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="[PAD]"
-    )
-    tokenizer.chat_template = LLAMA3_TEMPLATE
-    tokenizer.save_pretrained(path)
-
-    armorm._install_transformers5_shim()  # the stand-in imports LLAMA_INPUTS_DOCSTRING, as ArmoRM does
-    spec = importlib.util.spec_from_file_location("modeling_armo_standin", STANDIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=vocab["[PAD]"],
-        num_objectives=4,
-        assistant_header_id=vocab["<|end_header_id|>"],
-        architectures=["StandInRewardModel"],
-        auto_map={"AutoModelForSequenceClassification": "modeling_armo_standin.StandInRewardModel"},
-    )
-    torch.manual_seed(0)
-    # config + safetensors directly: model.save_pretrained would import accelerate/deepspeed (seconds) to unwrap it
-    config.save_pretrained(path)
-    weights = module.StandInRewardModel(config).state_dict()
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(STANDIN, path)
+    weights = build_standin(path)
     assert json.loads((path / "config.json").read_text())["auto_map"]
     return path, weights
 

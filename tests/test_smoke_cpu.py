@@ -142,7 +142,8 @@ def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke
         # upstream's group statistics on the (curated) rewards are what SALT received
         torch.testing.assert_close(dump["salt_in"].double(), _group_norm(rewards, group_ids), rtol=1e-5, atol=1e-5)
         if "reweight" in dump:
-            replay.reweight(**dump["reweight"])
+            inputs = {k: v for k, v in dump["reweight"].items() if k != "out"}
+            torch.testing.assert_close(replay.reweight(**inputs), dump["reweight"]["out"])  # SALT's a
         _, multiplicity = replay.rows(torch.zeros(len(group_ids)))
         torch.testing.assert_close(multiplicity, dump["multiplicity"])
         logged = dict(dump["metrics"])

@@ -368,7 +368,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated subset, run in order")
+    parser.add_argument("--assets-only", action="store_true", help="write OUT/assets (model, data) and stop")
     args = parser.parse_args(argv)
+    if args.assets_only:  # also the one-GPU smoke's assets (smoke_salt_geoalign_1gpu.sh)
+        build_assets(args.out.resolve() / "assets")
+        return 0
     names = [c for c in args.conditions.split(",") if c]
     unknown = [c for c in names if c not in CONDITIONS]
     if unknown:

@@ -13,62 +13,16 @@ mkdir -p "$OUT"
 
 python -m openrlhf_geo.cli fork verify
 
-# Tiny model + tokenizer (tokenizers library), 16 arithmetic prompts, a reward function file for --reward.remote_url.
-python - "$OUT" <<'PY'
-import json
-import sys
-from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-out = Path(sys.argv[1])
-# Byte-level BPE (what Qwen2's tokenizer class loads), trained on the task's own text.
-corpus = [f"Q: {a} + {b} = ? A: the answer is {a + b}" for a in range(10) for b in range(10)]
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-trainer = trainers.BpeTrainer(
-    vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-)
-tok.train_from_iterator(corpus, trainer)
-hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-hf_tok.save_pretrained(out / "model")
-config = Qwen2Config(
-    vocab_size=384,  # >= the tokenizer's entries
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,  # head_dim 64: supported by vLLM's attention backends
-    num_key_value_heads=1,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    bos_token_id=hf_tok.eos_token_id,
-    eos_token_id=hf_tok.eos_token_id,
-    pad_token_id=hf_tok.pad_token_id,
-    torch_dtype="bfloat16",
-)
-Qwen2ForCausalLM(config).save_pretrained(out / "model")
-with open(out / "prompts.jsonl", "w") as f:
-    for a in range(16):
-        b = (3 * a + 1) % 10
-        f.write(json.dumps({"input": f"Q: {a % 10} + {b} = ? A:", "label": str(a % 10 + b)}) + "\n")
-(out / "reward_func.py").write_text(
-    "import torch\n\n\n"
-    "def reward_func(queries, prompts, labels):\n"
-    "    # binary and roughly balanced for a random model, so groups have spread (SALT, GeoAlign pairs, flips)\n"
-    "    r = torch.tensor([float(sum(map(ord, q[len(p):])) % 2) for q, p in zip(queries, prompts)])\n"
-    "    return {'rewards': r[0] if len(r) == 1 else r, 'scores': r[0] if len(r) == 1 else r, 'extra_logs': {}}\n"
-)
-print("tiny model, tokenizer, prompts and reward function in", out)
-PY
+# Tiny model + tokenizer (tokenizers library), 16 arithmetic prompts, a reward function file for --reward.remote_url:
+# the CPU smoke's assets (examples/scripts/smoke_cpu.py).
+python "$(dirname "$0")/smoke_cpu.py" --assets-only "$OUT"
 
 # 16 prompts x 4 samples, 32 per optimizer step => 2 steps; checkpoint at step 2 (carries the GeoAlign projector).
 python -m openrlhf_geo.cli train-ppo-ray \
-  --actor.model_name_or_path "$OUT/model" \
-  --data.prompt_dataset "$OUT/prompts.jsonl" --data.input_key input --data.label_key label \
+  --actor.model_name_or_path "$OUT/assets/model" \
+  --data.prompt_dataset "$OUT/assets/prompts.jsonl" --data.input_key input --data.label_key label \
   --data.max_samples 16 --data.max_len 64 --rollout.max_new_tokens 16 \
-  --reward.remote_url "$OUT/reward_func.py" \
+  --reward.remote_url "$OUT/assets/reward_func.py" \
   --actor.num_nodes 1 --actor.num_gpus_per_node 1 --ref.num_nodes 1 --ref.num_gpus_per_node 1 \
   --vllm.num_engines 1 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.3 \
   --train.colocate_all --vllm.enable_sleep --ds.enable_sleep \
