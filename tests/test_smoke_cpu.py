@@ -24,8 +24,8 @@ import torch
 from openrlhf_geo.pipeline import GeometryPipeline
 
 REPO = Path(__file__).resolve().parents[1]
-# one worker runs the whole module, so the smoke (a module fixture) runs once under pytest-xdist (--dist loadgroup)
-pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines, pytest.mark.xdist_group("smoke_cpu")]
+# scripts/test.sh runs pytest-xdist with --dist loadfile: one worker takes this whole module, so the smoke runs once
+pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines]
 
 
 def _engines_missing():
