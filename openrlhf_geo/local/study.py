@@ -1,4 +1,4 @@
-"""`openrlhf-geo study NAME`: the five CPU studies, each a declarative list of conditions (protocols: docs/studies/).
+"""`openrlhf-geo study NAME`: the CPU studies, most a declarative list of conditions (protocols: docs/studies/).
 
     salt-scaling      SALT rollout scaling at a fixed rollout budget (SALT arXiv 2606.05800 §4.4, Fig. 4(c, d),
                       Fig. 9, App. F.4-F.5, Table 10), GRPO and DAPO backbones, each ± SALT
@@ -7,6 +7,8 @@
     salt-ablations    SALT's App. F.3 ablations, fixed-α sweep and matched nulls under the demo's setting
     geoalign-failure  GeoAlign under a systematically misspecified reward next to random flips (GeoAlign arXiv
                       2606.26917 §5.3), against noisy GRPO and the four baselines of its App. B.5
+    salt-proxy        SALT Table 1 / App. E: the LM-head proxy against full per-sample gradients and nulls at
+                      checkpoints of the demo's GRPO run; its own runner (RUNNERS: openrlhf_geo.local.proxy_study)
 
 A condition is one `openrlhf-geo train` configuration: the demo's common flags (`demo.common_flags`) in one
 `Setting` (SFT warm-up + data, `demo.prepare_data` / `demo.warm_up`, cached in <out>/settings/<setting>/), rollout
@@ -17,6 +19,7 @@ stopped. The end: <out>/summary.json (every number) and <out>/report.md, from th
 `eval.report.load_runs` reads them (`scan_runs` + `final_scalars`), paired seed by seed with `eval.report.compare`.
 """
 
+import importlib
 import json
 import math
 import os
@@ -245,6 +248,8 @@ STUDIES = {
     "salt-ablations": salt_ablations,
     "geoalign-failure": geoalign_failure,
 }
+# studies that are not lists of train conditions: name -> module whose main(args) runs it with the options parsed here
+RUNNERS = {"salt-proxy": "openrlhf_geo.local.proxy_study"}
 
 # ---------------------------------------------------------------- plan, time estimate, runs
 
@@ -944,7 +949,7 @@ def build_parser():
     from openrlhf_geo.local.train import FlagParser
 
     p = FlagParser(prog="openrlhf-geo study", description=__doc__.split("\n\n")[0])
-    p.add_argument("name", choices=tuple(STUDIES), help="which study (protocol: docs/studies/NAME.md)")
+    p.add_argument("name", choices=(*STUDIES, *RUNNERS), help="which study (protocol: docs/studies/NAME.md)")
     p.add_argument("--out", default=None, help="output directory (default runs/studies/NAME, NAME-quick with --quick)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the protocol's)")
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, two conditions, 2 steps, short SFT")
@@ -956,6 +961,12 @@ def build_parser():
 def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
+    except ValueError as error:
+        print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
+        return 2
+    if args.name in RUNNERS:  # it checks the other options and claims --out itself
+        return importlib.import_module(RUNNERS[args.name]).main(args)
+    try:
         if args.regime is not None and args.name != "salt-scaling":
             raise ValueError(f"--regime only applies to salt-scaling (got study {args.name})")
         study = salt_scaling(args.regime or "demo") if args.name == "salt-scaling" else STUDIES[args.name]()
