@@ -353,6 +353,19 @@ def test_quick_study_end_to_end_then_resumes_only_what_is_missing(tmp_path, monk
     run = out / "runs" / "seed0"
     first = json.loads((run / "step002.json").read_text())
 
+    # the analysis changes nothing in the run: the state saved at step 2 is that of two plain steps
+    from openrlhf_geo.local.engine import Trainer
+    from openrlhf_geo.local.train import load_model, make_reward_fn, read_dataset
+
+    args = parse_args(proxy_study.plan(out, [0], (0, 2), proxy_study.default_proxy())[0]["argv"])
+    model, tokenizer = load_model(args, torch.device("cpu"))
+    rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "prompts")
+    plain = Trainer(args, model, tokenizer, rows, make_reward_fn(args.reward.func))
+    plain.step(), plain.step()
+    saved = torch.load(run / "trainer.pt", weights_only=False)
+    assert saved["global_step"] == 2 and all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    assert torch.equal(saved["torch_rng"], torch.get_rng_state())
+
     # a second invocation analyses nothing again
     def refuse(*args, **kwargs):
         raise AssertionError("re-analysed a finished checkpoint")
