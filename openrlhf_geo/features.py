@@ -2,12 +2,27 @@
 
 SALT's Gram is built from G_i = (1/T_i) Σ_t e_t h_tᵀ / τ, the gradient of response i's mean action log-prob
 log_softmax(z_t/τ)[y_t] w.r.t. lm_head.weight (V, d), with e_t = onehot(y_t) − softmax(z_t/τ) and h_t the lm_head
-input. `method="exact"` returns vec(G_i) (tiny models, tests). `method="sketch"` returns the Kronecker sketch
-φ_i = vec(S_e G_i S_hᵀ) = (1/T_i) Σ_t (S_e e_t) ⊗ (S_h h_t) / τ with fixed seeded Rademacher projections S_e (k, V),
-S_h (k, d), k = sqrt(dim): E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F, and no V×d tensor is ever formed (docs/architecture.md §4).
+input. SALT needs only the Gram ⟨G_i, G_j⟩_F of these (§3.2: the proxy must "preserve the sample-wise geometry";
+App. E); the paper does not say how it forms them at LLM sizes. Three feature maps, all linear in G_i:
 
-Both run on the tensors the experience forward already has (logits, final hidden states), chunked over tokens so
-the extra memory is O(chunk_size·V + B·S) (+ R·D for the output).
+- `exact`: vec(G_i), V·d columns (tiny models, tests).
+- `sketch` (default): a TensorSketch (Pham & Pagh 2013) of vec(G_i) into D = dim columns. Entry (v, c) of G_i goes
+  to bucket (b_V(v) + b_d(c)) mod D with sign s_V(v)·s_d(c), so φ_i = (1/T_i) Σ_t (C_V e_t) ⊛ (C_d h_t) / τ: the
+  circular convolution of two CountSketches, computed as a product of their real FFTs. C_V e_t costs O(V) per token
+  (one pass of exp over the logits, no V×k product), the rest O(D log D). With independent random signs
+  E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F, and every pair of distinct entries collides with probability ≤ 1/(D − 1), so an
+  inner product's error has about the variance of a Johnson-Lindenstrauss sketch of D rows, (‖G_i‖²‖G_j‖² +
+  ⟨G_i, G_j⟩²)/D, at most 4‖G_i‖²‖G_j‖²/(D − 1) (`sketch_hashes`; measured: benchmarks/README.md). When
+  V·d ≤ D the sketch is exact: the features are vec(G_i) itself.
+- `kronecker` (the default before the TensorSketch): φ_i = vec(S_e G_i S_hᵀ) = (1/T_i) Σ_t (S_e e_t) ⊗ (S_h h_t) / τ
+  with fixed seeded Rademacher S_e (k, V), S_h (k, d), k = √dim (`kronecker_projections`). Also unbiased, but its
+  D = k² entries share k rows and k columns, so the error of a rank-one term is ~√(2/k) rather than ~1/√D (its
+  Gram cosines carry ~1.7× the TensorSketch's noise at the same D on the benchmark's rollouts), and S_e e_t costs
+  O(k·V) per token. `sketch_gram` estimates its noise per entry (`--salt.gram shrink`).
+
+All run on the tensors the experience forward already has (logits, final hidden states), chunked over tokens so
+the extra memory is O(chunk_size·V + B·S) (+ R·D for the output), and never form a V×d tensor per response.
+`lm_head_gram` gives the exact Gram without any feature vector, from token pairs (a reference at LLM sizes).
 """
 
 import functools
@@ -16,16 +31,79 @@ import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-METHODS = ("sketch", "exact")
+METHODS = ("sketch", "kronecker", "exact")
+# The default sketch size D: JL-like noise ≈ 1/√D per Gram cosine, and the Gram costs O(m²·D) (benchmarks/README.md
+# measures both; 160² keeps D a perfect square, the --salt.dim contract since the Kronecker sketch's k × k).
+DEFAULT_DIM = 25600
 # `exact` returns R rows of V·d floats; above this V·d the sketch is the only sensible choice.
 EXACT_MAX_NUMEL = 2**26
-# Masked tokens per chunk: amortizes streaming S_e (V×k floats) once per chunk; a float32 chunk of probabilities
-# is 156 MB at V=151936 (the caller's logits for the same tokens are as large). benchmarks/salt_overhead.py sweeps it.
+# Masked tokens per chunk: bounds the float32 buffers over the vocabulary (156 MB per chunk at V=151936; the
+# caller's logits for the same tokens are as large). benchmarks/salt_overhead.py sweeps it.
 DEFAULT_CHUNK_SIZE = 256
+# Tokens per pass of the sketch's exp over one vocabulary block of D logits: keeps the (tokens, D) buffer in cache.
+EXP_TILE = 32
+
+
+class SketchHashes(NamedTuple):
+    """The TensorSketch's fixed hash functions (`sketch_hashes`): entry (v, c) of a (V, d) matrix goes to bucket
+    (vocab_bucket[v] + hidden_bucket[c]) mod D with sign vocab_sign[v] · hidden_sign[c]."""
+
+    vocab_bucket: torch.Tensor  # (V,) int64 in [0, D)
+    vocab_sign: torch.Tensor  # (V,) float32 ±1
+    hidden_bucket: torch.Tensor  # (d,) int64 in [0, D)
+    hidden_sign: torch.Tensor  # (d,) float32 ±1
+
+
+@functools.lru_cache(maxsize=4)
+def _hash_storage(seed: int, vocab_size: int, hidden_size: int, dim: int, device: torch.device):
+    """(SketchHashes on `device`, vocabulary block offsets as ints), drawn on the CPU: the same bits everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    # Hidden side first: it then depends on (seed, d, D) only, whatever the vocabulary size. d <= D: a random
+    # injection, so no two entries of one vocabulary row share a bucket.
+    hidden_bucket = torch.randperm(max(dim, hidden_size), generator=gen)[:hidden_size] % dim
+    hidden_sign = 2 * torch.randint(0, 2, (hidden_size,), generator=gen) - 1
+    # Vocabulary blocks of D consecutive ids, each cyclically shifted by a uniform offset: an exp pass over the
+    # logits then adds whole slices (no scatter), ids in one block never share a bucket, ids in two blocks do with
+    # probability 1/D, and a bucket difference within a block is matched by b_d with probability ≤ 1/(D − 1).
+    offsets = torch.randint(0, dim, (-(-vocab_size // dim),), generator=gen)
+    vocab_sign = 2 * torch.randint(0, 2, (vocab_size,), generator=gen) - 1
+    ids = torch.arange(vocab_size)
+    vocab_bucket = (ids % dim + offsets[ids // dim]) % dim
+    hashes = SketchHashes(
+        vocab_bucket.to(device),
+        vocab_sign.float().to(device),
+        hidden_bucket.to(device),
+        hidden_sign.float().to(device),
+    )
+    return hashes, tuple(offsets.tolist())
+
+
+def sketch_hashes(vocab_size: int, hidden_size: int, dim: int = DEFAULT_DIM, seed: int = 0, device="cpu"):
+    """The fixed hash functions of the TensorSketch of (V, d) matrices into D = dim buckets, as `SketchHashes`.
+
+    Signs are independent Rademacher, so E[sign(a) sign(a')] = [a = a'] for entries a, a' of the (V, d) grid and the
+    sketch's inner products are unbiased for ⟨G_i, G_j⟩_F. Buckets: b_d is a uniformly random injection of the d
+    hidden coordinates into [0, D) (a balanced random map when d > D); b_V shifts each block of D consecutive token
+    ids by its own uniform offset. For d ≤ D every two distinct entries share a bucket with probability ≤ 1/(D − 1),
+    the pairwise bound of a universal hash.
+
+    Error (d ≤ D; X = G_i, Y = G_j, a ≠ b entries of the grid, H the bucket): ⟨φ_i, φ_j⟩ − ⟨X, Y⟩_F =
+    Σ_{a≠b} s(a) s(b) X_a Y_b [H(a) = H(b)], mean 0. Its variance has three parts: Σ_{a≠b} P(H(a) = H(b))
+    (X_a² Y_b² + X_a Y_a X_b Y_b) ≤ 2‖X‖²‖Y‖²/(D − 1) (≈ (‖X‖²‖Y‖² + ⟨X, Y⟩²)/D, a JL sketch's); the rows of two
+    token ids in different blocks share their buckets with probability 1/D, and then whole rows collide at once
+    (b_d is shared): (1/D) Σ_{v≠v'} ((X_v·Y_v')² + (X_v·Y_v')(X_v'·Y_v)) ≤ 2‖X‖²‖Y‖²/D; and terms of order
+    ‖X‖²‖Y‖²/D² (the TensorSketch's sign products over four entries). In all ≤ 4‖X‖²‖Y‖²/(D − 1) + O(D⁻²).
+    `dim` must be a perfect square >= 16 (the --salt.dim contract; the sketch itself takes any D). Same arguments ⇒
+    bit-identical tensors in every process and on every device; cached per (seed, V, d, D, device). Read-only.
+    """
+    _sketch_side(dim)
+    vocab_size, hidden_size = _as_int(vocab_size, "vocab_size", 1), _as_int(hidden_size, "hidden_size", 1)
+    return _hash_storage(_as_int(seed, "seed", 0), vocab_size, hidden_size, dim, torch.device(device))[0]
 
 
 @functools.lru_cache(maxsize=4)
@@ -39,8 +117,8 @@ def _projection_storage(seed: int, vocab_size: int, hidden_size: int, k: int, de
     return tuple((2 * m.float() - 1).mul_(scale).to(device) for m in (se_t, sh_t))
 
 
-def sketch_projections(vocab_size: int, hidden_size: int, dim: int = 4096, seed: int = 0, device="cpu"):
-    """The fixed sketch projections S_e (k, V) and S_h (k, d), k = sqrt(dim), float32.
+def kronecker_projections(vocab_size: int, hidden_size: int, dim: int = 4096, seed: int = 0, device="cpu"):
+    """The fixed projections S_e (k, V) and S_h (k, d), k = sqrt(dim), float32, of the `kronecker` features.
 
     Entries are independent Rademacher ±1/sqrt(k), so E[S_eᵀS_e] = I_V and E[S_hᵀS_h] = I_d exactly (the sketch's
     inner products are unbiased) and ‖S_e onehot(y)‖ = 1 exactly (the one-hot part of e_t, which dominates
@@ -77,7 +155,7 @@ def _sketch_side(dim) -> int:
         number = -1
     side = math.isqrt(max(number, 0))
     if number < 16 or side * side != number:
-        raise ValueError(f"dim must be a perfect square >= 16 (the sketch is k×k with k = sqrt(dim)); got {dim!r}")
+        raise ValueError(f"dim must be a perfect square >= 16 (the --salt.dim contract, k×k); got {dim!r}")
     return side
 
 
@@ -125,43 +203,29 @@ def _take(x: torch.Tensor, rows: np.ndarray, cols: np.ndarray, rows_dev: torch.T
     return x[rows_dev, cols_dev]
 
 
-def lm_head_features(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    method: str = "sketch",
-    dim: int = 4096,
-    seed: int = 0,
-    *,
-    temperature: float = 1.0,
-    segment_ids: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
-    """SALT Eq. 19: one LM-head-gradient feature row per response, exact (R, V·d) or Kronecker-sketched (R, dim).
+class _Tokens(NamedTuple):
+    """The masked tokens of a validated (logits, hidden, tokens, mask), row-major (see `_masked_tokens`)."""
 
-    Inputs are aligned: `logits[b, t]` (B, S, V), pre-temperature, any float dtype, is the distribution that
-    produced `tokens[b, t]` (B, S); `hidden[b, t]` (B, S, d) is the lm_head input there; `mask` (B, S), bool or 0/1,
-    marks the response tokens that count (nothing at unmasked positions is read).
-    Padded layout: row i = response b = i, R = B. Packed layout (typically B = 1): `segment_ids` (B, S) long gives
-    each token's response index (−1 = none), R = max id + 1. A response with no masked token gets a zero row.
+    rows: np.ndarray  # (N,) CPU positions
+    cols: np.ndarray
+    response: np.ndarray  # (N,) response index of each token
+    num_responses: int  # R
+    weight: np.ndarray  # (N,) float64 1/(T_i τ) of each token's response
+    rows_dev: torch.Tensor  # rows, cols on the logits' device
+    cols_dev: torch.Tensor
+    y: torch.Tensor  # (N,) int64 token ids on the logits' device
 
-    Row i, in lm_head.weight's (V, d) layout flattened: exact = vec(G_i), G_i = (1/T_i) Σ_t e_t h_tᵀ / τ with
-    e_t = onehot(y_t) − softmax(z_t/τ) — autograd's gradient of the mean of log_softmax(z_t/τ)[y_t] w.r.t. the
-    weight; sketch = vec(S_e G_i S_hᵀ) (see `sketch_projections`). If your logits are already divided by τ,
-    pass temperature=1: every row then scales by the same τ, to which SALT's PR, P_k and n_eff are invariant.
-    `dim` is ignored by `exact`. Softmax runs in float32 per chunk of `chunk_size` masked tokens.
-    Logits of −inf (masked vocabulary entries) are probability 0; NaN, +inf or a row without a finite logit at a
-    masked position raises ValueError, as do NaN/inf in `hidden` there.
-    Returns float32 (R, D) on logits.device.
-    """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    def take(self, x: torch.Tensor, part: slice) -> torch.Tensor:
+        return _take(x, self.rows[part], self.cols[part], self.rows_dev[part], self.cols_dev[part])
+
+
+def _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids) -> _Tokens:
+    """Validate the common arguments of `lm_head_features` / `lm_head_gram`; ValueError naming the bad one."""
     if logits.dim() != 3 or hidden.dim() != 3:
         raise ValueError(
             f"logits (B, S, V) and hidden (B, S, d) must be 3-D; got {tuple(logits.shape)} and {tuple(hidden.shape)}"
         )
-    batch_shape, (vocab_size, hidden_size) = logits.shape[:2], (logits.shape[2], hidden.shape[2])
+    batch_shape, vocab_size = logits.shape[:2], logits.shape[2]
     if hidden.device != logits.device:
         raise ValueError(f"hidden must be on logits' device {logits.device}; got {hidden.device}")
     if hidden.shape[:2] != batch_shape:
@@ -172,66 +236,205 @@ def lm_head_features(
         )
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
+    rows, cols, response, num_responses = _response_positions(mask, segment_ids, batch_shape)
+    device = logits.device
+    rows_dev, cols_dev = torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
+    y = tokens.to(device)[rows_dev, cols_dev].long()
+    if bool(((y < 0) | (y >= vocab_size)).any()):
+        raise ValueError(f"tokens at masked positions must lie in [0, V={vocab_size})")
+    counts = np.bincount(response, minlength=num_responses)
+    weight = 1.0 / (counts[response] * temperature)
+    return _Tokens(rows, cols, response, num_responses, weight, rows_dev, cols_dev, y)
+
+
+def lm_head_features(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    method: str = "sketch",
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    *,
+    temperature: float = 1.0,
+    segment_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """SALT Eq. 19: one LM-head-gradient feature row per response: exact, TensorSketch or Kronecker sketch.
+
+    Inputs are aligned: `logits[b, t]` (B, S, V), pre-temperature, any float dtype, is the distribution that
+    produced `tokens[b, t]` (B, S); `hidden[b, t]` (B, S, d) is the lm_head input there; `mask` (B, S), bool or 0/1,
+    marks the response tokens that count (nothing at unmasked positions is read).
+    Padded layout: row i = response b = i, R = B. Packed layout (typically B = 1): `segment_ids` (B, S) long gives
+    each token's response index (−1 = none), R = max id + 1. A response with no masked token gets a zero row.
+
+    Row i, in lm_head.weight's (V, d) layout flattened: exact = vec(G_i), G_i = (1/T_i) Σ_t e_t h_tᵀ / τ with
+    e_t = onehot(y_t) − softmax(z_t/τ) — autograd's gradient of the mean of log_softmax(z_t/τ)[y_t] w.r.t. the
+    weight (V·d columns); sketch = the TensorSketch of vec(G_i) (dim columns, see `sketch_hashes`; V·d columns,
+    exactly vec(G_i), when V·d ≤ dim); kronecker = vec(S_e G_i S_hᵀ) (dim = k·k columns, see
+    `kronecker_projections`). If your logits are already divided by τ, pass temperature=1: every row then scales by
+    the same τ, to which SALT's PR, P_k and n_eff are invariant. `dim` (a perfect square >= 16) is ignored by
+    `exact`. The softmax (sketch: its exp) runs in float32 per chunk of `chunk_size` masked tokens.
+    Logits of −inf (masked vocabulary entries) are probability 0; NaN, +inf or a row without a finite logit at a
+    masked position raises ValueError, as do NaN/inf in `hidden` there.
+    Returns float32 (R, D) on logits.device.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    masked = _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids)
     chunk_size = _as_int(chunk_size, "chunk_size", 1)
+    vocab_size, hidden_size = logits.shape[2], hidden.shape[2]
+    if method != "exact":
+        _sketch_side(dim)
+    if method == "sketch" and vocab_size * hidden_size <= dim:
+        method = "exact"  # a sketch of a vector that fits in D entries is the vector itself
+    device = logits.device
     if method == "exact":
         if vocab_size * hidden_size > EXACT_MAX_NUMEL:
             raise ValueError(
                 f'method="exact" would return V*d = {vocab_size}*{hidden_size} floats per response '
                 f'(limit {EXACT_MAX_NUMEL}); use method="sketch" for models of this size'
             )
-        left_size, right_size = vocab_size, hidden_size
+        width = vocab_size * hidden_size
+    elif method == "sketch":
+        hashes, offsets = _hash_storage(_as_int(seed, "seed", 0), vocab_size, hidden_size, dim, device)
+        width = 2 * (dim // 2 + 1)  # the real and imaginary parts of the rfft spectrum, summed per response
     else:
-        s_e, s_h = sketch_projections(vocab_size, hidden_size, dim, seed, logits.device)
+        s_e, s_h = kronecker_projections(vocab_size, hidden_size, dim, seed, device)
         se_t, sh_t = s_e.T, s_h.T  # (V, k), (d, k): row-gather S_e[:, y] and right-multiply without copies
-        left_size = right_size = se_t.shape[1]
+        width = dim
 
-    rows, cols, response, num_responses = _response_positions(mask, segment_ids, batch_shape)
-    device = logits.device
-    out = torch.zeros(num_responses, left_size * right_size, dtype=torch.float32, device=device)
+    rows, response, num_responses = masked.rows, masked.response, masked.num_responses
+    out = torch.zeros(num_responses, width, dtype=torch.float32, device=device)
     if len(rows) == 0:
-        return out
-    # Index bookkeeping on the CPU, moved to the device once: per token its 1/(T_i τ) weight and the position of
-    # its response among the responses present in its chunk (`local`); per chunk those responses (`chunk_ids`).
-    counts = np.bincount(response, minlength=num_responses)
+        return out if method != "sketch" else out[:, :dim]
+    # Per chunk, the position of each token's response among the responses present in the chunk (`local`) and
+    # those responses (`chunk_ids`), moved to the device once.
     starts = range(0, len(rows), chunk_size)
     chunk_ids, local = [], np.empty_like(response)
     for start in starts:
         ids, inverse = np.unique(response[start : start + chunk_size], return_inverse=True)
         local[start : start + chunk_size] = inverse
         chunk_ids.append(torch.from_numpy(ids).to(device))
-    rows_dev, cols_dev, local_dev = (torch.from_numpy(a).to(device) for a in (rows, cols, local))
-    weight_dev = torch.from_numpy(1.0 / (counts[response] * temperature)).to(device=device, dtype=torch.float32)
-    y_all = tokens.to(device)[rows_dev, cols_dev].long()
-    if bool(((y_all < 0) | (y_all >= vocab_size)).any()):
-        raise ValueError(f"tokens at masked positions must lie in [0, V={vocab_size})")
+    local_dev = torch.from_numpy(local).to(device)
+    weight_dev = torch.from_numpy(masked.weight).to(device=device, dtype=torch.float32)
     token_index = torch.arange(chunk_size, device=device)
 
     for start, ids in zip(starts, chunk_ids):
         sl = slice(start, start + chunk_size)
-        y = y_all[sl]
+        y = masked.y[sl]
         n = len(y)
-        z = _take(logits, rows[sl], cols[sl], rows_dev[sl], cols_dev[sl]).float()  # (n, V); a view if float32 run
-        if temperature != 1.0:
-            z = z / temperature
-        p = torch.softmax(z, dim=-1)
-        h = _take(hidden, rows[sl], cols[sl], rows_dev[sl], cols_dev[sl]).float()  # (n, d)
-        if method == "exact":
-            left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
-            left[token_index[:n], y] += 1.0
-            right = h
-        else:
-            left = se_t[y] - p @ se_t  # S_e e_t = S_e[:, y_t] − S_e p_t, (n, k)
-            right = h @ sh_t  # S_h h_t, (n, k)
-        # Σ_t per response present in the chunk, without atomics (deterministic on every device):
-        # (u, n) weights × per-token outer products left_t right_tᵀ.
+        z = masked.take(logits, sl)  # (n, V), a view if one run: never written to
+        h = masked.take(hidden, sl).float()  # (n, d)
+        # Σ_t per response present in the chunk, without atomics (deterministic on every device): (u, n) weights.
         assign = torch.zeros(len(ids), n, device=device)
         assign[local_dev[sl], token_index[:n]] = weight_dev[sl]
-        block = (assign[:, :, None] * left[None]).transpose(1, 2) @ right  # (u, left_size, right_size)
-        out.index_add_(0, ids, block.reshape(len(ids), -1))  # ids are unique: one add per row
+        if method == "sketch":
+            left = _vocab_countsketch(z, y, temperature, hashes, offsets, dim)  # C_V e_t, (n, D)
+            right = h.new_zeros(n, dim).index_add_(1, hashes.hidden_bucket, h * hashes.hidden_sign)  # C_d h_t
+            spectrum = torch.fft.rfft(left) * torch.fft.rfft(right)  # of the circular convolution C_V e_t ⊛ C_d h_t
+            block = assign @ torch.view_as_real(spectrum).reshape(n, -1)
+        else:
+            p = torch.softmax(z.float() / temperature if temperature != 1.0 else z.float(), dim=-1)
+            if method == "exact":
+                left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
+                left[token_index[:n], y] += 1.0
+                right = h
+            else:
+                left = se_t[y] - p @ se_t  # S_e e_t = S_e[:, y_t] − S_e p_t, (n, k)
+                right = h @ sh_t  # S_h h_t, (n, k)
+            # per response: Σ_t weight_t left_t right_tᵀ, (u, left_size, right_size)
+            block = ((assign[:, :, None] * left[None]).transpose(1, 2) @ right).reshape(len(ids), -1)
+        out.index_add_(0, ids, block)  # ids are unique: one add per row
 
+    if method == "sketch":
+        out = torch.fft.irfft(torch.view_as_complex(out.view(num_responses, -1, 2)), n=dim)
     if not bool(torch.isfinite(out).all()):
-        _raise_non_finite(logits, hidden, rows, cols)
+        _raise_non_finite(logits, hidden, rows, masked.cols)
     return out
+
+
+def _vocab_countsketch(z, y, temperature, hashes, offsets, dim) -> torch.Tensor:
+    """C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ), (n, D) float32, for logits z (n, V) of any float dtype.
+
+    One pass of exp over the logits after their row maxima, block by block of D vocabulary ids (block r lands on
+    the buckets (j + offsets[r]) mod D, so it is added as two slices); on a CPU in tiles of EXP_TILE tokens so each
+    (tile, D) buffer stays in cache. The normalizer Σ_v exp(z_v − max) comes out of the same pass.
+    """
+    n, vocab_size = z.shape
+    peak = z.amax(-1, keepdim=True).float()
+    sketch = torch.zeros(n, dim, device=z.device)
+    total = torch.zeros(n, 1, device=z.device)
+    tile = EXP_TILE if z.device.type == "cpu" else n
+    for first in range(0, n, tile):
+        rows = slice(first, first + tile)
+        for block, offset in enumerate(offsets):
+            start = block * dim
+            x = torch.sub(z[rows, start : start + dim], peak[rows])  # float32 whatever z's dtype: a new buffer
+            if temperature != 1.0:
+                x.div_(temperature)
+            x.exp_()
+            total[rows] += x.sum(-1, keepdim=True)
+            x.mul_(hashes.vocab_sign[start : start + dim])
+            head = min(x.shape[1], dim - offset)
+            sketch[rows, offset : offset + head] += x[:, :head]
+            if head < x.shape[1]:
+                sketch[rows, : x.shape[1] - head] += x[:, head:]
+    sketch.div_(total).neg_()
+    sketch[torch.arange(n, device=z.device), hashes.vocab_bucket[y]] += hashes.vocab_sign[y]
+    return sketch
+
+
+@torch.no_grad()
+def lm_head_gram(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    segment_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """The exact Gram ⟨G_i, G_j⟩_F (R, R), float64, of SALT Eq. 19's LM-head gradients, without any feature vector.
+
+    Same inputs and G_i as `lm_head_features` (it equals F Fᵀ for F = lm_head_features(..., "exact")), from token
+    pairs: ⟨G_i, G_j⟩_F = Σ_{t∈i, s∈j} w_t w_s (e_t·e_s)(h_t·h_s), w_t = 1/(T_i τ), with e_t·e_s = [y_t = y_s] −
+    p_t[y_s] − p_s[y_t] + p_t·p_s. Per pair of chunks of `chunk_size` masked tokens one (c, V) × (V, c) product:
+    O(N²·V) work for N masked tokens and O(chunk_size·V) memory, so it runs at any V·d (a reference at LLM shapes,
+    where the exact features would be V·d floats per response). The products over V run in the logits' precision,
+    at least float32 (float64 logits: float64); the sums over token pairs in float64. Not divided by R (SALT Eq.
+    4's 1/m is diagnostics.gram's); exactly symmetric. NaN/inf at masked positions raise ValueError, as there.
+    """
+    masked = _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids)
+    chunk_size = _as_int(chunk_size, "chunk_size", 1)
+    device, R = logits.device, masked.num_responses
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    gram = torch.zeros(R, R, dtype=torch.float64, device=device)
+    weight = torch.from_numpy(masked.weight).to(device)
+    response = torch.from_numpy(masked.response).to(device)
+
+    def chunk(part):
+        z = masked.take(logits, part).to(dtype)
+        p = torch.softmax(z / temperature if temperature != 1.0 else z, dim=-1)
+        return p, masked.y[part], masked.take(hidden, part).to(dtype), weight[part], response[part]
+
+    parts = [slice(s, s + chunk_size) for s in range(0, len(masked.rows), chunk_size)]
+    for a, part_a in enumerate(parts):
+        p_a, y_a, h_a, w_a, r_a = chunk(part_a)
+        for part_b in parts[: a + 1]:
+            p_b, y_b, h_b, w_b, r_b = (p_a, y_a, h_a, w_a, r_a) if part_b == part_a else chunk(part_b)
+            ee = (p_a @ p_b.T).double() - p_a[:, y_b].double() - p_b[:, y_a].T.double()
+            ee += (y_a[:, None] == y_b[None, :]).double()
+            pair = ee * (h_a @ h_b.T).double() * w_a[:, None] * w_b[None, :]  # (c_a, c_b) token-pair terms
+            block = torch.zeros(R, R, dtype=torch.float64, device=device)
+            block.index_add_(
+                1, r_b, torch.zeros(R, pair.shape[1], dtype=torch.float64, device=device).index_add_(0, r_a, pair)
+            )
+            gram += block if part_b == part_a else block + block.T
+    if not bool(torch.isfinite(gram).all()):
+        _raise_non_finite(logits, hidden, masked.rows, masked.cols)
+    return (gram + gram.T) / 2  # the diagonal blocks are symmetric only up to rounding
 
 
 def _raise_non_finite(logits, hidden, rows, cols):
@@ -276,9 +479,9 @@ def last_token_hidden(hidden: torch.Tensor, mask: torch.Tensor, segment_ids: tor
 class GeometrySpec:
     """What an experience forward returns per response besides log-probs (built by `GeometryPipeline.spec`)."""
 
-    features: str | None = None  # SALT proxy features, "sketch" | "exact"; None: not needed
-    dim: int = 4096  # sketch dimension (k x k)
-    seed: int = 0  # sketch projections
+    features: str | None = None  # SALT proxy features, a METHODS name; None: not needed
+    dim: int = 4096  # sketch dimension D (GeometryPipeline.spec always sets it from SaltConfig.dim when features)
+    seed: int = 0  # sketch hashes / projections
     entropy: bool = False  # normalized token-entropy sums (SALT --salt.variant entropy-alpha)
     hidden: bool = False  # last-response-token final hidden state (GeoAlign)
 

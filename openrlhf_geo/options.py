@@ -14,6 +14,8 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from openrlhf_geo.baselines import CURATIONS, POLICY_LOSSES, BaselineConfig
+from openrlhf_geo.features import DEFAULT_DIM
+from openrlhf_geo.features import METHODS as FEATURE_METHODS
 from openrlhf_geo.geoalign import GDI_KINDS, MODES, PRESETS, PROTOTYPES, RULES, GeoAlignConfig
 from openrlhf_geo.pipeline import GeometryConfig
 from openrlhf_geo.rewards.noise import NOISE_TYPES, NoiseConfig
@@ -58,20 +60,28 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     salt.add_argument(
         "--salt.features",
-        choices=("sketch", "exact"),
+        choices=FEATURE_METHODS,
         default=None,
-        help="LM-head-gradient proxy: Kronecker sketch (default) or exact V*d gradient (tiny models)",
+        help="LM-head-gradient proxy (SALT Eq. 19): sketch = TensorSketch of the V*d gradient into --salt.dim "
+        "columns, O(V) per token, exact when V*d <= D (default); kronecker = the k*k Kronecker sketch (the default "
+        "before; noisier at the same D); exact = the V*d gradient itself (tiny models)",
     )
     salt.add_argument(
-        "--salt.dim", type=int, default=None, help="sketch dimension D = k*k, a perfect square >= 16 (default 4096)"
+        "--salt.dim",
+        type=int,
+        default=None,
+        help=f"sketch dimension D, a perfect square >= 16 (kronecker: k*k; default {DEFAULT_DIM}: the sketch's Gram "
+        "cosines carry noise of sd ~1/sqrt(D), its Gram costs O(m^2 D); see benchmarks/README.md)",
     )
-    salt.add_argument("--salt.seed", type=int, default=None, help="seed of the fixed sketch projections (default 0)")
+    salt.add_argument(
+        "--salt.seed", type=int, default=None, help="seed of the fixed sketch hashes / projections (default 0)"
+    )
     salt.add_argument(
         "--salt.gram",
         choices=GRAMS,
         default=None,
-        help="Gram estimate: raw F F^T/m (SALT Eq. 12; default) or shrink = noise-aware for sketch features "
-        "(debiased PR, SURE-thresholded off-diagonal; see benchmarks/README.md for when it helps)",
+        help="Gram estimate: raw F F^T/m (SALT Eq. 12; default) or shrink = noise-aware for --salt.features "
+        "kronecker (debiased PR, SURE-thresholded off-diagonal; see benchmarks/README.md for when it helps)",
     )
     salt.add_argument(
         "--salt.group_prompts",

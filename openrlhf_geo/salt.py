@@ -21,6 +21,7 @@ import scipy.sparse.linalg
 import torch
 
 from openrlhf_geo import diagnostics, sketch_gram
+from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.features import METHODS as FEATURE_METHODS
 
 PROJECTORS = ("top-k", "random", "none")
@@ -87,7 +88,8 @@ VARIANTS = {
     "matched-rand-subspace": Variant(assign="matched-random-subspace"),
 }
 # Gram estimators: "raw" K̂ = F Fᵀ/m (SALT Eq. 4); "shrink" the noise-aware estimate for Kronecker-sketched features
-# (sketch_gram: debiased PR, SURE-thresholded K̃ for the eigenspace). Never "shrink" exact features: no sketch noise.
+# (sketch_gram: debiased PR, SURE-thresholded K̃ for the eigenspace). Only for `kronecker` features: its noise estimate
+# splits their k×k cells, which exact and TensorSketch (`sketch`) features do not have.
 GRAMS = ("raw", "shrink")
 
 
@@ -107,10 +109,11 @@ class SaltConfig:
     """The --salt.* settings of a run, validated here on construction (each error names its flag).
 
     variant        a key of VARIANTS
-    features       "sketch" (Kronecker sketch of Eq. 19's LM-head gradient, `dim` columns) or "exact"
-    dim            sketch dimension D = k·k, a perfect square >= 16
-    seed           seed of the fixed sketch projections, >= 0
-    gram           "raw" (K = F Fᵀ/m, Eq. 4) or "shrink" (noise-aware, sketch_gram; only with sketch features)
+    features       Eq. 19's LM-head gradient as "sketch" (TensorSketch, `dim` columns; features.lm_head_features),
+                   "kronecker" (the k×k Kronecker sketch, the default before the TensorSketch) or "exact"
+    dim            sketch dimension D, a perfect square >= 16 (kronecker: k·k); default features.DEFAULT_DIM
+    seed           seed of the fixed sketch hashes / projections, >= 0
+    gram           "raw" (K = F Fᵀ/m, Eq. 4) or "shrink" (noise-aware, sketch_gram; only with kronecker features)
     group_prompts  prompts per SALT partition: None = the optimizer mini-batch's prompts (§3.1: "the current
                    mini-batch", m = BG; resolved by the engine), 0 = the whole rollout batch, n > 0 = n prompts
     alpha          the fixed α of variant fixed-alpha, in [0, 1] (required by it and only allowed with it)
@@ -121,7 +124,7 @@ class SaltConfig:
 
     variant: str = "full"
     features: str = "sketch"
-    dim: int = 4096
+    dim: int = DEFAULT_DIM
     seed: int = 0
     gram: str = "raw"
     group_prompts: int | None = None
@@ -140,8 +143,11 @@ class SaltConfig:
             raise ValueError(f"--salt.seed must be an integer >= 0 (got {self.seed!r})")
         if self.gram not in GRAMS:
             raise ValueError(f"--salt.gram must be one of {', '.join(GRAMS)} (got {self.gram!r})")
-        if self.gram == "shrink" and self.features != "sketch":
-            raise ValueError("--salt.gram shrink needs --salt.features sketch (exact features carry no sketch noise)")
+        if self.gram == "shrink" and self.features != "kronecker":
+            raise ValueError(
+                "--salt.gram shrink needs --salt.features kronecker (its noise estimate is the Kronecker sketch's; "
+                f"got --salt.features {self.features})"
+            )
         if self.group_prompts is not None and (not _is_int(self.group_prompts) or self.group_prompts < 0):
             raise ValueError(
                 "--salt.group_prompts must be an integer >= 0 (0: the whole rollout batch; unset: the optimizer "
@@ -359,7 +365,7 @@ def salt_advantages(
     are deterministic under a fixed one; the others draw nothing.
     gram (how K is estimated from F):
         raw     K = F Fᵀ / m for everything above
-        shrink  F holds Kronecker-sketch rows (features.lm_head_features, method="sketch") in row-major
+        shrink  F holds Kronecker-sketch rows (features.lm_head_features, method="kronecker") in row-major
                 sketch_shape (k1, k2) layout (default k1 = k2 = √D): PR is the noise-debiased
                 sketch_gram.participation_ratio, P_k comes from the SURE-thresholded K̃ (sketch_gram.shrink), and α_t
                 and the stats use the unbiased K̂ = F Fᵀ/m; stats gain gram_threshold, gram_kept, gram_noise.

@@ -1,4 +1,5 @@
-"""LM-head-gradient proxy features (SALT Eq. 19): exact = autograd's gradient, sketch = unbiased projection of it."""
+"""LM-head-gradient proxy features (SALT Eq. 19): exact = autograd's gradient; sketch (TensorSketch) and kronecker =
+unbiased linear sketches of it; lm_head_gram = the exact Gram from token pairs."""
 
 import subprocess
 import sys
@@ -12,7 +13,15 @@ from hypothesis import strategies as st
 from scipy.special import softmax as np_softmax
 from torch.testing import assert_close
 
-from openrlhf_geo.features import EXACT_MAX_NUMEL, last_token_hidden, lm_head_features, sketch_projections
+from openrlhf_geo.features import (
+    EXACT_MAX_NUMEL,
+    METHODS,
+    kronecker_projections,
+    last_token_hidden,
+    lm_head_features,
+    lm_head_gram,
+    sketch_hashes,
+)
 
 
 def random_batch(seed, B=3, S=6, V=13, d=5, p_mask=0.7, dtype=torch.float32, scale=2.0):
@@ -111,40 +120,68 @@ def test_exact_features_match_float64_numpy_bruteforce(seed, temperature):
     assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------- sketch: projection of the exact gradient, unbiased
+# ---------------------------------------------------------------- sketches: linear maps of the exact gradient
 
 
-@pytest.mark.parametrize("dim", [16, 64])
-def test_sketch_equals_projections_applied_to_exact_gradient(dim):
-    logits, hidden, tokens, mask = random_batch(5, B=4, S=8, V=50, d=9)
-    exact = numpy_exact(logits, hidden, tokens, mask, 0.8).reshape(4, 50, 9)
-    s_e, s_h = sketch_projections(50, 9, dim, seed=3)
-    expected = (s_e.double() @ exact @ s_h.double().T).reshape(4, -1)  # S_e G_i S_hᵀ, (k, k) per response
-    got = lm_head_features(logits, hidden, tokens, mask, "sketch", dim, seed=3, temperature=0.8)
-    assert got.shape == (4, dim)
+def countsketch_matrix(vocab_size, hidden_size, dim, seed):
+    """The TensorSketch as an explicit (V·d, D) float64 matrix from its hashes: entry (v, c) -> bucket
+    (b_V(v) + b_d(c)) mod D with sign s_V(v) s_d(c) (the definition, independent of the FFT implementation)."""
+    hashes = sketch_hashes(vocab_size, hidden_size, dim, seed)
+    bucket = (hashes.vocab_bucket[:, None] + hashes.hidden_bucket[None, :]) % dim
+    sign = hashes.vocab_sign[:, None] * hashes.hidden_sign[None, :]
+    matrix = torch.zeros(vocab_size * hidden_size, dim, dtype=torch.float64)
+    matrix[torch.arange(vocab_size * hidden_size), bucket.reshape(-1)] = sign.reshape(-1).double()
+    return matrix
+
+
+@pytest.mark.parametrize(
+    ("V", "d", "dim", "chunk"),
+    [
+        (50, 9, 64, 256),  # one vocabulary block
+        (300, 40, 256, 5),  # two blocks, the second shorter, wrapping around
+        (40, 30, 16, 3),  # d > D: the hidden side is hashed, not injected
+        (37, 5, 36, 1),  # odd rfft length sizes: D = 36, V = 37 (a one-id last block)
+    ],
+)
+def test_sketch_equals_its_hashes_applied_to_the_exact_gradient(V, d, dim, chunk):
+    logits, hidden, tokens, mask = random_batch(5, B=4, S=8, V=V, d=d)
+    expected = numpy_exact(logits, hidden, tokens, mask, 0.8) @ countsketch_matrix(V, d, dim, seed=3)
+    got = lm_head_features(logits, hidden, tokens, mask, "sketch", dim, seed=3, temperature=0.8, chunk_size=chunk)
+    assert got.shape == (4, dim) and got.dtype == torch.float32
     assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_projections_are_rademacher_with_unit_column_norm():
-    s_e, s_h = sketch_projections(30, 7, 64, seed=0)
-    assert s_e.shape == (8, 30) and s_h.shape == (8, 7)
-    for s in (s_e, s_h):
-        assert_close(s.abs(), torch.full_like(s, 8**-0.5))  # ±1/sqrt(k), k = sqrt(dim) = 8
-        assert 0.3 < (s > 0).float().mean() < 0.7
-        assert_close(s.pow(2).sum(0), torch.ones(s.shape[1]))  # ‖S onehot(v)‖ = 1 for every v
-    # S_h is drawn first, so models sharing d (and seed, dim) share S_h whatever their vocabulary
-    assert torch.equal(sketch_projections(99, 7, 64, seed=0)[1], s_h)
-    assert not torch.equal(sketch_projections(30, 7, 64, seed=1)[0], s_e)
+def test_sketch_is_the_exact_gradient_when_it_fits():
+    batch = random_batch(6, V=8, d=4)  # V·d = 32 <= D = 36
+    assert torch.equal(lm_head_features(*batch, "sketch", 36), lm_head_features(*batch, "exact"))
 
 
-def test_sketch_inner_products_are_unbiased_over_seeds():
+def test_sketch_hashes_are_signs_and_spread_buckets():
+    hashes = sketch_hashes(300, 40, 256, seed=0)
+    assert [t.shape for t in hashes] == [(300,), (300,), (40,), (40,)]
+    for sign in (hashes.vocab_sign, hashes.hidden_sign):
+        assert sign.dtype == torch.float32 and set(sign.tolist()) == {-1.0, 1.0}
+    for bucket in (hashes.vocab_bucket, hashes.hidden_bucket):
+        assert bucket.dtype == torch.int64 and 0 <= int(bucket.min()) and int(bucket.max()) < 256
+    assert len(set(hashes.hidden_bucket.tolist())) == 40  # d <= D: an injection
+    first, second = hashes.vocab_bucket[:256], hashes.vocab_bucket[256:]
+    assert len(set(first.tolist())) == 256 and len(set(second.tolist())) == 44  # a block never shares a bucket
+    assert torch.equal((first - first[0]) % 256, torch.arange(256))  # each block: a cyclic shift of its ids
+    # the hidden side depends on (seed, d, D) only; another seed draws other hashes
+    assert torch.equal(sketch_hashes(99, 40, 256, seed=0).hidden_bucket, hashes.hidden_bucket)
+    assert not torch.equal(sketch_hashes(300, 40, 256, seed=1).vocab_sign, hashes.vocab_sign)
+    assert len(set(sketch_hashes(10, 40, 16).hidden_bucket.tolist())) == 16  # d > D: every bucket used
+
+
+@pytest.mark.parametrize("method", ["sketch", "kronecker"])
+def test_sketch_inner_products_are_unbiased_over_seeds(method):
     """Mean over seeds of ⟨φ_i, φ_j⟩ matches ⟨G_i, G_j⟩_F within 4 standard errors estimated from the draws."""
     logits, hidden, tokens, mask = random_batch(11, B=4, S=6, V=24, d=6, scale=1.0)
     exact = lm_head_features(logits, hidden, tokens, mask, "exact").double()
     gram_exact = exact @ exact.T
     grams = torch.stack(
         [
-            (phi := lm_head_features(logits, hidden, tokens, mask, "sketch", 16, seed=s).double()) @ phi.T
+            (phi := lm_head_features(logits, hidden, tokens, mask, method, 16, seed=s).double()) @ phi.T
             for s in range(600)
         ]
     )
@@ -155,28 +192,135 @@ def test_sketch_inner_products_are_unbiased_over_seeds():
     assert (4 * stderr).max() < 0.25 * gram_exact.diag().min()
 
 
-def test_sketch_features_are_bit_identical_in_a_fresh_process(tmp_path):
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(20, 80), d=st.integers(3, 12))
+def test_sketch_gram_error_is_within_its_stated_variance(seed, V, d):
+    """Over sketch seeds the squared error of every ⟨φ_i, φ_j⟩ stays within the bound `sketch_hashes` states,
+    4‖G_i‖²‖G_j‖²/(D − 1), and is of the order of a JL sketch's (‖G_i‖²‖G_j‖² + ⟨G_i, G_j⟩²)/D."""
+    dim = 16
+    batch = random_batch(seed, B=3, S=6, V=V, d=d, scale=1.0)
+    exact = lm_head_features(*batch, "exact").double()
+    gram = exact @ exact.T
+    errors = torch.stack(
+        [(phi := lm_head_features(*batch, "sketch", dim, seed=s).double()) @ phi.T - gram for s in range(400)]
+    )
+    norms = gram.diagonal()
+    bound = 4 * norms[:, None] * norms[None, :] / (dim - 1)
+    jl = (norms[:, None] * norms[None, :] + gram.square()) / dim
+    mse = errors.square().mean(0)
+    assert (mse <= 1.3 * bound).all(), (mse, bound)  # 1.3: the sampling error of a 400-draw mean square
+    assert (mse >= 0.2 * jl).all() and (mse <= 3 * jl).all(), (mse, jl)
+
+
+@pytest.mark.parametrize("method", ["sketch", "kronecker"])
+def test_sketch_features_are_bit_identical_in_a_fresh_process(tmp_path, method):
     batch = random_batch(2, V=97, d=10)
-    here = lm_head_features(*batch, "sketch", 64, seed=7)
+    here = lm_head_features(*batch, method, 64, seed=7)
     torch.save(batch, tmp_path / "batch.pt")
     code = textwrap.dedent(
-        """
+        f"""
         import sys, torch
         from openrlhf_geo.features import lm_head_features
-        phi = lm_head_features(*torch.load(sys.argv[1]), "sketch", 64, seed=7)
+        phi = lm_head_features(*torch.load(sys.argv[1]), "{method}", 64, seed=7)
         torch.save(phi, sys.argv[2])
         """
     )
     subprocess.run([sys.executable, "-c", code, tmp_path / "batch.pt", tmp_path / "phi.pt"], check=True)
     assert torch.equal(torch.load(tmp_path / "phi.pt"), here)
-    assert not torch.equal(lm_head_features(*batch, "sketch", 64, seed=8), here)
+    assert not torch.equal(lm_head_features(*batch, method, 64, seed=8), here)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_kronecker_equals_projections_applied_to_exact_gradient(dim):
+    logits, hidden, tokens, mask = random_batch(5, B=4, S=8, V=50, d=9)
+    exact = numpy_exact(logits, hidden, tokens, mask, 0.8).reshape(4, 50, 9)
+    s_e, s_h = kronecker_projections(50, 9, dim, seed=3)
+    expected = (s_e.double() @ exact @ s_h.double().T).reshape(4, -1)  # S_e G_i S_hᵀ, (k, k) per response
+    got = lm_head_features(logits, hidden, tokens, mask, "kronecker", dim, seed=3, temperature=0.8)
+    assert got.shape == (4, dim)
+    assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_kronecker_projections_are_rademacher_with_unit_column_norm():
+    s_e, s_h = kronecker_projections(30, 7, 64, seed=0)
+    assert s_e.shape == (8, 30) and s_h.shape == (8, 7)
+    for s in (s_e, s_h):
+        assert_close(s.abs(), torch.full_like(s, 8**-0.5))  # ±1/sqrt(k), k = sqrt(dim) = 8
+        assert 0.3 < (s > 0).float().mean() < 0.7
+        assert_close(s.pow(2).sum(0), torch.ones(s.shape[1]))  # ‖S onehot(v)‖ = 1 for every v
+    # S_h is drawn first, so models sharing d (and seed, dim) share S_h whatever their vocabulary
+    assert torch.equal(kronecker_projections(99, 7, 64, seed=0)[1], s_h)
+    assert not torch.equal(kronecker_projections(30, 7, 64, seed=1)[0], s_e)
+
+
+# ---------------------------------------------------------------- the exact Gram from token pairs
+
+
+def numpy_exact_gram(logits, hidden, tokens, mask, temperature=1.0):
+    """⟨G_i, G_j⟩_F by the token-pair sum, float64, one pair at a time (independent of lm_head_gram's algebra)."""
+    z, h = logits.double().numpy(), hidden.double().numpy()
+    B = z.shape[0]
+    per = []
+    for b in range(B):
+        ts = [t for t in range(z.shape[1]) if mask[b, t]]
+        es = []
+        for t in ts:
+            e = -np_softmax(z[b, t] / temperature)
+            e[int(tokens[b, t])] += 1.0
+            es.append(e)
+        per.append([(e, h[b, t] / (len(ts) * temperature)) for e, t in zip(es, ts)])
+    gram = np.zeros((B, B))
+    for i in range(B):
+        for j in range(B):
+            gram[i, j] = sum((e @ f) * (g @ k) for e, g in per[i] for f, k in per[j])
+    return torch.from_numpy(gram)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_pair_gram_matches_float64_bruteforce(temperature):
+    logits, hidden, tokens, mask = random_batch(3, B=4, S=6, V=11, d=5)
+    expected = numpy_exact_gram(logits, hidden, tokens, mask, temperature)
+    got = lm_head_gram(logits.double(), hidden.double(), tokens, mask, temperature=temperature, chunk_size=4)
+    assert got.dtype == torch.float64 and got.shape == (4, 4)
+    assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(got, got.T)
+    # float32 logits: the products over V in float32, the same Gram to float32 rounding
+    assert_close(lm_head_gram(logits, hidden, tokens, mask, temperature=temperature), expected, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    chunk=st.integers(1, 12),
+    order=st.permutations(range(4)),
+    temperature=st.sampled_from([1.0, 0.6, 1.5]),
+)
+def test_token_pair_gram_equals_the_gram_of_the_exact_features(seed, chunk, order, temperature):
+    batch = random_batch(seed, B=4, S=5, V=9, d=4, p_mask=0.6, dtype=torch.float64)
+    exact = lm_head_features(*batch, "exact", temperature=temperature)
+    expected = exact.double() @ exact.double().T
+    assert_close(lm_head_gram(*batch, temperature=temperature, chunk_size=chunk), expected, rtol=1e-5, atol=1e-6)
+    *packed, seg = packed_from_padded(*batch, order)
+    got = lm_head_gram(*packed, temperature=temperature, segment_ids=seg, chunk_size=chunk)
+    assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_token_pair_gram_validates_like_the_features():
+    logits, hidden, tokens, mask = random_batch(10)
+    logits[0, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="^logits "):
+        lm_head_gram(logits, hidden, tokens, mask)
+    with pytest.raises(ValueError, match="tokens at masked positions"):
+        lm_head_gram(*random_batch(0)[:2], random_batch(0)[2] + 13, random_batch(0)[3])
+    mask[:] = False
+    assert torch.equal(lm_head_gram(logits, hidden, tokens, mask), torch.zeros(3, 3, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------- layouts, chunks, dtypes, temperature
 
 
 @settings(max_examples=40)
-@given(seed=st.integers(0, 10_000), chunk=st.integers(1, 20), method=st.sampled_from(["exact", "sketch"]))
+@given(seed=st.integers(0, 10_000), chunk=st.integers(1, 20), method=st.sampled_from(METHODS))
 def test_chunked_equals_unchunked(seed, chunk, method):
     batch = random_batch(seed, B=3, S=6, V=17, d=4)
     whole = lm_head_features(*batch, method, 16, chunk_size=10_000)
@@ -184,7 +328,7 @@ def test_chunked_equals_unchunked(seed, chunk, method):
 
 
 @settings(max_examples=40)
-@given(seed=st.integers(0, 10_000), order=st.permutations(range(4)), method=st.sampled_from(["exact", "sketch"]))
+@given(seed=st.integers(0, 10_000), order=st.permutations(range(4)), method=st.sampled_from(METHODS))
 def test_packed_and_padded_inputs_give_the_same_rows(seed, order, method):
     batch = random_batch(seed, B=4, S=5, V=9, d=4, p_mask=0.5)
     padded = lm_head_features(*batch, method, 16)
@@ -202,7 +346,7 @@ def test_non_contiguous_logits_view_equals_its_copy():
     assert_close(lm_head_features(view, hidden[:, 1:], tokens[:, 1:], mask[:, 1:], chunk_size=4, dim=16), expected)
 
 
-@pytest.mark.parametrize("method", ["exact", "sketch"])
+@pytest.mark.parametrize("method", ["exact", "sketch", "kronecker"])
 def test_bf16_logits_give_float32_features_close_to_full_precision(method):
     logits, hidden, tokens, mask = random_batch(6, B=3, S=8, V=30, d=8)
     full = lm_head_features(logits, hidden, tokens, mask, method, 64)
@@ -214,7 +358,7 @@ def test_bf16_logits_give_float32_features_close_to_full_precision(method):
     assert_close(half, full, rtol=0.05, atol=0.02 * full.abs().max().item())
 
 
-@pytest.mark.parametrize("method", ["exact", "sketch"])
+@pytest.mark.parametrize("method", ["exact", "sketch", "kronecker"])
 def test_temperature_divides_logits_and_scales_gradient(method):
     logits, hidden, tokens, mask = random_batch(8)
     tempered = lm_head_features(logits, hidden, tokens, mask, method, 16, temperature=0.5)
@@ -226,7 +370,7 @@ def test_temperature_divides_logits_and_scales_gradient(method):
 
 
 @settings(max_examples=50)
-@given(seed=st.integers(0, 10_000), perm=st.permutations(range(4)), method=st.sampled_from(["exact", "sketch"]))
+@given(seed=st.integers(0, 10_000), perm=st.permutations(range(4)), method=st.sampled_from(METHODS))
 def test_permuting_responses_permutes_feature_rows(seed, perm, method):
     logits, hidden, tokens, mask = random_batch(seed, B=4, S=5, V=10, d=3)
     perm = torch.tensor(perm)
@@ -236,7 +380,7 @@ def test_permuting_responses_permutes_feature_rows(seed, perm, method):
 
 
 @settings(max_examples=50)
-@given(seed=st.integers(0, 10_000), col=st.integers(1, 5), method=st.sampled_from(["exact", "sketch"]))
+@given(seed=st.integers(0, 10_000), col=st.integers(1, 5), method=st.sampled_from(METHODS))
 def test_masking_out_a_token_equals_removing_it(seed, col, method):
     logits, hidden, tokens, mask = random_batch(seed, B=3, S=6, V=10, d=3, p_mask=0.8)
     masked = mask.clone()
@@ -247,7 +391,7 @@ def test_masking_out_a_token_equals_removing_it(seed, col, method):
 
 
 @settings(max_examples=50)
-@given(seed=st.integers(0, 10_000), c=st.floats(-3, 3), method=st.sampled_from(["exact", "sketch"]))
+@given(seed=st.integers(0, 10_000), c=st.floats(-3, 3), method=st.sampled_from(METHODS))
 def test_features_are_linear_in_hidden_for_fixed_logits(seed, c, method):
     logits, h1, tokens, mask = random_batch(seed, V=10, d=4)
     h2 = random_batch(seed + 1, V=10, d=4)[1]
@@ -264,7 +408,7 @@ def test_features_are_linear_in_hidden_for_fixed_logits(seed, c, method):
     scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
     p_mask=st.floats(0.0, 1.0),
     neg_inf=st.booleans(),
-    method=st.sampled_from(["exact", "sketch"]),
+    method=st.sampled_from(METHODS),
 )
 def test_finite_inputs_give_finite_features_and_zero_rows_for_empty_responses(seed, scale, p_mask, neg_inf, method):
     logits, hidden, tokens, mask = random_batch(seed, B=4, S=5, V=10, d=3, p_mask=p_mask, scale=scale)
@@ -314,7 +458,7 @@ def test_nan_or_inf_at_unmasked_positions_is_ignored():
         (lambda z, h: h.__setitem__((0, 0, 1), float("-inf")), "hidden"),
     ],
 )
-@pytest.mark.parametrize("method", ["exact", "sketch"])
+@pytest.mark.parametrize("method", ["exact", "sketch", "kronecker"])
 def test_non_finite_values_at_masked_positions_raise_naming_the_argument(corrupt, name, method):
     logits, hidden, tokens, mask = random_batch(10)
     corrupt(logits, hidden)
@@ -345,7 +489,7 @@ def test_empty_inputs_give_zero_rows():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"method": "ghost"}, r"method must be one of \('sketch', 'exact'\)"),
+        ({"method": "ghost"}, r"method must be one of \('sketch', 'kronecker', 'exact'\)"),
         ({"dim": 1000}, "dim must be a perfect square >= 16"),
         ({"dim": 9}, "dim must be a perfect square >= 16"),
         ({"temperature": 0.0}, "temperature must be"),

@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from openrlhf_geo import options
+from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.geoalign import GeoAlignConfig
 from openrlhf_geo.salt import SaltConfig
 
@@ -41,7 +42,7 @@ def test_salt_estimator_maps_to_its_base_and_the_config_defaults():
     assert (config.variant, config.features, config.dim, config.gram, config.group_prompts, config.apply) == (
         "full",
         "sketch",
-        4096,
+        DEFAULT_DIM,
         "raw",
         None,  # None: the optimizer mini-batch's prompts (SALT §3.1), resolved by each engine
         True,
@@ -50,7 +51,8 @@ def test_salt_estimator_maps_to_its_base_and_the_config_defaults():
 
 def test_salt_gram_is_raw_unless_shrink_is_asked_for():
     assert options.salt_config(parse(["--advantage_estimator", "salt"])).gram == "raw"
-    assert options.salt_config(parse(["--advantage_estimator", "salt", "--salt.gram", "shrink"])).gram == "shrink"
+    argv = ["--advantage_estimator", "salt", "--salt.features", "kronecker", "--salt.gram", "shrink"]
+    assert options.salt_config(parse(argv)).gram == "shrink"
 
 
 def test_salt_diagnostics_measure_without_changing_the_estimator():

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from openrlhf_geo import diagnostics
+from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.salt import (
     LANCZOS_MAX_FRACTION,
     VARIANTS,
@@ -312,7 +313,7 @@ def test_salt_config_defaults_and_entropy_flag():
     assert (config.variant, config.features, config.dim, config.seed, config.gram) == (
         "full",
         "sketch",
-        4096,
+        DEFAULT_DIM,
         0,
         "raw",
     )
@@ -328,13 +329,14 @@ def test_salt_config_defaults_and_entropy_flag():
     "kwargs, match",
     [
         ({"variant": "salt"}, r"--salt.variant must be one of full, only-main, .* \(got 'salt'\)"),
-        ({"features": "full"}, r"--salt.features must be one of sketch, exact"),
+        ({"features": "full"}, r"--salt.features must be one of sketch, kronecker, exact"),
         ({"dim": 1000}, r"--salt.dim must be a perfect square >= 16 \(got 1000\)"),
         ({"dim": 9}, r"--salt.dim must be a perfect square >= 16 \(got 9\)"),
         ({"dim": 16.0}, r"--salt.dim must be a perfect square >= 16"),
         ({"seed": -1}, r"--salt.seed must be an integer >= 0"),
         ({"gram": "exact"}, r"--salt.gram must be one of raw, shrink"),
-        ({"gram": "shrink", "features": "exact"}, r"--salt.gram shrink needs --salt.features sketch"),
+        ({"gram": "shrink", "features": "exact"}, r"--salt.gram shrink needs --salt.features kronecker"),
+        ({"gram": "shrink"}, r"--salt.gram shrink needs --salt.features kronecker .*got --salt.features sketch"),
         ({"group_prompts": -1}, r"--salt.group_prompts must be an integer >= 0"),
         ({"variant": "fixed-alpha"}, r"--salt.alpha is required by, and only used with, variant fixed-alpha"),
         ({"alpha": 0.5}, r"--salt.alpha is required by, and only used with"),

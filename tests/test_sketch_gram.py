@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openrlhf_geo import diagnostics, sketch_gram
-from openrlhf_geo.features import sketch_projections
+from openrlhf_geo.features import kronecker_projections
 from openrlhf_geo.salt import VARIANTS, salt_advantages
 
 GRAM_KEYS = {"gram_threshold", "gram_kept", "gram_noise"}
@@ -38,7 +38,7 @@ def anova_reference(phi: np.ndarray, k1: int, k2: int):
 
 def sketched(G: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
     """φ_i = vec(S_e G_i S_hᵀ) (m, dim) float64 with the project's Rademacher projections (row-major (k, k))."""
-    s_e, s_h = sketch_projections(G.shape[1], G.shape[2], dim, seed)
+    s_e, s_h = kronecker_projections(G.shape[1], G.shape[2], dim, seed)
     return (s_e.double() @ G @ s_h.double().T).reshape(G.shape[0], -1)
 
 
@@ -128,7 +128,7 @@ def test_noise_variance_is_unbiased_over_sketch_seeds():
 def test_sub_sketches_are_contiguous_slices_whose_grams_average_to_the_full_gram():
     G = structured_gradients(m=5, V=12, d=9, seed=1)
     k, dim, (p, q) = 8, 64, (2, 4)
-    s_e, s_h = (s.double() for s in sketch_projections(12, 9, dim, seed=3))
+    s_e, s_h = (s.double() for s in kronecker_projections(12, 9, dim, seed=3))
     phi = sketched(G, dim, 3)
     full = diagnostics.gram(phi)
     sub_grams = []
