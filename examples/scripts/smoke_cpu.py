@@ -103,7 +103,9 @@ CONDITIONS = {
                   "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean"],
         "finite": SALT,
     },
-    "hh_sft_rm_geoalign": {"flags": HH, "finite": [*GEO, *NOISE], "hh": True},
+    # the random stand-in reward model scores responses nearly alike (in-group sd ~1e-9): a step may have no strict
+    # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
+    "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
 }  # fmt: skip
 SYNC_TOLERANCE = 0.1  # max |vLLM - actor| log-prob of a sampled token after a sync (both bf16; measured < 0.03)
 
@@ -119,7 +121,9 @@ def build_assets(out: Path) -> None:
         return
     pairs = [(a % 10, (3 * a + 1) % 10) for a in range(PROMPTS * 2)]
     corpus = [f"Q: {a} + {b} = ? A: the answer is {a + b}" for a in range(10) for b in range(10)]
-    corpus += [f"Human: what is {a} + {b}?\n\nAssistant: it is {a + b}." for a, b in pairs]
+    corpus += [
+        f"Human: what is {a} + {b}?\n\nAssistant: the answer is {a + b}, of course: that makes it!" for a, b in pairs
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -151,10 +155,14 @@ def build_assets(out: Path) -> None:
     with open(out / "hh_prompts.jsonl", "w") as f:
         for a, b in pairs[:PROMPTS]:
             f.write(json.dumps({"input": f"Human: what is {a} + {b}?\n\nAssistant:", "label": ""}) + "\n")
+    # several phrasings per answer: the SFT model keeps sampling different responses, so the reward model's scores
+    # differ within a group (GeoAlign needs pairs; an SFT onto one phrasing collapsed the groups on some machines)
+    phrasings = (" it is {}.", " the answer is {}.", " {}, of course.", " that makes {}!")
     with open(out / "hh_sft.jsonl", "w") as f:
         for a, b in pairs:
-            f.write(json.dumps({"prompt": f"Human: what is {a} + {b}?\n\nAssistant:", "chosen": f" it is {a + b}."}))
-            f.write("\n")
+            for phrase in phrasings:
+                row = {"prompt": f"Human: what is {a} + {b}?\n\nAssistant:", "chosen": phrase.format(a + b)}
+                f.write(json.dumps(row) + "\n")
     (out / "reward_func.py").write_text(
         "import torch\n\n\n"
         "def reward_func(queries, prompts, labels):\n"
@@ -301,7 +309,7 @@ def sft(assets: Path, run: Path, env) -> tuple[int, list[str]]:
         "--module", "openrlhf.cli.train_sft",
         "--model.model_name_or_path", str(assets / "model"), "--data.dataset", str(assets / "hh_sft.jsonl"),
         "--data.input_key", "prompt", "--data.output_key", "chosen", "--data.input_template", "{}",
-        "--data.max_len", "64", "--train.batch_size", "8", "--train.micro_batch_size", "4",
+        "--data.max_len", "64", "--train.batch_size", "16", "--train.micro_batch_size", "8",
         "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ds.zero_stage", "2", "--ds.param_dtype", "bf16",
         "--ds.attn_implementation", "eager", "--ckpt.output_dir", str(run / "sft"), "--ckpt.save_steps", "-1",
     ]  # fmt: skip
