@@ -45,7 +45,10 @@ EXACT_MAX_NUMEL = 2**26
 # Masked tokens per chunk: bounds the float32 buffers over the vocabulary (156 MB per chunk at V=151936; the
 # caller's logits for the same tokens are as large). benchmarks/salt_overhead.py sweeps it.
 DEFAULT_CHUNK_SIZE = 256
-# Tokens per pass of the sketch's exp over one vocabulary block of D logits: keeps the (tokens, D) buffer in cache.
+# Below this Σ_v exp(z_v/τ) (every z_v/τ < −50) the sketch's unshifted exp would lose the distribution's tail to
+# float32 underflow: such rows are redone shifted by their maximum.
+UNDERFLOW_TOTAL = math.exp(-50)
+# Tokens per tile of the sketch on a CPU: its (tile, D) buffers (exp of a vocabulary block, the FFTs) stay in cache.
 EXP_TILE = 32
 
 
@@ -298,6 +301,7 @@ def lm_head_features(
         width = vocab_size * hidden_size
     elif method == "sketch":
         hashes, offsets = _hash_storage(_as_int(seed, "seed", 0), vocab_size, hidden_size, dim, device)
+        tiles = _TensorSketchTiles(hashes, offsets, dim, temperature, chunk_size, device)
         width = 2 * (dim // 2 + 1)  # the real and imaginary parts of the rfft spectrum, summed per response
     else:
         s_e, s_h = kronecker_projections(vocab_size, hidden_size, dim, seed, device)
@@ -330,10 +334,11 @@ def lm_head_features(
         assign = torch.zeros(len(ids), n, device=device)
         assign[local_dev[sl], token_index[:n]] = weight_dev[sl]
         if method == "sketch":
-            left = _vocab_countsketch(z, y, temperature, hashes, offsets, dim)  # C_V e_t, (n, D)
-            right = h.new_zeros(n, dim).index_add_(1, hashes.hidden_bucket, h * hashes.hidden_sign)  # C_d h_t
-            spectrum = torch.fft.rfft(left) * torch.fft.rfft(right)  # of the circular convolution C_V e_t ⊛ C_d h_t
-            block = assign @ torch.view_as_real(spectrum).reshape(n, -1)
+            block = torch.zeros(len(ids), width, device=device)
+            for first in range(0, n, tiles.size):
+                part = slice(first, first + tiles.size)
+                spectrum = tiles.spectrum(z[part], y[part], h[part])  # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1)
+                block.addmm_(assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
         else:
             p = torch.softmax(z.float() / temperature if temperature != 1.0 else z.float(), dim=-1)
             if method == "exact":
@@ -354,35 +359,75 @@ def lm_head_features(
     return out
 
 
-def _vocab_countsketch(z, y, temperature, hashes, offsets, dim) -> torch.Tensor:
-    """C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ), (n, D) float32, for logits z (n, V) of any float dtype.
+class _TensorSketchTiles:
+    """The TensorSketch's per-token work, one tile of tokens at a time, in buffers reused across tiles and blocks.
 
-    One pass of exp over the logits after their row maxima, block by block of D vocabulary ids (block r lands on
-    the buckets (j + offsets[r]) mod D, so it is added as two slices); on a CPU in tiles of EXP_TILE tokens so each
-    (tile, D) buffer stays in cache. The normalizer Σ_v exp(z_v − max) comes out of the same pass.
+    Fresh multi-megabyte buffers for every vocabulary block cost the CPU a page fault per 4 KiB, which took ~3× as
+    long as the exp pass itself (measured with torch.profiler at V = 151936, D = 25600). A tile is EXP_TILE
+    tokens on a CPU, so each (tile, D) buffer stays in cache, and the whole chunk on a GPU.
     """
-    n, vocab_size = z.shape
-    peak = z.amax(-1, keepdim=True).float()
-    sketch = torch.zeros(n, dim, device=z.device)
-    total = torch.zeros(n, 1, device=z.device)
-    tile = EXP_TILE if z.device.type == "cpu" else n
-    for first in range(0, n, tile):
-        rows = slice(first, first + tile)
-        for block, offset in enumerate(offsets):
+
+    def __init__(self, hashes, offsets, dim, temperature, chunk_size, device):
+        self.hashes, self.offsets, self.dim, self.temperature = hashes, offsets, dim, temperature
+        self.size = min(chunk_size, EXP_TILE) if device.type == "cpu" else chunk_size
+        self.block = torch.empty(self.size, dim, device=device)  # exp of one vocabulary block
+        self.left = torch.empty(self.size, dim, device=device)  # C_V e_t
+        self.right = torch.empty(self.size, dim, device=device)  # C_d h_t
+        self.spectra = torch.empty(2, self.size, dim // 2 + 1, dtype=torch.complex64, device=device)
+        self.zero = torch.zeros((), device=device)  # a float32 shift: bf16 logits minus it are float32
+
+    def spectrum(self, z, y, h):
+        """rfft(C_V e_t) ∘ rfft(C_d h_t) (n, D/2 + 1) complex64 for n ≤ size tokens: logits z (n, V) of any float
+        dtype (read, never written), tokens y (n,), hidden h (n, d) float32. A view of the buffers."""
+        n, hashes = z.shape[0], self.hashes
+        right = self.right[:n].zero_().index_add_(1, hashes.hidden_bucket, h * hashes.hidden_sign)
+        spectra = self.spectra[:, :n]
+        torch.fft.rfft(self._vocab(z, y), out=spectra[0])
+        torch.fft.rfft(right, out=spectra[1])
+        return spectra[0].mul_(spectra[1])
+
+    def _vocab(self, z, y):
+        """C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ), (n, D) float32.
+
+        One pass of exp over the logits (`_exp_pass`), unshifted: softmax is shift-invariant, and subtracting the
+        row maximum would take a pass over the logits of its own. Rows where exp(z/τ) overflows (some z_v/τ > 88)
+        or the normalizer underflows (every z_v/τ < −50, where float32 would lose the tail) are redone shifted by
+        their maximum.
+        """
+        n, hashes = z.shape[0], self.hashes
+        sketch, total = self.left[:n].zero_(), z.new_zeros(n, 1, dtype=torch.float32)
+        self._exp_pass(z, None, sketch, total)
+        redo = ~(total[:, 0] > UNDERFLOW_TOTAL) | torch.isinf(total[:, 0])
+        if bool(redo.any()):
+            again, again_total = torch.zeros_like(sketch[redo]), torch.zeros_like(total[redo])
+            self._exp_pass(z[redo], z[redo].amax(-1, keepdim=True).float(), again, again_total)
+            sketch[redo], total[redo] = again, again_total
+        sketch.div_(total).neg_()
+        sketch[torch.arange(n, device=z.device), hashes.vocab_bucket[y]] += hashes.vocab_sign[y]
+        return sketch
+
+    def _exp_pass(self, z, shift, sketch, total):
+        """sketch += C_V exp((z − shift)/τ), total += Σ_v exp((z_v − shift)/τ) (shift None: 0), block by block of D
+        vocabulary ids: block r lands on the buckets (j + offsets[r]) mod D, so it is added, signed, as two slices.
+        The exp runs in float32 whatever z's dtype."""
+        dim, n = self.dim, z.shape[0]
+        direct = shift is None and z.dtype == torch.float32 and self.temperature == 1.0
+        for block, offset in enumerate(self.offsets):
             start = block * dim
-            x = torch.sub(z[rows, start : start + dim], peak[rows])  # float32 whatever z's dtype: a new buffer
-            if temperature != 1.0:
-                x.div_(temperature)
-            x.exp_()
-            total[rows] += x.sum(-1, keepdim=True)
-            x.mul_(hashes.vocab_sign[start : start + dim])
+            x = self.block[:n, : min(dim, z.shape[1] - start)]
+            if direct:
+                torch.exp(z[:, start : start + dim], out=x)  # the one read of these logits
+            else:
+                torch.sub(z[:, start : start + dim], self.zero if shift is None else shift, out=x)
+                if self.temperature != 1.0:
+                    x.div_(self.temperature)
+                x.exp_()
+            total += x.sum(-1, keepdim=True)
+            sign = self.hashes.vocab_sign[start : start + dim]
             head = min(x.shape[1], dim - offset)
-            sketch[rows, offset : offset + head] += x[:, :head]
+            sketch[:, offset : offset + head].addcmul_(x[:, :head], sign[:head])
             if head < x.shape[1]:
-                sketch[rows, : x.shape[1] - head] += x[:, head:]
-    sketch.div_(total).neg_()
-    sketch[torch.arange(n, device=z.device), hashes.vocab_bucket[y]] += hashes.vocab_sign[y]
-    return sketch
+                sketch[:, : x.shape[1] - head].addcmul_(x[:, head:], sign[head:])
 
 
 @torch.no_grad()

@@ -151,6 +151,21 @@ def test_sketch_equals_its_hashes_applied_to_the_exact_gradient(V, d, dim, chunk
     assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sketch_redoes_rows_whose_unshifted_exp_overflows_or_underflows(temperature):
+    logits, hidden, tokens, mask = random_batch(7, B=3, S=5, V=300, d=6, scale=20.0)
+    logits[0, :2] += 400.0  # exp(z/τ) overflows float32
+    logits[1, 1:4] -= 400.0  # exp(z/τ) underflows for the whole row
+    expected = numpy_exact(logits, hidden, tokens, mask, temperature) @ countsketch_matrix(300, 6, 256, seed=2)
+    got = lm_head_features(logits, hidden, tokens, mask, "sketch", 256, seed=2, temperature=temperature)
+    assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    half = lm_head_features(logits.bfloat16(), hidden, tokens, mask, "sketch", 256, seed=2, temperature=temperature)
+    upcast = lm_head_features(
+        logits.bfloat16().float(), hidden, tokens, mask, "sketch", 256, seed=2, temperature=temperature
+    )
+    assert torch.equal(half, upcast)  # bf16 logits: the exp of the float32 values, on either path
+
+
 def test_sketch_is_the_exact_gradient_when_it_fits():
     batch = random_batch(6, V=8, d=4)  # V·d = 32 <= D = 36
     assert torch.equal(lm_head_features(*batch, "sketch", 36), lm_head_features(*batch, "exact"))
