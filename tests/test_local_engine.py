@@ -716,3 +716,21 @@ def test_shuffle_minibatches_mixes_partitions_as_before(tokenizer):
     steps, group_ids = _optimizer_step_rows(tokenizer, *flags, "--train.batch_size", "6", "--train.max_epochs", "2")
     _, prompt = torch.unique(group_ids, return_inverse=True)
     assert len(steps) == 4 and any(len({int(prompt[r]) // 2 for r in rows}) > 1 for rows in steps)
+
+
+def test_advantages_are_clamped_to_the_reward_clip_range_as_upstream_does(tokenizer):
+    """Upstream's compute_reward clamps each rollout's sequence advantage to --reward.clip_range; the engine too."""
+    prompts, responses = ["1+2="] * 4, ["\\boxed{3}", "1", "2", "4"]
+    rewards = [1.0, 0.0, 0.0, 0.0]  # group-normalized: 1.5 for the right answer, -0.5 for the others
+    args = make_args("--rollout.n_samples_per_prompt", "4", "--reward.clip_range", "-0.25", "1.0")
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
+    seen = []
+    update = trainer._update
+    trainer._update = lambda batch, advantages: seen.append(advantages.clone()) or update(batch, advantages)
+    trainer.learn(hand_batch(tokenizer, prompts, responses, rewards))
+    assert_close(seen[0].cpu(), torch.tensor([1.0, -0.25, -0.25, -0.25]))
+
+
+def test_a_reversed_reward_clip_range_is_one_line():
+    with pytest.raises(ValueError, match="--reward.clip_range must be LOW HIGH"):
+        make_args("--reward.clip_range", "1", "-1")

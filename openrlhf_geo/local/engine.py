@@ -446,7 +446,8 @@ class Trainer:
             advantages, batch.features, batch.entropy, batch.mask.sum(1), self.partition_prompts
         )
         value, multiplicity = step.rows(advantages)
-        advantages = value * multiplicity
+        # as upstream's compute_reward clamps the sequence advantage to --reward.clip_range before the tokens get it
+        advantages = value.clamp(*args.reward.clip_range) * multiplicity
         check_finite("advantage", advantages, batch.group_ids, self.global_step)
         for key, values in step.metrics.items():
             metrics[key] = float(values.nanmean()) if bool(values.isfinite().any()) else math.nan

@@ -84,6 +84,13 @@ def build_parser():
         help="math_verify (boxed answer, 1/0) or a .py file defining upstream's reward_func(queries, prompts, labels)",
     )
     reward.add_argument("--reward.pm1", action="store_true", help="DAPO: map verdicts 1/0 to rewards +1/-1")
+    reward.add_argument(
+        "--reward.clip_range",
+        type=float,
+        nargs=2,
+        default=(-10.0, 10.0),
+        help="clamp of each rollout's advantage (SALT's a' too) before its tokens get it, as upstream's flag",
+    )
 
     rollout = p.add_argument_group("rollout")
     rollout.add_argument("--rollout.batch_size", type=int, default=16, help="prompts per step")
@@ -203,6 +210,11 @@ def validate(args):
         (r.batch_size >= 1, "--rollout.batch_size must be >= 1", r.batch_size),
         (r.max_new_tokens >= 1, "--rollout.max_new_tokens must be >= 1", r.max_new_tokens),
         (r.temperature > 0, "--rollout.temperature must be > 0", r.temperature),
+        (
+            args.reward.clip_range[0] < args.reward.clip_range[1],
+            "--reward.clip_range must be LOW HIGH with LOW < HIGH",
+            tuple(args.reward.clip_range),
+        ),
         (0 < r.top_p <= 1, "--rollout.top_p must be in (0, 1]", r.top_p),
         (t.steps >= 0, "--train.steps must be >= 0", t.steps),
         (t.max_epochs >= 1, "--train.max_epochs must be >= 1", t.max_epochs),
