@@ -19,6 +19,9 @@ COMMANDS = {
     "serve-rm": ("openrlhf_geo.rewards.armorm", "serve ArmoRM scores over HTTP for --reward.remote_url"),
 }
 
+# commands whose per-seed results the README reports: the same CPU kernels on every machine (local.kernels)
+PINNED = ("demo", "study")
+
 
 def usage():
     width = max(map(len, COMMANDS))
@@ -35,6 +38,10 @@ def main(argv=None):
     if command not in COMMANDS:
         print(f"openrlhf-geo: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if command in PINNED:
+        from openrlhf_geo.local import kernels  # imports nothing heavy: before torch computes anything
+
+        kernels.pin()
     module = importlib.import_module(COMMANDS[command][0])
     # `fork` and `train-ppo-ray` share a module; the sub-command name tells it which entry to run.
     if command == "fork":

@@ -82,6 +82,7 @@ def build_parser():
         default=None,
         help="stop SFT early once the held-out accuracy reaches this (default: the whole SFT schedule)",
     )
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps (default 600; --quick 30)")
     p.add_argument(
         "--workers",
         type=int,
@@ -132,6 +133,7 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
     """SFT for `max_steps` steps (the learning rate decays over them), or until the held-out accuracy (T = 1) reaches
     `target` when one is given (checked every sft_config["eval_every"] steps); cached per configuration in <out>/sft.
     `sft_config`: the SFT dict's keys (default SFT; the studies vary the model size and the strategies)."""
+    from openrlhf_geo.local import kernels
     from openrlhf_geo.local.engine import evaluate
     from openrlhf_geo.local.task import build_model, build_tokenizer, sft, sft_rows
     from openrlhf_geo.local.train import make_reward_fn
@@ -142,6 +144,7 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
         "max_steps": max_steps,
         "n_train": len(train),
         "torch": torch.__version__,
+        "kernels": kernels.active(),  # another CPU's kernels warm up to other weights (local.kernels)
     }
     key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     info_path = out / "sft" / "sft.json"
@@ -342,10 +345,26 @@ def claim_output(path, command):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def check_kernels(prog):
+    """The CPU kernels this process computes with (`kernels.active`); a warning when they are not the pinned ones
+    (the demo or a study called from Python after torch computed): its per-seed results are then this CPU's."""
+    from openrlhf_geo.local import kernels
+
+    used = kernels.active()
+    if not used["pinned"]:
+        print(
+            f"{prog}: warning: CPU kernels not pinned ({used['aten']}; `openrlhf-geo` runs local.kernels.pin before "
+            "torch computes): per-seed results may differ from other machines'",
+            file=sys.stderr,
+        )
+    return used
+
+
 def demo_command(args, seeds, steps):
     """The demo's identity for `claim_output`: the options its outputs depend on, resolved."""
     command = ["openrlhf-geo demo", *(["--quick"] if args.quick else []), f"--seeds {seeds} --steps {steps}"]
-    return " ".join(command + ([f"--sft-target {args.sft_target:g}"] if args.sft_target is not None else []))
+    command += [f"--sft-target {args.sft_target:g}"] if args.sft_target is not None else []
+    return " ".join(command + ([f"--sft-steps {args.sft_steps}"] if args.sft_steps is not None else []))
 
 
 def main(argv=None):
@@ -355,7 +374,10 @@ def main(argv=None):
         seeds = range(args.seeds if args.seeds is not None else preset["seeds"])
         steps = args.steps if args.steps is not None else preset["steps"]
         workers = args.workers if args.workers is not None else min(preset["workers"], os.cpu_count() or 1)
-        for flag, value in (("--seeds", len(seeds)), ("--steps", steps), ("--workers", workers)):
+        if args.sft_steps is not None:
+            preset = {**preset, "sft_max_steps": args.sft_steps}
+        checks = (("--seeds", len(seeds)), ("--steps", steps), ("--workers", workers))
+        for flag, value in (*checks, ("--sft-steps", preset["sft_max_steps"])):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1 (got {value})")
         if args.sft_target is not None and not 0 < args.sft_target <= 1:
@@ -379,6 +401,7 @@ def run(args, out, preset, seeds, steps, workers):
     eval_steps = min(preset["eval_steps"], steps)
     start = time.perf_counter()
     torch.set_num_threads(1)  # a 0.13M-parameter model gains nothing from more; extra threads only contend
+    used = check_kernels("openrlhf-geo demo")
 
     train, held_out = prepare_data(out)
     sft_info = warm_up(out, train, held_out, args.sft_target, preset["sft_max_steps"])
@@ -411,6 +434,7 @@ def run(args, out, preset, seeds, steps, workers):
         "n_eval": len(held_out),
         "eval_samples": EVAL_SAMPLES,
         "wall_s": rl_wall,
+        "kernels": used,
         "common": "openrlhf-geo train " + shlex.join(common) + " --train.seed S --reward.noise.seed S",
         "commands": {m: shlex.join(METHOD_FLAGS[m]) for m in METHODS},
     }

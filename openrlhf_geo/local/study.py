@@ -994,6 +994,7 @@ def main(argv=None):
 def run(args, study, out, workers):
     """The study in its claimed `out` (`main` checked the options) -> exit status."""
     torch.set_num_threads(1)  # as the demo: the runs' workers take one thread each
+    used = demo.check_kernels("openrlhf-geo study")
     steps, eval_steps = (QUICK["steps"], QUICK["eval_steps"]) if args.quick else (study.steps, study.eval_steps)
     sft_steps = QUICK["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
     jobs = plan(study, out, args.seeds, args.quick)
@@ -1026,6 +1027,7 @@ def run(args, study, out, workers):
         "workers": workers,
         "wall_s": time.perf_counter() - start,
         "estimate_s": estimate,
+        "kernels": used,
         "sft": sft,
         "commands": {
             "common": common_command(out, steps, eval_steps),

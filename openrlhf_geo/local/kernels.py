@@ -1,0 +1,54 @@
+"""One set of CPU kernels for the demo and the studies, so that their per-seed results do not depend on the CPU.
+
+torch, MKL and numpy's OpenBLAS each pick their code per CPU (ATen's default / AVX2 / AVX-512 kernels, MKL's branch
+per processor, OpenBLAS's per-core kernels); the picks round differently (~1e-7 in float32), and training amplifies
+any difference: the demo's SFT warm-up grows one of ~1e-16 (float64) to 2 % of the weights within 200 steps, so no
+precision is enough, only the same arithmetic (README, "What the demo shows"). `pin` fixes the picks to code that
+every x86-64 CPU with AVX2 and FMA (Intel since 2013, AMD since 2015) runs alike: ATen's AVX2 kernels, MKL's
+COMPATIBLE branch (the one branch MKL keeps on other vendors' processors), OpenBLAS's Haswell kernels, oneDNN at AVX2,
+one thread each. ATen's default kernels would reach older CPUs too, at 1.76x the quick demo's time instead of 1.42x
+(benchmarks/demo_walltime.py). `pin` sets the variables for this process and every process it starts; each library
+reads them when it first computes, so `pin` runs before any tensor is computed (`cli.main`, for `openrlhf-geo demo`
+and `study`).
+"""
+
+import os
+from pathlib import Path
+
+PINNED = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "COMPATIBLE",
+    "OPENBLAS_CORETYPE": "Haswell",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+NEEDS = {"avx2", "fma"}  # CPU flags the pinned kernels run on
+
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+def pin():
+    """Set PINNED in os.environ (this process and its children), replacing other values of those variables. On a
+    CPU without AVX2 and FMA nothing is set (OpenBLAS would stop at its first Haswell instruction): `active` tells."""
+    if NEEDS <= cpu_flags():
+        os.environ.update(PINNED)
+
+
+def active():
+    """{"aten": the capability torch's kernels run with, "pinned": whether it and the environment are PINNED's}.
+
+    Imports torch (and so fixes its capability): call after `pin`, to record what a run used."""
+    import torch
+
+    aten = torch.backends.cpu.get_cpu_capability()
+    env = all(os.environ.get(k) == v for k, v in PINNED.items())
+    return {"aten": aten, "pinned": env and aten == PINNED["ATEN_CPU_CAPABILITY"].upper()}
