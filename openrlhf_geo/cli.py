@@ -38,7 +38,7 @@ def main(argv=None):
     if command not in COMMANDS:
         print(f"openrlhf-geo: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    if command in PINNED:
+    if command in PINNED and "torch" not in sys.modules:  # else too late for this process (the run warns)
         from openrlhf_geo.local import kernels  # imports nothing heavy: before torch computes anything
 
         kernels.pin()
