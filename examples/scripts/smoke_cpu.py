@@ -340,6 +340,10 @@ def run_condition(name, spec, out: Path, assets: Path) -> dict:
     env = dict(os.environ, OPENRLHF_GEO_DUMP_DIR=str(run / "dump"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("RAY_ADDRESS", None)  # each run starts (and stops) its own local head
+    # vLLM's CPU kernels follow the machine's own ISA: an AVX2 cap left by the demo's kernel pinning (local.kernels)
+    # makes its bf16 brgemm abort ("only supported ... when `amx` is supported")
+    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        env.pop(key, None)
     start = time.time()
     model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
     extra = ["--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard")]
