@@ -24,6 +24,7 @@ import shlex
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -352,10 +353,10 @@ def check_kernels(prog):
 
     used = kernels.active()
     if not used["pinned"]:
-        print(
-            f"{prog}: warning: CPU kernels not pinned ({used['aten']}; `openrlhf-geo` runs local.kernels.pin before "
-            "torch computes): per-seed results may differ from other machines'",
-            file=sys.stderr,
+        warnings.warn(
+            f"{prog}: CPU kernels not pinned ({used['aten']}; `openrlhf-geo` runs local.kernels.pin before torch "
+            "computes): per-seed results may differ from other machines'",
+            stacklevel=2,
         )
     return used
 
