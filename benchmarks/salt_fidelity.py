@@ -181,10 +181,11 @@ def demo_rollouts(model, tokenizer, train, n_prompts, seed):
     )
     with torch.no_grad():
         _, logits, hidden = response_forward(
-            model, batch.sequences, batch.attention_mask, batch.prompt_width, with_hidden=True
+            model, batch.sequences, batch.attention_mask, batch.prompt_width, with_geometry=True
         )
     rewards = torch.tensor([float(score_answer(r, a).correct) for r, a in zip(batch.responses, batch.answers)])
-    return logits, hidden, batch.sequences[:, batch.prompt_width :], batch.mask, rewards
+    produced = slice(batch.prompt_width - 1, -1)  # the positions whose logits produced the response tokens
+    return logits[:, produced], hidden[:, produced], batch.sequences[:, batch.prompt_width :], batch.mask, rewards
 
 
 def features(logits, hidden, tokens, mask, method, dim=DEFAULT_DIM, seed=0, rows_per_call=32):

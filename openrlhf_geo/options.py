@@ -64,7 +64,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="LM-head-gradient proxy (SALT Eq. 19): sketch = TensorSketch of the V*d gradient into --salt.dim "
         "columns, O(V) per token, exact when V*d <= D (default); kronecker = the k*k Kronecker sketch (the default "
-        "before; noisier at the same D); exact = the V*d gradient itself (tiny models)",
+        "before, with --salt.dim 4096; noisier at the same D); exact = the V*d gradient itself (tiny models)",
     )
     salt.add_argument(
         "--salt.dim",

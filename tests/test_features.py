@@ -214,7 +214,7 @@ def test_sketch_gram_error_is_within_its_stated_variance(seed, V, d):
     4‖G_i‖²‖G_j‖²/(D − 1), and is of the order of a JL sketch's (‖G_i‖²‖G_j‖² + ⟨G_i, G_j⟩²)/D."""
     dim = 16
     batch = random_batch(seed, B=3, S=6, V=V, d=d, scale=1.0)
-    exact = lm_head_features(*batch, "exact").double()
+    exact = numpy_exact(*batch)  # float64, one token at a time
     gram = exact @ exact.T
     errors = torch.stack(
         [(phi := lm_head_features(*batch, "sketch", dim, seed=s).double()) @ phi.T - gram for s in range(400)]
@@ -225,6 +225,21 @@ def test_sketch_gram_error_is_within_its_stated_variance(seed, V, d):
     mse = errors.square().mean(0)
     assert (mse <= 1.3 * bound).all(), (mse, bound)  # 1.3: the sampling error of a 400-draw mean square
     assert (mse >= 0.2 * jl).all() and (mse <= 3 * jl).all(), (mse, jl)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(10, 60), d=st.integers(2, 10), dim=st.sampled_from([16, 25, 64]))
+def test_sketch_gram_is_unbiased_for_any_batch(seed, V, d, dim):
+    """E over sketch seeds of ⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F (float64 brute force) within 4 standard errors, for random
+    shapes, including V·d close to D and an odd D."""
+    batch = random_batch(seed, B=3, S=5, V=V, d=d, scale=1.0)
+    exact = numpy_exact(*batch)
+    gram = exact @ exact.T
+    grams = torch.stack(
+        [(phi := lm_head_features(*batch, "sketch", dim, seed=s).double()) @ phi.T for s in range(300)]
+    )
+    stderr = grams.std(0) / len(grams) ** 0.5
+    assert (grams.mean(0) - gram).abs().le(4 * stderr + 1e-6).all()
 
 
 @pytest.mark.parametrize("method", ["sketch", "kronecker"])

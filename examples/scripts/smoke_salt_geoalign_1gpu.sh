@@ -30,7 +30,7 @@ python -m openrlhf_geo.cli train-ppo-ray \
   --rollout.batch_size 8 --rollout.n_samples_per_prompt 4 --rollout.micro_batch_size 4 \
   --train.batch_size 32 --train.micro_batch_size 4 --train.max_epochs 1 --train.num_episodes 1 \
   --actor.adam.lr 1e-5 --algo.kl.init_coef 0 --actor.loss_agg_mode seq-mean-token-mean \
-  --advantage_estimator salt --salt.dim 1024 \
+  --advantage_estimator salt \
   --geoalign.enable --geoalign.min_scores 8 --geoalign.projector.steps 10 \
   --reward.noise.type flip --reward.noise.rate 0.2 \
   --logger.tensorboard_dir "$OUT/tensorboard" \
