@@ -191,17 +191,20 @@ def run_group(command, log_path: Path, env, cwd: Path) -> tuple[int, list[str]]:
         )
         try:
             code = proc.wait()
-        finally:
-            left = stop_group(proc.pid)
-    return code, left
+        except BaseException:  # Ctrl-C or SIGTERM of this script: the run (its own session) is stopped now
+            os.killpg(proc.pid, signal.SIGTERM)
+            stop_group(proc.pid, grace=10)
+            raise
+    return code, stop_group(proc.pid)
 
 
-def stop_group(pgid: int) -> list[str]:
-    """Stop what is left of process group `pgid` (ours: started with start_new_session); its command lines."""
+def stop_group(pgid: int, grace: float = 60) -> list[str]:
+    """Stop what is left of process group `pgid` (ours: started with start_new_session) after `grace` seconds;
+    -> the command lines that were left."""
     import psutil
 
     left = []
-    deadline = time.time() + 60  # Ray's and vLLM's processes exit on their own, within seconds on an idle machine
+    deadline = time.time() + grace  # Ray's and vLLM's processes exit on their own, in seconds on an idle machine
     while time.time() < deadline:
         left = [p for p in psutil.process_iter(["cmdline"]) if _pgid(p.pid) == pgid]
         if not left:
@@ -394,6 +397,9 @@ def main(argv=None) -> int:
         if after and after not in names[: names.index(name)]:
             parser.error(f"condition {name} resumes {after}: list {after} before it")
     from openrlhf_geo.fork import ForkError, check_cpu_engines
+
+    # SIGTERM unwinds like Ctrl-C, so every run and server this script started is stopped by its own handle
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     try:
         check_cpu_engines()
