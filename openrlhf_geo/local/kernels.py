@@ -6,8 +6,8 @@ any difference: the demo's SFT warm-up grows one of ~1e-16 (float64) to 2 % of t
 precision is enough, only the same arithmetic (README, "What the demo shows"). `pin` fixes the picks to code that
 every x86-64 CPU with AVX2 and FMA (Intel since 2013, AMD since 2015) runs alike: ATen's AVX2 kernels, MKL's
 COMPATIBLE branch (the one branch MKL keeps on other vendors' processors), OpenBLAS's Haswell kernels, oneDNN at AVX2,
-one thread each. ATen's default kernels would reach older CPUs too, at 1.76x the quick demo's time instead of 1.42x
-(benchmarks/demo_walltime.py). `pin` sets the variables for this process and every process it starts; each library
+one thread each (ATen's default kernels would reach older CPUs too, at a higher cost; the pin's cost:
+benchmarks/demo_walltime.py). `pin` sets the variables for this process and every process it starts; each library
 reads them when it first computes, so `pin` runs before any tensor is computed (`cli.main`, for `openrlhf-geo demo`
 and `study`).
 """
