@@ -5,7 +5,7 @@ OpenBLAS pick their code paths per processor, glibc its libm variants (FMA or no
 small demo (SFT warm-up long enough for non-zero accuracy, then a few steps of the four methods) runs in two
 subprocesses: one with this CPU's own picks, one with every pick this CPU can change made differently. With
 `local.kernels.pin` both compute the same; before it, the SFT model already diverged (held-out accuracy 0.0078 vs
-0.0117 on the AVX-512 machine this was written on).
+0.0137 on the AVX-512 machine this was written on, then other sampled lengths from the first RL step on).
 """
 
 import json
