@@ -103,7 +103,7 @@ CONDITIONS = {
                   "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean"],
         "finite": SALT,
     },
-    # the random stand-in reward model scores responses nearly alike (in-group sd ~1e-9): a step may have no strict
+    # the random stand-in reward model's scores differ little within a group (sd ~2e-3): a step may have no strict
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
     "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
 }  # fmt: skip
