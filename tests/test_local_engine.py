@@ -323,7 +323,7 @@ def test_select_copies_rows_with_their_content(tokenizer):
 
 
 def test_reference_response_is_rewarded_by_math_verify():
-    from openrlhf_geo.local.train import CachedMathVerify
+    from openrlhf_geo.local.reward import CachedMathVerify
 
     reward = CachedMathVerify()
     rows = addition_problems(5, seed=3)
@@ -459,11 +459,12 @@ def test_seed_grpo_scales_group_advantages_by_the_answer_entropy(tokenizer):
 
 
 def test_seed_grpo_uses_the_math_rewards_worker_pool():
-    from openrlhf_geo.local.train import CachedMathVerify
+    from openrlhf_geo.local.reward import CachedMathVerify
+    from openrlhf_geo.local.training import make_trainer
 
     reward = CachedMathVerify()
     args = make_args("--baseline.seed_grpo_alpha", "0.5")
-    assert Trainer(args, tiny_model(build_tokenizer()), build_tokenizer(), [], reward).verifier is reward.scorer
+    assert make_trainer(args, tiny_model(build_tokenizer()), build_tokenizer(), [], reward).verifier is reward.scorer
 
 
 def test_par_shapes_rewards_against_the_initial_policys_references(tokenizer):
@@ -620,7 +621,7 @@ def test_bad_baseline_settings_are_rejected_before_training(tokenizer, flags, me
 def test_reward_memo_that_overflows_mid_batch_still_scores_every_rollout():
     """A batch mixing memoised and new answers, where the new ones overflow the memo (which then clears), keeps the
     memoised verdicts it already had (a long study run hit a KeyError here)."""
-    from openrlhf_geo.local.train import CachedMathVerify
+    from openrlhf_geo.local.reward import CachedMathVerify
 
     reward = CachedMathVerify(max_entries=3)
     assert reward([""] * 2, ["\\boxed{3}", "\\boxed{4}"], ["3", "3"]).tolist() == [1.0, 0.0]
@@ -645,7 +646,7 @@ def test_verdict_kinds_of_the_reward_are_logged_as_shares(tokenizer):
 
 
 def test_cached_math_verify_reports_an_unparseable_gold_as_bad_gold():
-    from openrlhf_geo.local.train import CachedMathVerify
+    from openrlhf_geo.local.reward import CachedMathVerify
 
     reward = CachedMathVerify()
     for _ in range(2):  # the second call is answered from the memo, with the same statuses

@@ -355,7 +355,8 @@ def test_quick_study_end_to_end_then_resumes_only_what_is_missing(tmp_path, monk
 
     # the analysis changes nothing in the run: the state saved at step 2 is that of two plain steps
     from openrlhf_geo.local.engine import Trainer
-    from openrlhf_geo.local.train import load_model, make_reward_fn, read_dataset
+    from openrlhf_geo.local.reward import make_reward_fn
+    from openrlhf_geo.local.training import load_model, read_dataset
 
     args = parse_args(proxy_study.plan(out, [0], (0, 2), proxy_study.default_proxy())[0]["argv"])
     model, tokenizer = load_model(args, torch.device("cpu"))

@@ -70,7 +70,7 @@ _REWARD_FNS = {}  # one memoised math-verify scorer (and its worker process) per
 
 
 def build_parser():
-    from openrlhf_geo.local.train import FlagParser  # one-line errors, suggestions for misspelled flags
+    from openrlhf_geo.local.flags import FlagParser
 
     p = FlagParser(prog="openrlhf-geo demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke check: 1 seed, a few steps, short SFT (<= 60 s)")
@@ -136,8 +136,8 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
     `sft_config`: the SFT dict's keys (default SFT; the studies vary the model size and the strategies)."""
     from openrlhf_geo.local import kernels
     from openrlhf_geo.local.engine import evaluate
+    from openrlhf_geo.local.reward import make_reward_fn
     from openrlhf_geo.local.task import build_model, build_tokenizer, sft, sft_rows
-    from openrlhf_geo.local.train import make_reward_fn
 
     config = {
         **sft_config,
@@ -206,37 +206,29 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
 
 
 def run_one(job):
-    """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}."""
-    from openrlhf_geo.local.engine import Trainer
+    """One `openrlhf-geo train` run (a process-pool task): job = {"argv", "out", "tags"}; it starts over in its
+    directory (a study resumes whole runs, `study.finished`)."""
+    from openrlhf_geo.local import training
+    from openrlhf_geo.local.reward import make_reward_fn
     from openrlhf_geo.local.task import ShortcutPayer, shortcut_stats
-    from openrlhf_geo.local.train import fit, load_model, make_reward_fn, parse_args, read_dataset
+    from openrlhf_geo.local.train import parse_args
 
     args = parse_args(job["argv"])
-    torch.set_num_threads(args.train.threads)
-    model, tokenizer = load_model(args, torch.device("cpu"))
     if args.reward.func not in _REWARD_FNS:
         _REWARD_FNS[args.reward.func] = make_reward_fn(args.reward.func)
-    trainer = Trainer(
+    reward_fn = _REWARD_FNS[args.reward.func]
+    training.run(
         args,
-        model,
-        tokenizer,
-        read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset"),
-        _REWARD_FNS[args.reward.func],
-        read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset"),
+        reward_fn,
         rollout_stats=shortcut_stats,  # task/* counts for the report (the training is the train command's)
         # --reward.noise.type misspecified: this task's verifier that also pays the shortcut's answer
-        misspecified_pay=ShortcutPayer(_REWARD_FNS[args.reward.func], args.reward.noise.rate, args.reward.noise.seed)
+        misspecified_pay=ShortcutPayer(reward_fn, args.reward.noise.rate, args.reward.noise.seed)
         if args.reward.noise.type == "misspecified"
         else None,
-    )
-    fit(
-        trainer,
-        args.train.steps,
-        job["out"],
-        args.eval.steps,
-        args.eval.n_samples_per_prompt,
         tags=job["tags"],
         progress=job.get("progress"),
+        bar=False,
+        overwrite=True,
     )
     return job["out"]
 

@@ -42,7 +42,7 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
-from openrlhf_geo.rewards.math_verify import PROBLEMS, MathVerifyReward
+from openrlhf_geo.rewards.math_verify import PROBLEMS
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
 MAX_FILTER_ROUNDS = 4
@@ -342,16 +342,27 @@ class Trainer:
 
     reward_fn(prompts, responses, answers) -> (N,) float tensor of binary verdicts (1 correct, 0 not) or any
     scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones). A reward_fn with `last_statuses`
-    (math-verify verdict kinds of its last call, train.CachedMathVerify) gets their shares logged as
+    (math-verify verdict kinds of its last call, reward.CachedMathVerify) gets their shares logged as
     math_verify/<status> (no_box, bad_gold, timeout, error), as the fork logs them.
     rollout_stats(prompts, responses, correct) -> {name: count}: optional task-specific counts over a generated
     batch (e.g. `task.shortcut_stats`), summed over DAPO's generation rounds and merged into the step's metrics.
     misspecified_pay(prompts, responses, answers) -> (N,) bool: the rollouts a misspecified verifier also pays
     (e.g. `task.ShortcutPayer`); required by, and only used with, --reward.noise.type misspecified.
+    verifier: a MathVerifyReward whose worker pool (and timeout) checks Seed-GRPO's answer pairs (the math reward's,
+    `training.make_trainer`); None checks them in this process, without a timeout.
     """
 
     def __init__(
-        self, args, model, tokenizer, rows, reward_fn, eval_rows=None, rollout_stats=None, misspecified_pay=None
+        self,
+        args,
+        model,
+        tokenizer,
+        rows,
+        reward_fn,
+        eval_rows=None,
+        rollout_stats=None,
+        misspecified_pay=None,
+        verifier=None,
     ):
         self.args = args
         self.model = model
@@ -386,10 +397,7 @@ class Trainer:
         eps_low = (args.actor.eps_clip_low_high or (args.actor.eps_clip,))[0]
         if self.baseline.policy_loss == "clip_cov" and not eps_low <= 1:
             raise ValueError(f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})")
-        # Seed-GRPO checks answer pairs in the math reward's worker pool (with its timeout) when the reward has one
-        # (train.py's CachedMathVerify); any other reward function: in this process, without a timeout.
-        scorer = getattr(reward_fn, "scorer", None)
-        self.verifier = scorer if isinstance(scorer, MathVerifyReward) else None
+        self.verifier = verifier
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=args.actor.adam.lr,
@@ -465,7 +473,7 @@ class Trainer:
         args = self.args
         need, kept, correct, distinct, generated = args.rollout.batch_size, [], [], [], 0
         counts = {}  # rollout_stats, summed over generation rounds
-        statuses = []  # math-verify verdict kinds when the reward function reports them (train.CachedMathVerify)
+        statuses = []  # math-verify verdict kinds when the reward function reports them (reward.CachedMathVerify)
         for _ in range(MAX_FILTER_ROUNDS if args.algo.dynamic_filtering_enable else 1):
             rows = self.sampler.next(need)
             batch = generate_rollouts(

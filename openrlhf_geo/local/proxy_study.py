@@ -420,8 +420,10 @@ def run_seed(job, progress=None):
     """The GRPO run of one seed up to its last checkpoint, analysing the batch of step t + 1 at each checkpoint t
     (before its update) -> the run directory. Resumes from <run>/trainer.pt (the state at the first checkpoint not
     yet analysed) when it matches; `progress(step)` after each analysed checkpoint."""
-    from openrlhf_geo.local.engine import Trainer, group_advantages
-    from openrlhf_geo.local.train import load_model, make_reward_fn, parse_args, read_dataset
+    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.local.reward import make_reward_fn
+    from openrlhf_geo.local.train import parse_args
+    from openrlhf_geo.local.training import load_model, make_trainer, read_dataset
 
     run = Path(job["out"])
     done = done_steps(job)
@@ -447,7 +449,7 @@ def run_seed(job, progress=None):
     if args.reward.func not in demo._REWARD_FNS:
         demo._REWARD_FNS[args.reward.func] = make_reward_fn(args.reward.func)
     rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
-    trainer = Trainer(args, model, tokenizer, rows, demo._REWARD_FNS[args.reward.func])
+    trainer = make_trainer(args, model, tokenizer, rows, demo._REWARD_FNS[args.reward.func])
     state_path = run / "trainer.pt"
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)

@@ -20,44 +20,19 @@ checkpoint, or a run that must stop (e.g. non-finite weights, which are never wr
 """
 
 import argparse
-import contextlib
-import difflib
 import hashlib
-import importlib.util
-import json
 import math
-import reprlib
 import sys
 from pathlib import Path
 
 import torch
 
 from openrlhf_geo import options
-from openrlhf_geo.jsonl import read_jsonl, strict_json
 from openrlhf_geo.local import rundir
+from openrlhf_geo.local.flags import FlagParser
 
 ESTIMATORS = ("group_norm", "dr_grpo", "salt")
 LOCAL_SALT_BASES = ("group_norm", "dr_grpo")
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose errors are ValueError (one line, no usage dump) and whose unknown flags get a close match."""
-
-    def error(self, message):
-        raise ValueError(message)
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            flags = [s for action in self._actions for s in action.option_strings]
-            unknown = next((x.split("=")[0] for x in extras if x.startswith("-")), None)
-            close = []
-            if unknown:  # the same last part under another group (--diagnostics.dim -> --salt.dim), else spelling
-                close = [f for f in flags if f.split(".")[-1] == unknown.split(".")[-1] and "." in unknown]
-                close = close or difflib.get_close_matches(unknown, flags, n=1)
-            hint = f" (did you mean {' or '.join(close[:3])}?)" if close else ""
-            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-        return namespace
 
 
 def build_parser():
@@ -271,232 +246,6 @@ def parse_args(argv):
     return validate(options.nest(namespace))
 
 
-def read_dataset(path, input_key, label_key, flag):
-    """{"prompt", "answer"} rows of a jsonl dataset; ValueError naming the flag, file and line of a bad one."""
-    rows = []
-    for number, row in read_jsonl(path, flag):
-        for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
-            if key not in row:
-                raise ValueError(f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
-            value = row[key]
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise ValueError(
-                    f"{flag} {path}:{number}: {key!r} must be a string or number (got {json.dumps(value)})"
-                )
-        rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
-    if not rows:
-        raise ValueError(f"{flag} {path}: no rows")
-    return rows
-
-
-def check_local_path(flag, value):
-    """ValueError when `value` reads as a local path and does not exist, so that it never becomes a hub download.
-
-    Hub ids are `name` or `org/name`; a value starting with `.`, `/` or `~`, with a backslash or more than one `/`,
-    ending in .json, or whose parent directory exists here is a local path.
-    """
-    if value is None or Path(value).exists():
-        return
-    local = (
-        value.startswith((".", "/", "~"))
-        or "\\" in value
-        or value.count("/") > 1
-        or value.endswith(".json")
-        or ("/" in value and Path(value).parent.is_dir())
-    )
-    if local:
-        raise ValueError(f"{flag} {value}: no such file or directory")
-
-
-def _first_line(error):
-    """`Type: first line of the message` of an exception, for one-line errors."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
-
-
-def load_python_reward(path):
-    """reward_fn from a .py file defining upstream's `reward_func(queries, prompts, labels)`.
-
-    Whatever goes wrong in the user's file is a ValueError naming --reward.func, the file and what happened: it
-    cannot be loaded (a syntax error, a failing import), reward_func raises, or it returns something other than one
-    number per response (a list, tensor or upstream's {"rewards": ...})."""
-    spec = importlib.util.spec_from_file_location("openrlhf_geo_user_reward", path)
-    if spec is None or not Path(path).is_file():
-        raise ValueError(f"--reward.func {path!r}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # the user's code: any exception, SyntaxError included
-        raise ValueError(f"--reward.func {path}: cannot load it: {_first_line(error)}") from None
-    if not hasattr(module, "reward_func"):
-        raise ValueError(f"--reward.func {path}: defines no reward_func(queries, prompts, labels)")
-
-    def reward_fn(prompts, responses, answers):
-        try:
-            out = module.reward_func([p + r for p, r in zip(prompts, responses)], list(prompts), list(answers))
-        except Exception as error:
-            raise ValueError(f"--reward.func {path}: reward_func raised {_first_line(error)}") from None
-        value = out.get("rewards") if isinstance(out, dict) else out
-        try:
-            rewards = torch.as_tensor(value, dtype=torch.float32).flatten()
-        except (TypeError, ValueError, RuntimeError):  # strings, None, ragged lists: not numbers
-            rewards = None
-        if rewards is None:
-            raise ValueError(
-                f"--reward.func {path}: reward_func returned {reprlib.repr(out)}: expected {len(responses)} numbers, "
-                "one per response (a list, a tensor or {'rewards': ...})"
-            )
-        if rewards.numel() != len(responses):
-            raise ValueError(
-                f"--reward.func {path}: reward_func returned {rewards.numel()} rewards for {len(responses)} responses"
-            )
-        return rewards
-
-    return reward_fn
-
-
-class CachedMathVerify:
-    """math-verify verdicts (1/0) memoised per (response, answer): rollouts of a sharpening policy repeat a lot.
-
-    Timed-out or failed items score 0 and are not memoised (a retry may succeed); the memo is cleared when it
-    exceeds `max_entries` so long runs with unique responses stay bounded in memory. `last_statuses`: the verdict
-    status (math_verify.STATUSES) of each item of the last call, which the engine counts (math_verify/<status>).
-    """
-
-    def __init__(self, workers=1, timeout=5.0, max_entries=200_000):
-        from openrlhf_geo.rewards.math_verify import MathVerifyReward
-
-        self.scorer = MathVerifyReward(mode="grpo", timeout=timeout, workers=workers)
-        self.cache, self.max_entries = {}, max_entries
-        self.last_statuses = []
-
-    def __call__(self, prompts, responses, answers):
-        keys = list(zip(responses, answers))
-        known = {k: self.cache[k] for k in keys if k in self.cache}  # taken before a clear below can drop them
-        missing = list(dict.fromkeys(k for k in keys if k not in known))  # first-seen order, no sort
-        if missing:
-            verdicts = self.scorer.verdicts([r for r, _ in missing], [a for _, a in missing])
-            fresh = {key: v.status for key, v in zip(missing, verdicts)}
-            if len(self.cache) + len(fresh) > self.max_entries:
-                self.cache.clear()
-            self.cache.update({k: fresh[k] for k, v in zip(missing, verdicts) if v.status not in ("timeout", "error")})
-            known.update(fresh)
-        self.last_statuses = [known[k] for k in keys]
-        return torch.tensor([float(status == "correct") for status in self.last_statuses])
-
-
-def make_reward_fn(spec):
-    return CachedMathVerify() if spec == "math_verify" else load_python_reward(spec)
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """No transformers/hub progress bars inside (weight loading, shard writing): the run's own bar is the one shown."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def load_model(args, device):
-    """(model, tokenizer) from --actor.*; a local path that does not exist or a failed load is a ValueError naming
-    the flag (a hub id still downloads, with the hub's progress bar)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    actor = args.actor
-    for flag, value in (
-        ("--actor.model_name_or_path", actor.model_name_or_path),
-        ("--actor.config", actor.config),
-        ("--actor.tokenizer", actor.tokenizer),
-    ):
-        check_local_path(flag, value)
-    source = ("--actor.model_name_or_path", actor.model_name_or_path)  # what is being loaded, for the error
-    try:
-        if actor.model_name_or_path is not None:
-            local = Path(actor.model_name_or_path).exists()
-            with _quiet_transformers() if local else contextlib.nullcontext():
-                model = AutoModelForCausalLM.from_pretrained(actor.model_name_or_path, dtype=torch.float32)
-        else:
-            source = ("--actor.config", actor.config)
-            with torch.random.fork_rng():
-                torch.manual_seed(args.train.seed)
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(actor.config))
-        if actor.tokenizer is not None:
-            source = ("--actor.tokenizer", actor.tokenizer)
-        tokenizer = AutoTokenizer.from_pretrained(actor.tokenizer or actor.model_name_or_path)
-    except OSError as error:  # transformers' "not a model directory / not on the hub / offline" errors
-        raise ValueError(f"{source[0]} {source[1]}: {str(error).strip().splitlines()[0]}") from None
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{source[0]} {source[1]}: the tokenizer has no EOS token; rollouts need one to end")
-    return model.to(device), tokenizer
-
-
-def fit(
-    trainer,
-    steps,
-    out_dir,
-    eval_steps=-1,
-    eval_samples=1,
-    save_steps=-1,
-    tags=None,
-    progress=None,
-    config=None,
-    loggers=(),
-):
-    """Run RL steps up to `steps` (continuing from trainer.global_step) -> the metric rows written.
-
-    Writes one JSON object per step to <out_dir>/metrics.jsonl (plus `tags`, e.g. method and seed) and, with
-    GeoAlign, each step's per-rollout GDI / corruption / flags to <out_dir>/gdi.jsonl; evaluates
-    every `eval_steps` steps (and before the first step when starting fresh), checkpoints every `save_steps` and at
-    the end (`rundir.save_checkpoint`, storing `config`, the run's flags). Each row also goes to every logger's
-    `log(step, row)` (`tracking`); `progress(row)` is called after each step. A fresh run (global_step 0) starts
-    the logs over; a resumed one keeps their rows up to its step (`rundir.trim_jsonl`) and appends.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tags = tags or {}
-    rows = []
-    for name in ("metrics.jsonl", "gdi.jsonl"):
-        if trainer.global_step == 0:
-            (out_dir / name).unlink(missing_ok=True)
-        else:
-            rundir.trim_jsonl(out_dir / name, trainer.global_step)
-
-    def write(row):
-        row = {**tags, **row}
-        rows.append(row)
-        with (out_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({k: strict_json(v) for k, v in row.items()}) + "\n")
-        for logger in loggers:
-            logger.log(row["step"], row)
-
-    saved = trainer.global_step if trainer.global_step > 0 else None  # a resumed state is already on disk
-    if eval_steps > 0 and trainer.global_step == 0:
-        write({"step": 0, **trainer.evaluate(eval_samples)})
-    while trainer.global_step < steps:
-        row = trainer.step()
-        if trainer.last_curation is not None:
-            record = {k: None if v is None else strict_json(v.tolist()) for k, v in trainer.last_curation.items()}
-            with (out_dir / "gdi.jsonl").open("a") as f:
-                f.write(json.dumps({**tags, "step": trainer.global_step, **record}) + "\n")
-        if eval_steps > 0 and (trainer.global_step % eval_steps == 0 or trainer.global_step == steps):
-            row.update(trainer.evaluate(eval_samples))
-        write(row)
-        if save_steps > 0 and trainer.global_step % save_steps == 0:
-            rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
-            saved = trainer.global_step
-        if progress is not None:
-            progress(row)
-    if saved != trainer.global_step:
-        rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
-    return rows
-
-
 # flags naming files, stored resolved so that a resume from another working directory compares equal
 PATH_FLAGS = (
     "actor.model_name_or_path",
@@ -556,94 +305,12 @@ def check_resume_config(parser, checkpoint, config):
         print(f"resuming with changed flags: {show(safe)}", file=sys.stderr)
 
 
-def make_loggers(args, out, config, resumed_step):
-    """The TensorBoard / wandb loggers the --logger.* flags ask for (`tracking`)."""
-    from openrlhf_geo.local import tracking
-
-    loggers = []
-    if args.logger.tensorboard_dir is not None:
-        log_dir = args.logger.tensorboard_dir or out / "tensorboard"
-        loggers.append(tracking.TensorboardLogger(log_dir, resumed_step))
-    wandb = args.logger.wandb
-    if wandb.key is not None:
-        loggers.append(
-            tracking.WandbLogger(
-                out, config, wandb.project, wandb.run_name, wandb.group, wandb.org, wandb.key, resumed_step > 0
-            )
-        )
-    return loggers
-
-
 def train(args):
     """The `openrlhf-geo train` run of validated `args` (after `parse_args`) -> exit status."""
-    from tqdm.auto import tqdm
+    from openrlhf_geo.local import training
 
-    from openrlhf_geo.local.engine import Trainer
-
-    if args.train.threads:
-        torch.set_num_threads(args.train.threads)
-    device = torch.device(args.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
-    eval_rows = None
-    if args.eval.dataset:
-        eval_rows = read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset")
-    config = run_config(args)
-    reward_fn = make_reward_fn(args.reward.func)  # a broken reward file is found before the output dir is touched
     out = Path(args.ckpt.output_dir)
-    with rundir.claim(out, args.ckpt.load_enable, args.ckpt.overwrite) as resuming:
-        checkpoint = None
-        if resuming:
-            checkpoint = rundir.load_checkpoint(out)
-            check_resume_config(build_parser(), checkpoint, config)
-            for name in ("metrics.jsonl", "gdi.jsonl"):  # as fit does, but before the model loads and the bar shows
-                rundir.trim_jsonl(out / name, checkpoint["step"])
-        model, tokenizer = load_model(args, device)
-        trainer = Trainer(args, model, tokenizer, rows, reward_fn, eval_rows)
-        if checkpoint is not None:
-            try:
-                trainer.load_state_dict(checkpoint["state"])
-            except (KeyError, RuntimeError) as error:  # e.g. another architecture behind the same model path
-                detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-                raise rundir.CheckpointError(
-                    f"{checkpoint['path']}: its state does not fit this model and engine ({type(error).__name__}: "
-                    f"{detail})"
-                ) from None
-            print(f"resumed from {checkpoint['path']} at step {trainer.global_step}", file=sys.stderr)
-        else:
-            rundir.clear_run(out)  # only an earlier run's files (the directory was empty, or --ckpt.overwrite)
-        loggers = make_loggers(args, out, config, trainer.global_step)
-        bar = tqdm(
-            total=args.train.steps, initial=min(trainer.global_step, args.train.steps), desc="train", unit="step"
-        )
-
-        def progress(row):
-            bar.update(1)
-            bar.set_postfix(acc=f"{row['accuracy']:.2f}", loss=f"{row['loss']:.3f}")
-
-        try:
-            fit(
-                trainer,
-                args.train.steps,
-                out,
-                args.eval.steps,
-                args.eval.n_samples_per_prompt,
-                args.ckpt.save_steps,
-                progress=progress,
-                config=config,
-                loggers=loggers,
-            )
-        finally:
-            bar.close()
-            for logger in loggers:
-                logger.close()
-        bad = rundir.find_nonfinite(model.state_dict())
-        if bad is not None:
-            raise rundir.CheckpointError(
-                f"step {trainer.global_step}: {bad} holds NaN/inf; not writing {out / 'model'}"
-            )
-        with _quiet_transformers():
-            model.save_pretrained(out / "model")
-        tokenizer.save_pretrained(out / "model")
+    training.run(args)
     written = [str(p) for p in (out / "metrics.jsonl", out / rundir.CHECKPOINT, out / "model") if p.exists()]
     print(f"wrote {', '.join(written[:-1])} and {written[-1]}")  # no metrics.jsonl after 0 steps without evaluation
     return 0

@@ -1,0 +1,285 @@
+"""One way to build and run a local training run, for `openrlhf-geo train`, the demo and the studies alike.
+
+`run` takes validated flags (`train.parse_args`) to a finished run in --ckpt.output_dir: the data and the flags'
+record are read first (bad input touches nothing), then the directory is claimed (`rundir.claim`: fresh, resumed
+or started over), the model loaded, the engine built (`make_trainer`), the steps fitted (`fit`: metrics.jsonl,
+gdi.jsonl, checkpoints, --logger.* loggers) and the final model saved.
+"""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from openrlhf_geo.jsonl import read_jsonl, strict_json
+from openrlhf_geo.local import rundir
+from openrlhf_geo.local.reward import CachedMathVerify, make_reward_fn
+from openrlhf_geo.local.train import build_parser, check_resume_config, run_config
+
+
+def read_dataset(path, input_key, label_key, flag):
+    """{"prompt", "answer"} rows of a jsonl dataset; ValueError naming the flag, file and line of a bad one."""
+    rows = []
+    for number, row in read_jsonl(path, flag):
+        for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
+            if key not in row:
+                raise ValueError(f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(
+                    f"{flag} {path}:{number}: {key!r} must be a string or number (got {json.dumps(value)})"
+                )
+        rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
+    if not rows:
+        raise ValueError(f"{flag} {path}: no rows")
+    return rows
+
+
+def check_local_path(flag, value):
+    """ValueError when `value` reads as a local path and does not exist, so that it never becomes a hub download.
+
+    Hub ids are `name` or `org/name`; a value starting with `.`, `/` or `~`, with a backslash or more than one `/`,
+    ending in .json, or whose parent directory exists here is a local path.
+    """
+    if value is None or Path(value).exists():
+        return
+    local = (
+        value.startswith((".", "/", "~"))
+        or "\\" in value
+        or value.count("/") > 1
+        or value.endswith(".json")
+        or ("/" in value and Path(value).parent.is_dir())
+    )
+    if local:
+        raise ValueError(f"{flag} {value}: no such file or directory")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No transformers/hub progress bars inside (weight loading, shard writing): the run's own bar is the one shown."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(args, device):
+    """(model, tokenizer) from --actor.*; a local path that does not exist or a failed load is a ValueError naming
+    the flag (a hub id still downloads, with the hub's progress bar)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    actor = args.actor
+    for flag, value in (
+        ("--actor.model_name_or_path", actor.model_name_or_path),
+        ("--actor.config", actor.config),
+        ("--actor.tokenizer", actor.tokenizer),
+    ):
+        check_local_path(flag, value)
+    source = ("--actor.model_name_or_path", actor.model_name_or_path)  # what is being loaded, for the error
+    try:
+        if actor.model_name_or_path is not None:
+            local = Path(actor.model_name_or_path).exists()
+            with _quiet_transformers() if local else contextlib.nullcontext():
+                model = AutoModelForCausalLM.from_pretrained(actor.model_name_or_path, dtype=torch.float32)
+        else:
+            source = ("--actor.config", actor.config)
+            with torch.random.fork_rng():
+                torch.manual_seed(args.train.seed)
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(actor.config))
+        if actor.tokenizer is not None:
+            source = ("--actor.tokenizer", actor.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(actor.tokenizer or actor.model_name_or_path)
+    except OSError as error:  # transformers' "not a model directory / not on the hub / offline" errors
+        raise ValueError(f"{source[0]} {source[1]}: {str(error).strip().splitlines()[0]}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{source[0]} {source[1]}: the tokenizer has no EOS token; rollouts need one to end")
+    return model.to(device), tokenizer
+
+
+def fit(
+    trainer,
+    steps,
+    out_dir,
+    eval_steps=-1,
+    eval_samples=1,
+    save_steps=-1,
+    tags=None,
+    progress=None,
+    config=None,
+    loggers=(),
+):
+    """Run RL steps up to `steps` (continuing from trainer.global_step) -> the metric rows written.
+
+    Writes one JSON object per step to <out_dir>/metrics.jsonl (plus `tags`, e.g. method and seed) and, with
+    GeoAlign, each step's per-rollout GDI / corruption / flags to <out_dir>/gdi.jsonl; evaluates
+    every `eval_steps` steps (and before the first step when starting fresh), checkpoints every `save_steps` and at
+    the end (`rundir.save_checkpoint`, storing `config`, the run's flags). Each row also goes to every logger's
+    `log(step, row)` (`tracking`); `progress(row)` is called after each step. A fresh run (global_step 0) starts
+    the logs over; a resumed one keeps their rows up to its step (`rundir.trim_jsonl`) and appends.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tags = tags or {}
+    rows = []
+    for name in ("metrics.jsonl", "gdi.jsonl"):
+        if trainer.global_step == 0:
+            (out_dir / name).unlink(missing_ok=True)
+        else:
+            rundir.trim_jsonl(out_dir / name, trainer.global_step)
+
+    def write(row):
+        row = {**tags, **row}
+        rows.append(row)
+        with (out_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({k: strict_json(v) for k, v in row.items()}) + "\n")
+        for logger in loggers:
+            logger.log(row["step"], row)
+
+    saved = trainer.global_step if trainer.global_step > 0 else None  # a resumed state is already on disk
+    if eval_steps > 0 and trainer.global_step == 0:
+        write({"step": 0, **trainer.evaluate(eval_samples)})
+    while trainer.global_step < steps:
+        row = trainer.step()
+        if trainer.last_curation is not None:
+            record = {k: None if v is None else strict_json(v.tolist()) for k, v in trainer.last_curation.items()}
+            with (out_dir / "gdi.jsonl").open("a") as f:
+                f.write(json.dumps({**tags, "step": trainer.global_step, **record}) + "\n")
+        if eval_steps > 0 and (trainer.global_step % eval_steps == 0 or trainer.global_step == steps):
+            row.update(trainer.evaluate(eval_samples))
+        write(row)
+        if save_steps > 0 and trainer.global_step % save_steps == 0:
+            rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
+            saved = trainer.global_step
+        if progress is not None:
+            progress(row)
+    if saved != trainer.global_step:
+        rundir.save_checkpoint(out_dir, trainer.state_dict(), config)
+    return rows
+
+
+def make_loggers(args, out, config, resumed_step):
+    """The TensorBoard / wandb loggers the --logger.* flags ask for (`tracking`)."""
+    from openrlhf_geo.local import tracking
+
+    loggers = []
+    if args.logger.tensorboard_dir is not None:
+        log_dir = args.logger.tensorboard_dir or out / "tensorboard"
+        loggers.append(tracking.TensorboardLogger(log_dir, resumed_step))
+    wandb = args.logger.wandb
+    if wandb.key is not None:
+        loggers.append(
+            tracking.WandbLogger(
+                out, config, wandb.project, wandb.run_name, wandb.group, wandb.org, wandb.key, resumed_step > 0
+            )
+        )
+    return loggers
+
+
+def make_trainer(args, model, tokenizer, rows, reward_fn, eval_rows=None, rollout_stats=None, misspecified_pay=None):
+    """The engine's Trainer; Seed-GRPO checks answer pairs in the math reward's worker pool when the reward is the
+    math-verify memo (its timeout applies), otherwise in the engine's process."""
+    from openrlhf_geo.local.engine import Trainer
+
+    verifier = reward_fn.scorer if isinstance(reward_fn, CachedMathVerify) else None
+    return Trainer(args, model, tokenizer, rows, reward_fn, eval_rows, rollout_stats, misspecified_pay, verifier)
+
+
+def run(
+    args,
+    reward_fn=None,
+    *,
+    rollout_stats=None,
+    misspecified_pay=None,
+    tags=None,
+    progress=None,
+    bar=True,
+    overwrite=False,
+):
+    """The training run of validated `args` (`train.parse_args`) in --ckpt.output_dir -> its Trainer, trained.
+
+    `reward_fn`: default the one --reward.func names; `rollout_stats`, `misspecified_pay`: the task's hooks
+    (`engine.Trainer`); `tags`: keys added to every metrics row; `progress(row)` after each step, and a progress bar
+    unless `bar` is False; `overwrite`: start over in a used directory, as --ckpt.overwrite does.
+    """
+    from tqdm.auto import tqdm
+
+    if args.train.threads:
+        torch.set_num_threads(args.train.threads)
+    device = torch.device(args.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
+    eval_rows = None
+    if args.eval.dataset:
+        eval_rows = read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset")
+    config = run_config(args)
+    if reward_fn is None:  # a broken reward file is found before the output dir is touched
+        reward_fn = make_reward_fn(args.reward.func)
+    out = Path(args.ckpt.output_dir)
+    with rundir.claim(out, args.ckpt.load_enable, args.ckpt.overwrite or overwrite) as resuming:
+        checkpoint = None
+        if resuming:
+            checkpoint = rundir.load_checkpoint(out)
+            check_resume_config(build_parser(), checkpoint, config)
+            for name in ("metrics.jsonl", "gdi.jsonl"):  # as fit does, but before the model loads and the bar shows
+                rundir.trim_jsonl(out / name, checkpoint["step"])
+        model, tokenizer = load_model(args, device)
+        trainer = make_trainer(args, model, tokenizer, rows, reward_fn, eval_rows, rollout_stats, misspecified_pay)
+        if checkpoint is not None:
+            try:
+                trainer.load_state_dict(checkpoint["state"])
+            except (KeyError, RuntimeError) as error:  # e.g. another architecture behind the same model path
+                detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+                raise rundir.CheckpointError(
+                    f"{checkpoint['path']}: its state does not fit this model and engine ({type(error).__name__}: "
+                    f"{detail})"
+                ) from None
+            print(f"resumed from {checkpoint['path']} at step {trainer.global_step}", file=sys.stderr)
+        else:
+            rundir.clear_run(out)  # only an earlier run's files (the directory was empty, or --ckpt.overwrite)
+        loggers = make_loggers(args, out, config, trainer.global_step)
+        shown = None
+        if bar:
+            shown = tqdm(
+                total=args.train.steps, initial=min(trainer.global_step, args.train.steps), desc="train", unit="step"
+            )
+
+        def on_step(row):
+            if shown is not None:
+                shown.update(1)
+                shown.set_postfix(acc=f"{row['accuracy']:.2f}", loss=f"{row['loss']:.3f}")
+            if progress is not None:
+                progress(row)
+
+        try:
+            fit(
+                trainer,
+                args.train.steps,
+                out,
+                args.eval.steps,
+                args.eval.n_samples_per_prompt,
+                args.ckpt.save_steps,
+                tags=tags,
+                progress=on_step,
+                config=config,
+                loggers=loggers,
+            )
+        finally:
+            if shown is not None:
+                shown.close()
+            for logger in loggers:
+                logger.close()
+        bad = rundir.find_nonfinite(model.state_dict())
+        if bad is not None:
+            raise rundir.CheckpointError(
+                f"step {trainer.global_step}: {bad} holds NaN/inf; not writing {out / 'model'}"
+            )
+        with _quiet_transformers():
+            model.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+    return trainer
