@@ -17,8 +17,10 @@ import torch
 from openrlhf_geo import salt
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo, proxy_study, study
+from openrlhf_geo.local import demo, studies
 from openrlhf_geo.local.engine import generate_rollouts, group_advantages, response_forward
+from openrlhf_geo.local.studies import salt_proxy as proxy_study
+from openrlhf_geo.local.studies.base import ConditionStudy
 from openrlhf_geo.local.task import build_model, build_tokenizer
 from openrlhf_geo.local.train import parse_args
 
@@ -330,7 +332,8 @@ def test_the_full_study_is_estimated_within_its_30_minute_budget(tmp_path):
 def test_salt_proxy_is_a_study_and_refuses_a_regime_in_one_line(tmp_path, capsys):
     from openrlhf_geo import cli
 
-    assert "salt-proxy" in study.RUNNERS and "salt-proxy" not in study.STUDIES
+    # a registered study with its own runner, not a list of train conditions
+    assert "salt-proxy" in studies.REGISTRY and not isinstance(studies.REGISTRY["salt-proxy"], ConditionStudy)
     assert cli.main(["study", "salt-proxy", "--regime", "t06", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--regime only applies to salt-scaling" in err

@@ -16,7 +16,11 @@ from hypothesis import strategies as st
 
 from openrlhf_geo import cli
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo, engine, study
+from openrlhf_geo.local import demo, engine, studies
+from openrlhf_geo.local.studies import common as shared
+from openrlhf_geo.local.studies import geoalign_failure, learnable_regime, runner, salt_ablations, salt_scaling
+from openrlhf_geo.local.studies import regime as regime_study
+from openrlhf_geo.local.studies.base import ConditionStudy
 from openrlhf_geo.local.task import (
     ShortcutPayer,
     addition_problems,
@@ -32,7 +36,7 @@ from openrlhf_geo.rewards.math_verify import extract_last_boxed
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt, pay_wrong
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "studies"
-ALL = {name: build() for name, build in study.STUDIES.items()}
+ALL = {name: s.design() for name, s in studies.REGISTRY.items() if isinstance(s, ConditionStudy)}
 
 
 def flag(argv, name):
@@ -58,7 +62,7 @@ def method_part(job):
 @pytest.mark.parametrize("name", list(ALL))
 def test_every_planned_command_parses_and_the_plan_is_conditions_times_seeds(name, tmp_path):
     s = ALL[name]
-    jobs = study.plan(s, tmp_path)
+    jobs = runner.plan(s, tmp_path)
     names = [c.name for c in s.conditions]
     assert len(set(names)) == len(names) and len(jobs) == len(names) * len(s.seeds)
     assert {(j["condition"], j["seed"]) for j in jobs} == {(c, seed) for c in names for seed in s.seeds}
@@ -73,8 +77,8 @@ def test_every_planned_command_parses_and_the_plan_is_conditions_times_seeds(nam
 
 
 def test_salt_scaling_sweeps_g_at_a_fixed_budget_for_grpo_and_dapo_each_with_and_without_salt(tmp_path):
-    jobs = study.plan(ALL["salt-scaling"], tmp_path, seeds=[2025])
-    assert [j["seed"] for j in study.plan(ALL["salt-scaling"], tmp_path)[:5]] == [2025, 2026, 2027, 2028, 2029]
+    jobs = runner.plan(ALL["salt-scaling"], tmp_path, seeds=[2025])
+    assert [j["seed"] for j in runner.plan(ALL["salt-scaling"], tmp_path)[:5]] == [2025, 2026, 2027, 2028, 2029]
     seen = set()
     for job in jobs:
         args = parse_args(job["argv"])
@@ -92,22 +96,22 @@ def test_salt_scaling_sweeps_g_at_a_fixed_budget_for_grpo_and_dapo_each_with_and
 
 
 def test_salt_scaling_in_another_regime_keeps_its_change_and_refuses_a_change_of_g(tmp_path):
-    for job in study.plan(study.salt_scaling("t06"), tmp_path, seeds=[0]):
+    for job in runner.plan(salt_scaling.design("t06"), tmp_path, seeds=[0]):
         assert flag(job["argv"], "--rollout.temperature") == "0.6" and job["setting"] == "demo"
-    assert {j["setting"] for j in study.plan(study.salt_scaling("width128"), tmp_path)} == {"width128"}
+    assert {j["setting"] for j in runner.plan(salt_scaling.design("width128"), tmp_path)} == {"width128"}
     with pytest.raises(ValueError, match="--regime g64 changes G"):
-        study.salt_scaling("g64")
+        salt_scaling.design("g64")
     with pytest.raises(ValueError, match="--regime must be one of"):
-        study.salt_scaling("nope")
+        salt_scaling.design("nope")
 
 
 def test_regime_study_changes_one_thing_at_a_time_from_the_demo(tmp_path):
-    jobs = {j["condition"]: j for j in study.plan(ALL["regime"], tmp_path, seeds=[0])}
+    jobs = {j["condition"]: j for j in runner.plan(ALL["regime"], tmp_path, seeds=[0])}
     demo_common = pairs(jobs["demo_grpo"]["argv"])
-    assert set(jobs) == {f"{n}_{m}" for n in study.ONE_FACTOR for m in ("grpo", "salt")}
-    for name in study.ONE_FACTOR:
-        regime = study.REGIMES[name]
-        for method, flags in (("grpo", study.GRPO_DIAG), ("salt", study.SALT)):
+    assert set(jobs) == {f"{n}_{m}" for n in regime_study.ONE_FACTOR for m in ("grpo", "salt")}
+    for name in regime_study.ONE_FACTOR:
+        regime = shared.REGIMES[name]
+        for method, flags in (("grpo", shared.GRPO_DIAG), ("salt", shared.SALT)):
             job = jobs[f"{name}_{method}"]
             assert tuple(method_part(job)) == flags and job["setting"] == regime.setting
             common = pairs(job["argv"])
@@ -115,22 +119,22 @@ def test_regime_study_changes_one_thing_at_a_time_from_the_demo(tmp_path):
             assert {k: common[k] for k in regime.rollout} == {k: str(v) for k, v in regime.rollout.items()}
             paths = {"--actor.model_name_or_path", "--data.prompt_dataset", "--eval.dataset"}
             assert differs == set(regime.rollout) | (paths if regime.setting != "demo" else set())
-    assert study.SETTINGS["three_digit"].sft_config()["max_operand"] == 999
-    assert study.SETTINGS["width128"].sft_config() == {**demo.SFT, "hidden_size": 128}
-    assert "max_operand" not in study.SETTINGS["demo"].sft_config()  # the demo's own SFT cache key
+    assert shared.SETTINGS["three_digit"].sft_config()["max_operand"] == 999
+    assert shared.SETTINGS["width128"].sft_config() == {**demo.SFT, "hidden_size": 128}
+    assert "max_operand" not in shared.SETTINGS["demo"].sft_config()  # the demo's own SFT cache key
 
 
 def test_salt_ablations_are_the_demos_runs_plus_one_variant_each(tmp_path):
     s = ALL["salt-ablations"]
     assert s.seeds == (0, 1, 2, 3, 4) and (s.steps, s.eval_steps) == (demo.FULL["steps"], demo.FULL["eval_steps"])
-    jobs = {j["condition"]: j for j in study.plan(s, tmp_path, seeds=[1])}
+    jobs = {j["condition"]: j for j in runner.plan(s, tmp_path, seeds=[1])}
     # grpo and salt: the demo's own commands for seed 1 (paths aside)
     demo_common = demo.common_flags(tmp_path / "settings" / "demo", demo.FULL["steps"], demo.FULL["eval_steps"])
     for method in ("grpo", "salt"):
         expected = [*demo_common, *demo.METHOD_FLAGS[method], "--train.seed", "1", "--reward.noise.seed", "1"]
         assert jobs[method]["argv"][: len(expected)] == expected
     variants = {c: parse_args(j["argv"]).salt for c, j in jobs.items() if c.startswith("salt_")}
-    assert {v.variant for v in variants.values()} == {*study.ABLATIONS, "fixed-alpha"}
+    assert {v.variant for v in variants.values()} == {*salt_ablations.ABLATIONS, "fixed-alpha"}
     assert sorted(v.alpha for v in variants.values() if v.variant == "fixed-alpha") == [0, 0.25, 0.5, 0.75, 1]
     for condition in variants:
         assert (condition, "grpo") in s.comparisons and (condition, "salt") in s.comparisons
@@ -138,7 +142,7 @@ def test_salt_ablations_are_the_demos_runs_plus_one_variant_each(tmp_path):
 
 def test_geoalign_failure_puts_every_method_under_every_noise(tmp_path):
     s = ALL["geoalign-failure"]
-    jobs = {j["condition"]: parse_args(j["argv"]) for j in study.plan(s, tmp_path, seeds=[0])}
+    jobs = {j["condition"]: parse_args(j["argv"]) for j in runner.plan(s, tmp_path, seeds=[0])}
     assert jobs["grpo_clean"].reward.noise.type == "none"
     for noise, (kind, rate) in {
         "mis20": ("misspecified", 0.2),
@@ -155,31 +159,31 @@ def test_geoalign_failure_puts_every_method_under_every_noise(tmp_path):
         for baseline in ("grpo", "pf_ppo", "par", "pods", "seed_grpo"):
             assert (f"geoalign_{noise}", f"{baseline}_{noise}") in s.comparisons
     # GeoAlign as the demo runs it, without the demo's 10 % flips
-    assert demo.METHOD_FLAGS["geoalign_noise"] == [*demo.NOISE, *study.GEOALIGN]
+    assert demo.METHOD_FLAGS["geoalign_noise"] == [*demo.NOISE, *geoalign_failure.GEOALIGN]
 
 
 @pytest.mark.parametrize("name", list(ALL))
 def test_the_protocol_lists_exactly_the_flags_the_runner_runs(name):
     text = (DOCS / f"{name}.md").read_text()
     s = ALL[name]
-    for condition, command in study.protocol_commands(s).items():
+    for condition, command in runner.protocol_commands(s).items():
         assert f"{condition}: {command}\n" in text, condition
-    assert study.common_command("<out>", s.steps, s.eval_steps) in text
+    assert runner.common_command("<out>", s.steps, s.eval_steps) in text
     assert f"seeds {' '.join(map(str, s.seeds))}" in text.lower()
 
 
 @pytest.mark.parametrize("name", list(ALL))
 def test_each_full_study_is_estimated_within_an_hour_on_two_workers(name, tmp_path):
-    jobs = study.plan(ALL[name], tmp_path)
-    estimate = study.estimate_seconds(jobs, 2)
+    jobs = runner.plan(ALL[name], tmp_path)
+    estimate = runner.estimate_seconds(jobs, 2)
     assert 600 < estimate <= 3600
     assert f"{estimate / 60:.0f} min" in (DOCS / f"{name}.md").read_text()
 
 
 def test_the_estimate_reproduces_the_demos_measured_run_time(tmp_path):
     """The unit costs are calibrated on the demo: 12 runs of its setting -> 261 s on 2 workers (+ 91 s SFT)."""
-    grpo = study.plan(ALL["salt-ablations"], tmp_path, seeds=[0, 1, 2])[:3]  # 3 runs of the demo's GRPO
-    assert study.estimate_seconds(grpo * 4, 2) == pytest.approx(91 + 261, rel=0.03)
+    grpo = runner.plan(ALL["salt-ablations"], tmp_path, seeds=[0, 1, 2])[:3]  # 3 runs of the demo's GRPO
+    assert runner.estimate_seconds(grpo * 4, 2) == pytest.approx(91 + 261, rel=0.03)
 
 
 # ---------------------------------------------------------------- resumability and the command line
@@ -195,16 +199,16 @@ def write_run(job, steps, argv=None):
 
 
 def test_a_run_counts_as_finished_only_with_its_own_command_and_every_step(tmp_path):
-    job = study.plan(ALL["regime"], tmp_path, seeds=[0])[0]
-    assert not study.finished(job, 50)
+    job = runner.plan(ALL["regime"], tmp_path, seeds=[0])[0]
+    assert not runner.finished(job, 50)
     write_run(job, 50)
-    assert study.finished(job, 50)
+    assert runner.finished(job, 50)
     write_run(job, 49)  # interrupted
-    assert not study.finished(job, 50)
+    assert not runner.finished(job, 50)
     write_run(job, 50, argv=[*job["argv"], "--rollout.temperature", "0.5"])  # another command wrote it
-    assert not study.finished(job, 50)
+    assert not runner.finished(job, 50)
     (Path(job["out"]) / "metrics.jsonl").write_text('{"step": 50, "accura')  # torn last line
-    assert not study.finished(job, 50)
+    assert not runner.finished(job, 50)
 
 
 @pytest.mark.parametrize(
@@ -281,10 +285,10 @@ def fake_work(monkeypatch, tag):
 
     monkeypatch.setattr(demo, "prepare_data", lambda out, max_operand=99: ([], []))
     monkeypatch.setattr(demo, "warm_up", lambda *args, **kwargs: {})
-    monkeypatch.setattr(study, "prepare_settings", lambda out, jobs, steps: {})
+    monkeypatch.setattr(runner, "prepare_settings", lambda out, jobs, steps: {})
     monkeypatch.setattr(demo, "run_all", run_all)
     monkeypatch.setattr(report, "write_report", write_report)  # (out, runs, comparisons, setup, methods)
-    monkeypatch.setattr(study, "write_report", lambda s, out, *args: write_report(out))
+    monkeypatch.setattr(runner, "write_report", lambda s, out, *args: write_report(out))
 
 
 def snapshot(out):
@@ -353,20 +357,20 @@ def fake_run(out, condition, seed, curves, final, start=0.5):
 
 def test_scaling_summary_takes_table10_window_means_and_pairs_salt_with_its_backbone(tmp_path):
     """Window means and paired gains against an independent computation on synthetic runs."""
-    s = study.salt_scaling()
+    s = salt_scaling.design()
     steps, rng = 10, np.random.default_rng(0)
-    jobs = [j for j in study.plan(s, tmp_path, seeds=[0, 1, 2]) if j["condition"].startswith(("g02_", "g64_"))]
+    jobs = [j for j in runner.plan(s, tmp_path, seeds=[0, 1, 2]) if j["condition"].startswith(("g02_", "g64_"))]
     truth = {}
     for job in jobs:
-        curves = {k: rng.normal(1, 0.3, steps).tolist() for k in study.GEOMETRY}
+        curves = {k: rng.normal(1, 0.3, steps).tolist() for k in shared.SALT_METRICS}
         curves["salt/kept"][-1] = math.nan  # a tied step: left out of the window mean
         final = float(rng.uniform())
         fake_run(tmp_path, job["condition"], job["seed"], curves, final)
         truth[job["condition"], job["seed"]] = {**curves, "final": final}
-    summary, _ = study.summarize(s, tmp_path, jobs, setup={})
+    summary, _ = runner.summarize(s, tmp_path, jobs, setup={})
     for (condition, seed), curves in truth.items():
         row = summary["table"][condition]
-        assert row[study.FINAL]["per_seed"][seed] == curves["final"]
+        assert row[shared.FINAL]["per_seed"][seed] == curves["final"]
         assert row["last20%/salt/pr"]["per_seed"][seed] == pytest.approx(np.mean(curves["salt/pr"][-2:]))
         assert row["last20%/salt/kept"]["per_seed"][seed] == pytest.approx(curves["salt/kept"][-2])
     point = summary["scaling"]["by_g"]["64/dapo"]
@@ -380,7 +384,7 @@ def test_scaling_summary_takes_table10_window_means_and_pairs_salt_with_its_back
     )
     setup = {"quick": False, "seeds": [0, 1, 2], "steps": steps, "runs": len(jobs), "skipped": 0, "wall_s": 1.0,
              "estimate_s": 2.0, "sft": {}, "commands": {}}  # fmt: skip
-    study.write_report(s, tmp_path, jobs, setup)
+    runner.write_report(s, tmp_path, jobs, setup)
     report = (tmp_path / "report.md").read_text()
     assert "## By G" in report and "| 64 | dapo |" in report and (tmp_path / "fig4c_accuracy_vs_G.png").exists()
 
@@ -393,9 +397,9 @@ def test_regime_closest_condition_is_the_nearest_to_table10_in_its_sds_and_never
         "t06": (0.5, 0.5),
         "depth4": (0.9, 0.2),
     }.items():
-        table[f"{name}_grpo"] = {study.t10("salt/n_eff_in"): {"mean": n_eff}}
-        table[f"{name}_salt"] = {study.t10("salt/D_a"): {"mean": d_a}}
-    section = study.regime_section(table)
+        table[f"{name}_grpo"] = {shared.window("salt/n_eff_in"): {"mean": n_eff}}
+        table[f"{name}_salt"] = {shared.window("salt/D_a"): {"mean": d_a}}
+    section = regime_study.section(table)
     expected = {n: math.hypot((v[0] - 0.31) / 0.05, (v[1] - 0.24) / 0.04)
                 for n, v in {"demo": (1.6, 0.9), "t06": (0.5, 0.5), "depth4": (0.9, 0.2)}.items()}  # fmt: skip
     assert section["conditions"]["t06"]["distance"] == pytest.approx(expected["t06"])
@@ -433,7 +437,7 @@ def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_ta
     def run_all(jobs, workers, steps):
         failed = []
         for job in jobs:
-            curves = {k: rng.normal(1, 0.3, steps).tolist() for k in study.GEOMETRY}
+            curves = {k: rng.normal(1, 0.3, steps).tolist() for k in shared.SALT_METRICS}
             if job["condition"] == "g02_dapo" and job["seed"] == 1:
                 fake_run(out, job["condition"], job["seed"], {k: v[:16] for k, v in curves.items()}, 0.5)
                 failed.append((job, RuntimeError(message)))
@@ -442,7 +446,7 @@ def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_ta
         raise demo.RunsFailed(failed)
 
     monkeypatch.setattr(demo, "run_all", run_all)
-    monkeypatch.setattr(study, "prepare_settings", lambda out, jobs, steps: {})
+    monkeypatch.setattr(runner, "prepare_settings", lambda out, jobs, steps: {})
     assert cli.main(["study", "salt-scaling", "--seeds", "0", "1", "--out", str(out)]) == 1
     assert "1 run(s) stopped by an error" in capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
@@ -455,8 +459,8 @@ def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_ta
     report = (out / "report.md").read_text()
     assert f"- `g02_dapo`: seed 0: finished, seed 1: stopped at step 17. RuntimeError: {message}" in report
     # every run stopped before its first step: a report of stopped runs only, not a crash
-    jobs = study.plan(ALL["learnable-regime"], tmp_path / "none", seeds=[0])
-    summary, _ = study.summarize(ALL["learnable-regime"], tmp_path / "none", jobs, {}, {j["out"]: "E" for j in jobs})
+    jobs = runner.plan(ALL["learnable-regime"], tmp_path / "none", seeds=[0])
+    summary, _ = runner.summarize(ALL["learnable-regime"], tmp_path / "none", jobs, {}, {j["out"]: "E" for j in jobs})
     assert summary["table"] == {} and summary["learnable"]["chosen"] is None
     assert all(e == {"step": 1, "error": "E"} for seeds in summary["stopped"].values() for e in seeds.values())
 
@@ -465,13 +469,13 @@ def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_th
     """The protocol's rule on synthetic runs: accuracy >= 0.25 and RL's gain over step 0 with a CI above 0, then the
     smallest backbone n_eff (mean over the last 20 % of steps); salt-scaling reruns only if that n_eff is below 1."""
     s = ALL["learnable-regime"]
-    jobs = study.plan(s, tmp_path, seeds=[0, 1, 2, 3])
-    assert all(tuple(method_part(j)) == study.GRPO_DIAG for j in jobs)  # nothing of SALT is applied
-    assert {j["setting"] for j in jobs} == {"demo", *study.LEARNABLE} and study.LEARNABLE == (
+    jobs = runner.plan(s, tmp_path, seeds=[0, 1, 2, 3])
+    assert all(tuple(method_part(j)) == shared.GRPO_DIAG for j in jobs)  # nothing of SALT is applied
+    assert {j["setting"] for j in jobs} == {"demo", *shared.LEARNABLE} and shared.LEARNABLE == (
         "operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # fmt: skip
-    assert study.SETTINGS["three_digit_sft4x"].sft_config() == study.SETTINGS["three_digit"].sft_config()
-    assert study.SETTINGS["three_digit_sft4x"].sft_scale == 4
-    assert study.SETTINGS["no_shortcut"].sft_config() == {**demo.SFT, "shortcut_rate": 0.0}
+    assert shared.SETTINGS["three_digit_sft4x"].sft_config() == shared.SETTINGS["three_digit"].sft_config()
+    assert shared.SETTINGS["three_digit_sft4x"].sft_scale == 4
+    assert shared.SETTINGS["no_shortcut"].sft_config() == {**demo.SFT, "shortcut_rate": 0.0}
     # setting: (backbone n_eff, step-0 accuracy, final accuracy); no_shortcut's gain is +-0.01 (CI spans 0)
     truth = {"demo": (1.3, 0.5, 0.9), "operands199": (0.8, 0.3, 0.6), "operands499": (0.5, 0.1, 0.2),
              "no_shortcut": (0.7, 0.9, None), "three_digit_sft4x": (0.9, 0.2, 0.4)}  # fmt: skip
@@ -481,11 +485,11 @@ def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_th
         name, seed = job["setting"], job["seed"]
         n_eff, start, final = truth[name]
         final = start + (0.01 if seed % 2 else -0.01) if final is None else final + 0.01 * seed
-        curves = {k: rng.normal(1, 0.3, steps).tolist() for k in study.GEOMETRY}
+        curves = {k: rng.normal(1, 0.3, steps).tolist() for k in shared.SALT_METRICS}
         curves["salt/n_eff_in"] = (n_eff + rng.normal(0, 0.05, steps)).tolist()
         n_effs.setdefault(name, []).append(np.mean(curves["salt/n_eff_in"][-2:]))
         fake_run(tmp_path, job["condition"], seed, curves, final, start)
-    summary, _ = study.summarize(s, tmp_path, jobs, setup={})
+    summary, _ = runner.summarize(s, tmp_path, jobs, setup={})
     section = summary["learnable"]
     rows = section["settings"]
     for name, values in n_effs.items():
@@ -496,12 +500,15 @@ def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_th
     assert section["chosen"] == "operands199" and section["run_salt_scaling"]
     # the same runs with operands199's n_eff above three_digit_sft4x's, and both above 1: chosen, but no rerun
     table = {**summary["table"]}
-    table["operands199_grpo"] = {**table["operands199_grpo"], study.t10("salt/n_eff_in"): {"mean": 1.2}}
-    table["three_digit_sft4x_grpo"] = {**table["three_digit_sft4x_grpo"], study.t10("salt/n_eff_in"): {"mean": 1.1}}
-    runs, _, _ = study.load_planned(tmp_path, jobs, s.metrics)
-    section = study.learnable_section(runs, table)
+    table["operands199_grpo"] = {**table["operands199_grpo"], shared.window("salt/n_eff_in"): {"mean": 1.2}}
+    table["three_digit_sft4x_grpo"] = {
+        **table["three_digit_sft4x_grpo"],
+        shared.window("salt/n_eff_in"): {"mean": 1.1},
+    }
+    runs, _, _ = runner.load_planned(tmp_path, jobs, s.metrics)
+    section = learnable_regime.section(runs, table)
     assert section["chosen"] == "three_digit_sft4x" and not section["run_salt_scaling"]
-    report = study.render(strict_json({**summary, "setup": {"quick": False, "seeds": [0, 1, 2, 3], "steps": steps,
+    report = runner.render(strict_json({**summary, "setup": {"quick": False, "seeds": [0, 1, 2, 3], "steps": steps,
                           "runs": len(jobs), "skipped": 0, "wall_s": 1.0, "estimate_s": 2.0, "sft": {},
                           "commands": {}}}))  # fmt: skip
     assert "--regime operands199" in report and "| operands499 |" in report

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shlex
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ from scipy import stats
 from openrlhf_geo import diagnostics, sketch_gram
 from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.local import demo
+from openrlhf_geo.local.studies.base import Study
 
 SEEDS = (0, 1, 2, 3, 4)  # the demo's seeds: the analysed runs are the demo's GRPO runs
 CHECKPOINTS = (0, 10, 20, 30, 40, 50, 60)  # the demo's validation (evaluation) steps
-QUICK = {"checkpoints": (0, 2), "sft_max_steps": 30, "seeds": (0,)}
+QUICK_STUDY = {"checkpoints": (0, 2), "sft_max_steps": 30, "seeds": (0,)}
 RUN_STEPS, EVAL_STEPS = demo.FULL["steps"], demo.FULL["eval_steps"]  # the demo's GRPO run (flags only: no eval runs)
 SIGN_QUANTILE = 0.75  # sign agreement on the pairs with |reference cosine| in the top quartile (the text: unspecified)
 NULL_SEED = 20260605  # the nulls' draws: a generator per (NULL_SEED, seed, step), never the training's streams
@@ -60,7 +60,7 @@ PAPER_NAMES = {"full": "Full gradient, small model", "last_block": "Last block, 
 BAND_SDS = 3  # (B): within 3 of Table 5's sds of the reference's row, in the harmful direction
 HIGHER_IS_BETTER = {"rho": True, "sign": True, "pr_err": False, "k_match": True, "subspace": True, "a_cos": True}
 # The estimate's unit costs (seconds on one core): an RL step of 128 rollouts (the demo's measured 0.6 s, reward
-# worker included: study.STEP_S), one analysed mini-batch (3.0 s CPU measured at mean response length 26, rounded up
+# worker included: runner.STEP_S), one analysed mini-batch (3.0 s CPU measured at mean response length 26, rounded up
 # for longer responses later in the run), starting a seed's process, and the demo's float64 SFT warm-up of 600 steps
 # (121.5 s CPU measured); the timed partial run is in docs/studies/salt-proxy.md, "Time estimate"
 STEP_S, ANALYSIS_S, LOAD_S, SFT_S = 0.6, 3.5, 5.0, 122.0
@@ -366,7 +366,7 @@ def analyse(model, batch, advantages, temperature, default, seed, step) -> dict:
 
 def train_argv(out, seed, steps=RUN_STEPS):
     """The demo's GRPO run for `seed` (`openrlhf-geo train` flags), its settings under <out>/settings/demo."""
-    from openrlhf_geo.local.study import setting_dir
+    from openrlhf_geo.local.studies.runner import setting_dir
 
     common = demo.common_flags(setting_dir(out, "demo"), steps, EVAL_STEPS)
     run = Path(out) / "runs" / f"seed{seed}"
@@ -807,40 +807,17 @@ def write_report(jobs, out, setup):
     return summary
 
 
-# ---------------------------------------------------------------- command line (from `openrlhf-geo study`)
-
-
-def main(args):
-    """`openrlhf-geo study salt-proxy` with the options `study.build_parser` parsed -> exit status."""
-    try:
-        if args.regime is not None:
-            raise ValueError(f"--regime only applies to salt-scaling (got study {args.name})")
-        workers = args.workers if args.workers is not None else 1 if args.quick else min(2, os.cpu_count() or 1)
-        if workers < 1:
-            raise ValueError(f"--workers must be >= 1 (got {workers})")
-        if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
-            raise ValueError(f"--seeds must be distinct (got {' '.join(map(str, args.seeds))})")
-    except ValueError as error:
-        print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
-        return 2
-    command = f"openrlhf-geo study {args.name}" + (" --quick" if args.quick else "")
-    try:
-        with demo.claim_output(args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""),
-                               command) as out:  # fmt: skip
-            return run(args, out, workers)
-    except demo.OutputClaimed as error:
-        print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
-        return 2
+# ---------------------------------------------------------------- the study (`openrlhf-geo study salt-proxy`)
 
 
 def run(args, out, workers):
-    """The study in its claimed `out` -> exit status."""
-    from openrlhf_geo.local.study import prepare_settings
+    """The study in its claimed `out` (`study.main` checked the options) -> exit status."""
+    from openrlhf_geo.local.studies.runner import prepare_settings
 
     torch.set_num_threads(1)
-    checkpoints = QUICK["checkpoints"] if args.quick else CHECKPOINTS
-    seeds = list(args.seeds if args.seeds is not None else QUICK["seeds"] if args.quick else SEEDS)
-    sft_steps = QUICK["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
+    checkpoints = QUICK_STUDY["checkpoints"] if args.quick else CHECKPOINTS
+    seeds = list(args.seeds if args.seeds is not None else QUICK_STUDY["seeds"] if args.quick else SEEDS)
+    sft_steps = QUICK_STUDY["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
     default = default_proxy()
     jobs = plan(out, seeds, checkpoints, default)
     reused = sum(len(done_steps(j)) for j in jobs)
@@ -859,3 +836,15 @@ def run(args, out, workers):
     write_report(jobs, out, setup)
     print(f"study salt-proxy finished: {Path(out) / 'report.md'}")
     return 0
+
+
+class SaltProxy(Study):
+    """Not a list of train conditions: the demo's GRPO runs stepped in-process, analysed at checkpoints."""
+
+    name = "salt-proxy"
+
+    def run(self, args, out, workers):
+        return run(args, out, workers)
+
+
+STUDY = SaltProxy()

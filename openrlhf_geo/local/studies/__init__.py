@@ -1,0 +1,45 @@
+"""The studies of `openrlhf-geo study NAME`, one module each (`base.Study`; most are `base.ConditionStudy`: a list
+of train conditions run by `runner`). Each module defines STUDY; adding a study is its module plus its line in
+MODULES. A module without a complete STUDY fails this package's import, so a study cannot be half registered."""
+
+import importlib
+import inspect
+
+MODULES = (
+    "salt_scaling",
+    "regime",
+    "learnable_regime",
+    "salt_ablations",
+    "geoalign_failure",
+    "salt_proxy",
+)
+REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
+
+
+def register(study):
+    """Add `study` (a Study instance) to REGISTRY -> it; TypeError when it is not a complete study or its name or
+    summary section is taken."""
+    from openrlhf_geo.local.studies.base import SUMMARY_KEYS, ConditionStudy, Study
+
+    if not isinstance(study, Study) or inspect.isabstract(type(study)):
+        raise TypeError(f"{study!r} is not a complete Study (one that implements every abstract method)")
+    name = getattr(study, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{type(study).__name__} has no name (the command's NAME, e.g. 'salt-scaling')")
+    if name in REGISTRY:
+        twice = f"{type(REGISTRY[name]).__name__}, {type(study).__name__}"
+        raise TypeError(f"study {name!r} is registered twice ({twice})")
+    if isinstance(study, ConditionStudy):
+        section = getattr(study, "section", None)
+        taken = {*SUMMARY_KEYS, *(s.section for s in REGISTRY.values() if isinstance(s, ConditionStudy))}
+        if not isinstance(section, str) or section in taken:
+            raise TypeError(f"study {name!r}: its summary section must be a key of its own (got {section!r})")
+    REGISTRY[name] = study
+    return study
+
+
+for _module in MODULES:
+    _study = getattr(importlib.import_module(f"{__name__}.{_module}"), "STUDY", None)
+    if _study is None:
+        raise TypeError(f"{__name__}.{_module} defines no STUDY")
+    register(_study)
