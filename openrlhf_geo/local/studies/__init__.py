@@ -38,8 +38,13 @@ def register(study):
     return study
 
 
+def load(module):
+    """Import `module` and register its STUDY -> the study (TypeError when it has none or it is incomplete)."""
+    study = getattr(importlib.import_module(module), "STUDY", None)
+    if study is None:
+        raise TypeError(f"{module} defines no STUDY")
+    return register(study)
+
+
 for _module in MODULES:
-    _study = getattr(importlib.import_module(f"{__name__}.{_module}"), "STUDY", None)
-    if _study is None:
-        raise TypeError(f"{__name__}.{_module} defines no STUDY")
-    register(_study)
+    load(f"{__name__}.{_module}")
