@@ -140,3 +140,12 @@ def test_every_shipped_study_is_registered_from_its_own_module():
     for name, design in designs.items():
         assert isinstance(design, Design) and design.name == name
         assert all(isinstance(c, Condition) for c in design.conditions)
+
+
+def test_the_recipe_in_the_architecture_doc_is_a_complete_study(registered, tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    recipe = doc.split("## 8. How to add a study")[1].split("```python\n")[1].split("```")[0]
+    study = registered("my_study", recipe)
+    assert studies.REGISTRY["my-study"] is study and isinstance(study, ConditionStudy)
+    jobs = runner.plan(study.design(), tmp_path, quick=True)
+    assert [j["condition"] for j in jobs] == ["grpo", "salt"] and all(j["seed"] == 2025 for j in jobs)
