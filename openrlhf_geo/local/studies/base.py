@@ -46,9 +46,6 @@ class Design:
     metrics: tuple = SALT_METRICS
     shown: tuple = (FINAL, "last20%/accuracy", "last20%/salt/pr", "last20%/salt/n_eff_out", "last20%/salt/D_a")
 
-    def condition(self, name):
-        return next(c for c in self.conditions if c.name == name)
-
 
 @dataclass(frozen=True)
 class Result:
