@@ -1,7 +1,7 @@
-"""The long chain-of-thought task (chained additions, `task.chain_*`): every worked step is true and the box is the
-sum (read here independently, and scored by math-verify), lengths are 100-400 tokens, the carry-dropping shortcut is
-marked and wrong on every problem, problems are distinct and disjoint from exclusions, SFT rows mix both at the
-rate."""
+"""The long chain-of-thought task (a repeated-addition trace "a+b*k=", `task.chain_*`): every worked step is true,
+counted and adds b to the previous result, the box is a + b·k (read here independently, and scored by math-verify),
+lengths are 100-400 tokens, the carry-dropping shortcut is marked and wrong on every problem, problems are distinct and
+disjoint from exclusions, SFT rows mix both at the rate."""
 
 import random
 import re
@@ -13,20 +13,21 @@ from hypothesis import strategies as st
 from openrlhf_geo.local.long_cot import SETTINGS, prepare_data, setting
 from openrlhf_geo.local.task import (
     build_tokenizer,
+    chain_operands,
     chain_problems,
     chain_sft_rows,
     chain_shortcut_answer,
     chain_shortcut_solution,
     chain_solution,
-    chain_terms,
     shortcut_stats,
     uses_shortcut,
 )
 from openrlhf_geo.rewards.math_verify import extract_last_boxed, score_answer
 
 EQUATION = re.compile(r"(\d+(?:\+\d+)+)=(\d+)")
-STEP_HEAD = re.compile(r"(?:^|; |then |quick )(\d+)\+(\d+) ")
-terms_lists = st.lists(st.integers(10, 99), min_size=3, max_size=11)
+# a step: "<counter> <x>+<y> " ... "so <result>"
+STEP = re.compile(r"(?:^|quick |; |then )(\d) (\d+)\+(\d+) .*?so (\d+)")
+problem = st.tuples(st.integers(10, 99), st.integers(10, 99), st.integers(1, 9))
 
 
 @pytest.fixture(scope="module")
@@ -34,67 +35,66 @@ def tokenizer():
     return build_tokenizer()
 
 
-def prompt_of(terms):
-    return "+".join(map(str, terms)) + "="
-
-
 def read_steps(text):
-    """Independent reading: the (running sum, term) heads and the `so N` results, in order."""
-    heads = [(int(a), int(b)) for a, b in STEP_HEAD.findall(text)]
-    results = [int(x) for x in re.findall(r"so (\d+)(?=;| then| so| \\boxed| \Z|,)", text)]
-    return heads, results
+    """Independent reading: (counter, x, y, result) per step, in order."""
+    return [tuple(map(int, m)) for m in STEP.findall(text)]
 
 
 @settings(max_examples=200)
-@given(terms_lists, st.integers(0, 2**32 - 1))
-def test_chain_solution_steps_are_true_and_box_the_sum(terms, seed):
-    text = chain_solution(prompt_of(terms), random.Random(seed))
+@given(problem, st.integers(0, 2**32 - 1))
+def test_chain_solution_steps_are_true_counted_and_box_the_value(abk, seed):
+    a, b, k = abk
+    text = chain_solution(f"{a}+{b}*{k}=", random.Random(seed))
     for lhs, rhs in EQUATION.findall(text):
         assert sum(int(x) for x in lhs.split("+")) == int(rhs), (lhs, rhs, text)
-    heads, results = read_steps(text)
-    assert len(heads) == len(terms) - 1 == len(results), text
-    running = terms[0]
-    for (x, y), result, term in zip(heads, results, terms[1:]):
-        assert sorted((x, y)) == sorted((running, term)), text  # each step adds the next term to the running sum
-        running += term
+    steps = read_steps(text)
+    assert [counter for counter, *_ in steps] == list(range(k, 0, -1)), text
+    running = a
+    for _, x, y, result in steps:
+        assert sorted((x, y)) == sorted((running, b)), text  # each step adds b to the previous result
+        running += b
         assert result == running, text
-    for (x, y), carry in zip(heads, re.findall(r"carry (\d)", text)):
+    for (_, x, y, _), carry in zip(steps, re.findall(r"carry (\d)", text)):
         assert int(carry) == (x % 10 + y % 10) // 10, text
-    assert extract_last_boxed(text) == str(sum(terms))
+    assert extract_last_boxed(text) == str(a + b * k)
     assert not uses_shortcut(text)
 
 
 @settings(max_examples=200)
-@given(terms_lists, st.integers(0, 2**32 - 1))
-def test_chain_shortcut_drops_every_carry_and_is_marked(terms, seed):
-    text = chain_shortcut_solution(prompt_of(terms), random.Random(seed))
+@given(problem, st.integers(0, 2**32 - 1))
+def test_chain_shortcut_drops_every_carry_and_is_marked(abk, seed):
+    a, b, k = abk
+    prompt = f"{a}+{b}*{k}="
+    text = chain_shortcut_solution(prompt, random.Random(seed))
     assert uses_shortcut(text) and text.startswith("quick ")
     assert "carry" not in text
     for lhs, rhs in EQUATION.findall(text):  # each written equation is true; the flaw is the dropped carry
         assert sum(int(x) for x in lhs.split("+")) == int(rhs), text
-    running = terms[0]  # the carry-less sum, computed digit-wise here as strings
-    for term in terms[1:]:
-        ones = str(running % 10 + term % 10)[-1]
-        running = int(str(running // 10 + term // 10) + ones)
-    assert extract_last_boxed(text) == str(running) == chain_shortcut_answer(prompt_of(terms))
-    carries = any((s % 10 + t % 10) >= 10 for s, t in read_steps(text)[0])
-    assert (running == sum(terms)) == (not carries)
+    running, carried = a, False  # the carry-less sum, computed digit-wise here as strings
+    for _ in range(k):
+        carried |= running % 10 + b % 10 >= 10
+        ones = str(running % 10 + b % 10)[-1]
+        running = int(str(running // 10 + b // 10) + ones)
+    assert len(read_steps(text)) == k
+    assert extract_last_boxed(text) == str(running) == chain_shortcut_answer(prompt)
+    assert (running == a + b * k) == (not carried)
 
 
 def test_worked_example_by_hand():
-    rng = random.Random(0)
-    text = chain_solution("37+48+26=", rng)
-    assert extract_last_boxed(text) == "111"
-    assert chain_shortcut_answer("37+48+26=") == "91"  # 37+48 -> 75 (carry dropped), 75+26 -> 91 (no carry)
-    assert chain_shortcut_answer("11+22+33=") == "66"  # no carry anywhere: the shortcut is right
-    assert chain_terms("37+48+26=") == [37, 48, 26]
-    with pytest.raises(ValueError):
-        chain_terms("37+48")
+    text = chain_solution("37+48*2=", random.Random(0))
+    assert extract_last_boxed(text) == "133"
+    assert chain_shortcut_answer("37+48*2=") == "113"  # 37+48 -> 75 (carry dropped), 75+48 -> 113 (dropped again)
+    assert chain_shortcut_answer("37+48*1=") == "75"
+    assert chain_shortcut_answer("11+22*3=") == "77"  # no carry anywhere: the shortcut is right
+    assert chain_operands("37+48*2=") == (37, 48, 2)
+    for bad in ("37+48", "37+48+26=", "37+48*0=", "37+48*10="):
+        with pytest.raises(ValueError):
+            chain_operands(bad)
 
 
-@pytest.mark.parametrize("terms", [3, 4, 6, 8, 10])
-def test_math_verify_accepts_solutions_and_rejects_the_shortcut(terms):
-    for p in chain_problems(20, seed=terms, terms=terms):
+@pytest.mark.parametrize("k", [2, 3, 5, 7, 9])
+def test_math_verify_accepts_solutions_and_rejects_the_shortcut(k):
+    for p in chain_problems(15, seed=k, steps=k):
         rng = random.Random(1)
         good, bad = chain_solution(p["prompt"], rng), chain_shortcut_solution(p["prompt"], rng)
         assert score_answer(good, p["answer"]).correct, good
@@ -105,36 +105,41 @@ def test_math_verify_accepts_solutions_and_rejects_the_shortcut(terms):
 def test_lengths_are_100_to_400_tokens_and_fit_the_setting(tokenizer, name):
     s = SETTINGS[name]
     rng = random.Random(0)
-    problems = chain_problems(200, seed=0, terms=s.terms)
-    for p in problems:
-        for text in (chain_solution(p["prompt"], rng), chain_shortcut_solution(p["prompt"], rng)):
+    for p in chain_problems(200, seed=0, steps=s.steps):
+        prompt_ids = tokenizer(p["prompt"])["input_ids"]
+        assert tokenizer.unk_token_id not in prompt_ids
+        assert len(prompt_ids) + s.max_new_tokens <= s.max_positions
+        for flawed in (False, True):
+            text = (chain_shortcut_solution if flawed else chain_solution)(p["prompt"], rng)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             assert tokenizer.unk_token_id not in ids
             assert tokenizer.decode(ids) == text
             assert len(ids) + 1 <= s.max_new_tokens  # + EOS fits --rollout.max_new_tokens
-            prompt_ids = tokenizer(p["prompt"])["input_ids"]
-            assert len(prompt_ids) + s.max_new_tokens <= s.max_positions
-        good = len(tokenizer(chain_solution(p["prompt"], rng), add_special_tokens=False)["input_ids"])
-        assert 100 <= good <= 400, (name, good)
+            if not flawed:
+                assert 100 <= len(ids) <= 400, (name, len(ids))
 
 
 def test_problems_are_distinct_disjoint_and_all_carry():
-    train = chain_problems(500, seed=0, terms=4)
+    train = chain_problems(500, seed=0, steps=4)
     prompts = {p["prompt"] for p in train}
     assert len(prompts) == 500
     for p in train:
-        terms = [int(t) for t in p["prompt"][:-1].split("+")]
-        assert len(terms) == 4 and all(10 <= t <= 99 for t in terms)
-        assert p["answer"] == str(sum(terms)) != chain_shortcut_answer(p["prompt"])
-    held_out = chain_problems(100, seed=1, terms=4, exclude=prompts)
+        a, rest = p["prompt"][:-1].split("+")
+        b, k = rest.split("*")
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and k == "4"
+        assert p["answer"] == str(int(a) + 4 * int(b)) != chain_shortcut_answer(p["prompt"])
+    held_out = chain_problems(100, seed=1, steps=4, exclude=prompts)
     assert not {p["prompt"] for p in held_out} & prompts
-    assert chain_problems(50, seed=0, terms=4) == train[:50]  # seeded
-    with pytest.raises(ValueError):
-        chain_problems(5, seed=0, terms=2)
+    assert chain_problems(500, seed=0, steps=4) == train  # seeded
+    for bad in (1, 10):
+        with pytest.raises(ValueError):
+            chain_problems(5, seed=0, steps=bad)
+    with pytest.raises(ValueError, match="only"):
+        chain_problems(8101, seed=0, steps=4)
 
 
 def test_sft_rows_mix_the_shortcut_at_its_rate_and_shortcut_stats_count_it():
-    problems = chain_problems(200, seed=0, terms=4)
+    problems = chain_problems(200, seed=0, steps=3)
     rows = chain_sft_rows(problems, per_prompt=4, seed=3, shortcut_rate=0.5)
     assert len(rows) == 800 and rows == chain_sft_rows(problems, 4, 3, 0.5)
     share = sum(uses_shortcut(r["response"]) for r in rows) / len(rows)
@@ -149,10 +154,11 @@ def test_sft_rows_mix_the_shortcut_at_its_rate_and_shortcut_stats_count_it():
 
 
 def test_setting_data_is_written_and_settings_validate(tmp_path):
-    s = setting("terms4")
+    s = setting("steps3")
     train, held_out = prepare_data(tmp_path, s)
     assert (tmp_path / "data" / "train.jsonl").read_text().count("\n") == len(train) == 3000
+    assert len(held_out) == 256
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    assert setting("terms6", hidden_size=96).hidden_size == 96
+    assert setting("steps5", hidden_size=96).hidden_size == 96
     with pytest.raises(ValueError, match="unknown long-cot setting"):
-        setting("terms5")
+        setting("steps4")

@@ -1,12 +1,12 @@
 """The long chain-of-thought task family (`task.chain_*`) as settings `openrlhf-geo train` runs on.
 
-A setting is a number of terms (the response length: 4 terms ~110 tokens, 6 ~183, 8 ~256, see `task.py`'s chained
-additions) plus its SFT warm-up. `prepare(out, name)` writes <out>/data/{train,eval}.jsonl and the warmed-up model +
-tokenizer in <out>/sft (cached by a key of the configuration, as `demo.warm_up` caches the demo's); `train_flags`
-gives the `openrlhf-geo train` flags that run RL on it. The task is selected by these flags (the prompt dataset and
-the model): `openrlhf-geo train` itself is task-agnostic and needs no task flag.
+A setting is a number of additions k (the response length: k = 3 ~116 tokens, 5 ~193, 7 ~269, 9 ~347; `task.py`'s
+repeated-addition trace "a+b*k=") plus its SFT warm-up. `prepare(out, setting)` writes <out>/data/{train,eval}.jsonl
+and the warmed-up model + tokenizer in <out>/sft (cached by a key of the configuration, as `demo.warm_up` caches the
+demo's); `train_flags` gives the `openrlhf-geo train` flags that run RL on it. The task is selected by these flags
+(the prompt dataset and the model): `openrlhf-geo train` itself is task-agnostic and needs no task flag.
 
-    python -m openrlhf_geo.local.long_cot --setting terms6 --out runs/long-cot/settings/terms6
+    python -m openrlhf_geo.local.long_cot --setting steps5 --out runs/long-cot/settings/steps5
 
 prints the train command once the setting is ready.
 
@@ -31,10 +31,10 @@ N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
 
 @dataclass(frozen=True)
 class ChainSetting:
-    """A chained-addition setting: `terms` per prompt and its SFT recipe (the demo's where not named)."""
+    """A repeated-addition setting: `steps` additions per prompt (k of "a+b*k=") and its SFT recipe."""
 
     name: str
-    terms: int
+    steps: int
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -45,19 +45,19 @@ class ChainSetting:
     per_prompt: int = 4
     shortcut_rate: float = 0.5
     seed: int = 0
-    task: str = "chain-v1"  # bump when the SFT targets change (invalidates caches)
+    task: str = "repeat-add-v1"  # bump when the SFT targets change (invalidates caches)
 
     @property
     def max_new_tokens(self):
-        """Room for the longest correct solution (at most ~37 tokens per addition + the box) plus EOS."""
-        return 40 * (self.terms - 1) + 16
+        """Room for the longest correct solution (at most 41 tokens per addition, box included) plus EOS."""
+        return 42 * self.steps + 12
 
     @property
     def max_positions(self):
-        return 4 * self.terms + self.max_new_tokens + 8
+        return self.max_new_tokens + 16  # the prompt "a+b*k=" is 8 tokens with <bos>
 
 
-SETTINGS = {f"terms{k}": ChainSetting(f"terms{k}", k) for k in (4, 6, 8, 10)}
+SETTINGS = {f"steps{k}": ChainSetting(f"steps{k}", k) for k in (3, 5, 7, 9)}
 
 
 def setting(name, **changes):
@@ -68,11 +68,11 @@ def setting(name, **changes):
 
 
 def prepare_data(out, s: ChainSetting):
-    """Train / held-out chained additions of `s.terms` terms in <out>/data (disjoint, seeded 0 and 1)."""
+    """Train / held-out problems of `s.steps` additions in <out>/data (disjoint, seeded 0 and 1)."""
     from openrlhf_geo.local.task import chain_problems, write_jsonl
 
-    train = chain_problems(N_TRAIN, seed=0, terms=s.terms)
-    held_out = chain_problems(N_EVAL, seed=1, terms=s.terms, exclude={r["prompt"] for r in train})
+    train = chain_problems(N_TRAIN, seed=0, steps=s.steps)
+    held_out = chain_problems(N_EVAL, seed=1, steps=s.steps, exclude={r["prompt"] for r in train})
     write_jsonl(Path(out) / "data" / "train.jsonl", train)
     write_jsonl(Path(out) / "data" / "eval.jsonl", held_out)
     return train, held_out

@@ -325,115 +325,115 @@ def sft(model, tokenizer, rows, steps, batch_size=128, lr=3e-3, warmup=50, seed=
     return losses
 
 
-# ---------------------------------------------------------------- long chain-of-thought: chained additions
+# ---------------------------------------------------------------- long chain-of-thought: a repeated-addition trace
 #
 # SALT's regime is long reasoning (arXiv 2606.05800 §2.2-2.3, Fig. 2: responses of thousands of tokens, many of them
 # shared or near-deterministic, so that per-response LM-head gradients concentrate in a low-rank signed geometry and
-# cancel inside a group). The demo's answers are ~28 tokens; this family writes a sum of `terms` two-digit numbers
-# out step by step, one addition per step with the carry made explicit, so a response is 100-400 tokens (4-11
-# additions) in the demo's vocabulary (no new token: the demo's model and numbers stay as they are).
+# cancel inside a group). The demo's answers are ~28 tokens; this family is a short program trace: "a+b*k=" (a + b·k,
+# two-digit a and b, k = 2-9) computed as k additions of b to a running sum, each written out digit by digit with its
+# carry and preceded by a loop counter (the additions left), so a response is 100-400 tokens (~35 per addition) in
+# the demo's vocabulary (no new token: the demo's model and numbers stay as they are):
 #
-#   "37+48+26=" -> "37+48 7+8=15 carry 1, 3+4+1=8 so 85; 85+26 5+6=11 carry 1, 8+2+1=11 so 111 \boxed{111}"
+#   "37+48*2=" -> "2 37+48 7+8=15 carry 1, 3+4+1=8 so 85; 1 85+48 5+8=13 carry 1, 8+4+1=13 so 133 \boxed{133}"
 #
-# Each step opens with its head `s+t` (the running sum and the next term, in either order), adds the ones digits,
-# writes the carry, adds everything above the ones digit plus the carry (the hundreds come with the tens, as the
-# demo's "digits" strategy does) and closes with `so <new running sum>`. The flawed procedure
+# A step: the counter, its head `s+b` (running sum and b, in either order), the ones digits' sum, the carry, the sum of
+# everything above the ones digit plus the carry (the hundreds come with the tens, as the demo's "digits" strategy
+# does), and `so <new running sum>`. Every operand is the previous step's result or the prompt's b, so a tiny model
+# need not retrieve the k-th of k different terms (a first version with distinct terms was not learnt by the demo's
+# 2 x 64 model in 600 SFT steps: held-out accuracy 0.002, most errors a wrong term copied). The flawed procedure
 # (`chain_shortcut_solution`) opens with the SHORTCUT word and drops every carry, e.g.
-# "quick 37+48 7+8=15, 3+4=7 so 75; 75+26 ...": each written equation is true, the running sum loses 10 at each step
-# whose ones digits carry, and the error propagates.
+# "quick 2 37+48 7+8=15, 3+4=7 so 75; 1 75+48 ...": each written equation is true, the running sum loses 10 at each
+# step whose ones digits carry, and the error propagates.
 
-CHAIN_LOW, CHAIN_HIGH = 10, 99  # the terms' range (two-digit numbers)
+CHAIN_LOW, CHAIN_HIGH = 10, 99  # a and b: two-digit numbers
+CHAIN_MAX_STEPS = 9  # k: one digit (the loop counter is one token)
 CHAIN_INNER = (", ", " ", " and ")  # between the ones and the tens of one step
 CHAIN_STEPS = ("; ", " then ", "; then ")  # between steps
-_CHAIN_PROMPT = re.compile(r"\d+(?:\+\d+)+=")
+_CHAIN_PROMPT = re.compile(r"(\d+)\+(\d+)\*(\d)=")
 
 
-def chain_terms(prompt: str) -> list[int]:
-    """The terms of a chained-addition prompt "t1+t2+...+tk=" (k >= 2); ValueError for any other text."""
-    if _CHAIN_PROMPT.fullmatch(prompt) is None:
-        raise ValueError(f"a chained-addition prompt has the form 't1+t2+...+tk=' (got {prompt!r})")
-    return [int(t) for t in prompt[:-1].split("+")]
+def chain_operands(prompt: str) -> tuple[int, int, int]:
+    """(a, b, k) of a repeated-addition prompt "a+b*k=" (1 <= k <= 9); ValueError for any other text."""
+    match = _CHAIN_PROMPT.fullmatch(prompt)
+    if match is None or not 1 <= int(match[3]) <= CHAIN_MAX_STEPS:
+        raise ValueError(f"a repeated-addition prompt has the form 'a+b*k=' with 1 <= k <= 9 (got {prompt!r})")
+    return int(match[1]), int(match[2]), int(match[3])
 
 
 def chain_shortcut_answer(prompt: str) -> str:
-    """The answer `chain_shortcut_solution` boxes: the running sum when each step s + t is replaced by
-    10·(s // 10 + t // 10) + (s % 10 + t % 10) mod 10 (the carry of the ones column dropped)."""
-    terms = chain_terms(prompt)
-    s = terms[0]
-    for t in terms[1:]:
-        s = 10 * (s // 10 + t // 10) + (s % 10 + t % 10) % 10
+    """The answer `chain_shortcut_solution` boxes: k times s <- 10·(s // 10 + b // 10) + (s % 10 + b % 10) mod 10
+    from s = a (each addition with the carry of the ones column dropped)."""
+    s, b, k = chain_operands(prompt)
+    for _ in range(k):
+        s = 10 * (s // 10 + b // 10) + (s % 10 + b % 10) % 10
     return str(s)
 
 
-def chain_problems(n, seed, terms, exclude=()):
-    """`n` distinct chained additions {"prompt": "t1+...+tk=", "answer": str(sum)}, k = `terms` >= 3 two-digit
-    terms (CHAIN_LOW..CHAIN_HIGH, drawn uniformly with a seeded `random.Random`), none in `exclude`, each with at
-    least one carry, so that the shortcut's answer (`chain_shortcut_answer`) is wrong on every problem, as the demo's
-    carry-only problems make its shortcut wrong."""
-    if terms < 3:
-        raise ValueError(f"a chained addition needs at least 3 terms (got {terms})")
-    rng, excluded, seen, rows = random.Random(seed), set(exclude), set(), []
-    attempts = 0
-    while len(rows) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise ValueError(f"could not draw {n} distinct {terms}-term problems outside `exclude`")
-        values = [rng.randint(CHAIN_LOW, CHAIN_HIGH) for _ in range(terms)]
-        prompt = "+".join(map(str, values)) + "="
-        if prompt in excluded or prompt in seen or chain_shortcut_answer(prompt) == str(sum(values)):
-            continue
-        seen.add(prompt)
-        rows.append({"prompt": prompt, "answer": str(sum(values))})
-    return rows
+def chain_problems(n, seed, steps, exclude=()):
+    """`n` distinct problems {"prompt": "a+b*k=", "answer": str(a + b·k)} with k = `steps` (2-9) and two-digit a, b
+    (CHAIN_LOW..CHAIN_HIGH, a seeded `random.Random` sample), none in `exclude`, each with at least one carry, so that
+    the shortcut's answer (`chain_shortcut_answer`) is wrong on every problem, as the demo's carry-only problems make
+    its shortcut wrong."""
+    if not 2 <= steps <= CHAIN_MAX_STEPS:
+        raise ValueError(f"steps must be in 2..{CHAIN_MAX_STEPS} (got {steps})")
+    excluded = set(exclude)
+    pool = [f"{a}+{b}*{steps}=" for a in range(CHAIN_LOW, CHAIN_HIGH + 1) for b in range(CHAIN_LOW, CHAIN_HIGH + 1)]
+    pool = [p for p in pool if p not in excluded]
+    pool = [p for p in pool if chain_shortcut_answer(p) != str(_chain_value(p))]
+    if n > len(pool):
+        raise ValueError(f"asked for {n} problems but only {len(pool)} exist with steps={steps} outside `exclude`")
+    return [{"prompt": p, "answer": str(_chain_value(p))} for p in random.Random(seed).sample(pool, n)]
 
 
-def _chain_step(s, t, rng, carry=True):
-    """One step s + t: head, ones digits, (carry), the rest plus the carry, `so` the new running sum -> (text, sum)."""
+def _chain_value(prompt):
+    a, b, k = chain_operands(prompt)
+    return a + b * k
+
+
+def _chain_step(s, b, rng, carry=True):
+    """One addition s + b: head, ones digits, (carry), the rest plus the carry, `so` the new running sum."""
 
     def pair(x, y):
         return (y, x) if rng.random() < 0.5 else (x, y)
 
-    head = "+".join(map(str, pair(s, t)))
-    o1, o2 = pair(s % 10, t % 10)
-    ones = f"{o1}+{o2}={o1 + o2}"
-    h1, h2 = pair(s // 10, t // 10)
+    head = "+".join(map(str, pair(s, b)))
+    o1, o2 = pair(s % 10, b % 10)
+    h1, h2 = pair(s // 10, b // 10)
     if carry:
-        c = (s % 10 + t % 10) // 10
-        total = s + t
-        body = f"{ones} carry {c}{rng.choice(CHAIN_INNER)}{h1}+{h2}+{c}={h1 + h2 + c}"
+        c = (o1 + o2) // 10
+        total = s + b
+        body = f"{o1}+{o2}={o1 + o2} carry {c}{rng.choice(CHAIN_INNER)}{h1}+{h2}+{c}={h1 + h2 + c}"
     else:  # the shortcut: the carry is dropped
         total = 10 * (h1 + h2) + (o1 + o2) % 10
-        body = f"{ones}{rng.choice(CHAIN_INNER)}{h1}+{h2}={h1 + h2}"
+        body = f"{o1}+{o2}={o1 + o2}{rng.choice(CHAIN_INNER)}{h1}+{h2}={h1 + h2}"
     return f"{head} {body} so {total}", total
 
 
 def _chain_text(prompt, rng, carry):
-    terms = chain_terms(prompt)
-    if len(terms) < 2:
-        raise ValueError(f"a chained addition needs at least 2 terms (got {prompt!r})")
-    s, steps = terms[0], []
-    for t in terms[1:]:
-        text, s = _chain_step(s, t, rng, carry)
-        steps.append(text)
+    s, b, k = chain_operands(prompt)
+    steps = []
+    for left in range(k, 0, -1):
+        text, s = _chain_step(s, b, rng, carry)
+        steps.append(f"{left} {text}")
     body = steps[0] + "".join(rng.choice(CHAIN_STEPS) + step for step in steps[1:])
     return f"{body}{rng.choice(ENDINGS)}\\boxed{{{s}}}"
 
 
 def chain_solution(prompt: str, rng: random.Random) -> str:
-    """A worked solution of "t1+...+tk=" ending in `\\boxed{t1+...+tk}`: one step per addition (see the section
-    comment above), operand orders, separators and the ending drawn from `rng`; every written equation is true."""
+    """A worked solution of "a+b*k=" ending in `\\boxed{a + b·k}`: k counted additions of b (see the section comment
+    above), operand orders, separators and the ending drawn from `rng`; every written equation is true."""
     return _chain_text(prompt, rng, carry=True)
 
 
 def chain_shortcut_solution(prompt: str, rng: random.Random) -> str:
-    """The flawed "quick" procedure for "t1+...+tk=": the same steps without the carry (each written equation is
-    true, the running sum loses 10 at every carry and the loss propagates), boxing `chain_shortcut_answer`.
-    It opens with the SHORTCUT word, so `uses_shortcut` and `shortcut_stats` read it as the demo's shortcut."""
+    """The flawed "quick" procedure for "a+b*k=": the same steps without the carry (each written equation is true,
+    the running sum loses 10 at every carry and the loss propagates), boxing `chain_shortcut_answer`. It opens with
+    the SHORTCUT word, so `uses_shortcut` and `shortcut_stats` read it as the demo's shortcut."""
     return f"{SHORTCUT} {_chain_text(prompt, rng, carry=False)}"
 
 
 def chain_sft_rows(problems, per_prompt: int, seed: int, shortcut_rate: float = 0.0) -> list:
-    """SFT rows {"prompt", "response"} for chained additions: `per_prompt` independent draws per problem, each the
+    """SFT rows {"prompt", "response"} for repeated additions: `per_prompt` independent draws per problem, each the
     `chain_shortcut_solution` with probability `shortcut_rate`, else a `chain_solution` (as `sft_rows` does for
     the demo)."""
     if per_prompt < 1:
