@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo.local.long_cot import SETTINGS, prepare_data, setting
+from openrlhf_geo.local.long_cot import MAX_POSITIONS, N_TRAIN_PER_K, max_new_tokens, prepare_data, problems
 from openrlhf_geo.local.task import (
     build_tokenizer,
     chain_operands,
@@ -101,22 +101,21 @@ def test_math_verify_accepts_solutions_and_rejects_the_shortcut(k):
         assert not score_answer(bad, p["answer"]).correct, bad
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_lengths_are_100_to_400_tokens_and_fit_the_setting(tokenizer, name):
-    s = SETTINGS[name]
+@pytest.mark.parametrize("k", [3, 5, 7, 9])
+def test_lengths_are_100_to_400_tokens_and_fit_the_flags(tokenizer, k):
     rng = random.Random(0)
-    for p in chain_problems(200, seed=0, steps=s.steps):
+    for p in chain_problems(200, seed=0, steps=k):
         prompt_ids = tokenizer(p["prompt"])["input_ids"]
         assert tokenizer.unk_token_id not in prompt_ids
-        assert len(prompt_ids) + s.max_new_tokens <= s.max_positions
+        assert len(prompt_ids) + max_new_tokens(k) <= MAX_POSITIONS
         for flawed in (False, True):
             text = (chain_shortcut_solution if flawed else chain_solution)(p["prompt"], rng)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             assert tokenizer.unk_token_id not in ids
             assert tokenizer.decode(ids) == text
-            assert len(ids) + 1 <= s.max_new_tokens  # + EOS fits --rollout.max_new_tokens
+            assert len(ids) + 1 <= max_new_tokens(k)  # + EOS fits --rollout.max_new_tokens
             if not flawed:
-                assert 100 <= len(ids) <= 400, (name, len(ids))
+                assert 100 <= len(ids) <= 400, (k, len(ids))
 
 
 def test_problems_are_distinct_disjoint_and_all_carry():
@@ -153,12 +152,11 @@ def test_sft_rows_mix_the_shortcut_at_its_rate_and_shortcut_stats_count_it():
         chain_sft_rows(problems, 0, 0)
 
 
-def test_setting_data_is_written_and_settings_validate(tmp_path):
-    s = setting("steps3")
-    train, held_out = prepare_data(tmp_path, s)
-    assert (tmp_path / "data" / "train.jsonl").read_text().count("\n") == len(train) == 3000
-    assert len(held_out) == 256
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    assert setting("steps5", hidden_size=96).hidden_size == 96
-    with pytest.raises(ValueError, match="unknown long-cot setting"):
-        setting("steps4")
+def test_length_data_is_written_disjoint_and_of_one_length(tmp_path):
+    train_path, eval_path = prepare_data(tmp_path, 5)
+    train = [line for line in train_path.read_text().splitlines() if line]
+    held_out = [line for line in eval_path.read_text().splitlines() if line]
+    assert len(train) == N_TRAIN_PER_K and len(held_out) == 256
+    assert not set(train) & set(held_out)
+    assert all('*5="' in line for line in train + held_out)
+    assert problems(5)[0][:3] == problems(5)[0][:3] and problems(3)[0][0]["prompt"].endswith("*3=")
