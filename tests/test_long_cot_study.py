@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.local.studies import long_cot as study
 from openrlhf_geo.local.train import parse_args
 
@@ -47,6 +48,15 @@ def test_read_run_averages_the_last_20_percent_and_skips_undefined(tmp_path):
     r = study.read_run(tmp_path, 10)
     assert r["acc0"] == 0.3 and r["acc_final"] == 0.6 and r["acc_mean"] == pytest.approx(0.55)
     assert r["salt/n_eff_in"] == pytest.approx(0.9)  # steps 9 and 10 are the window; step 10 is NaN
+    write_run(tmp_path, 10, (0.3, 0.5, 0.6), lambda s: 0.0 if s == 9 else 1.5, {"signal/tied_groups": 0.5})
+    assert study.read_run(tmp_path, 10)["salt/n_eff_in"] == pytest.approx(0.75)  # a partly tied step counts
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(lines[9])
+    row["signal/tied_groups"] = 1.0  # step 9: every group tied, n_eff logged as 0/0 := 0
+    lines[9] = json.dumps(row)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    r = study.read_run(tmp_path, 10)
+    assert r["salt/n_eff_in"] == pytest.approx(1.5) and r["response_length"] == 120.0
     assert math.isnan(r["salt/D_a"])
 
 
@@ -83,8 +93,10 @@ def test_phase_summaries_and_report(tmp_path):
     setup = {"sft": {"params": 1, "steps": 1, "sft_s": 1.0, "accuracy": {}, "shortcut": {}}, "steps": 10,
              "workers": 1, "wall_s": 1.0, "kernels": {}, "commands": {"k5_grpo": "--x"}}  # fmt: skip
     summary = {"setup": setup, "phase1": {str(k): v for k, v in phase1.items()}, "decision": decision,
-               "phase2": phase2, "stopped": {}}  # fmt: skip
-    text = study.render(json.loads(json.dumps(summary)))
+               "phase2": phase2, "phase2_k": 5, "stopped": {}}  # fmt: skip
+    text = study.render(json.loads(json.dumps(strict_json(summary))))  # NaN -> null, as summary.json holds it
     assert "| 5 |" in text and "loss" in text and "chosen: 5" in text
     assert study.verdict({"gain": 0.1, "low": 0.05, "high": 0.2}) == "win"
     assert study.verdict({"gain": 0.0, "low": -0.05, "high": 0.2}) == "no difference detected"
+    assert study.verdict({"gain": 0.1, "low": None, "high": None}).startswith("undecided")
+    assert study._ci({"gain": 0.1, "low": None, "high": None}) == "+0.100 [n/a, n/a]"

@@ -119,7 +119,9 @@ def run_jobs(jobs, workers, steps):
 def read_run(path, steps):
     """A run's numbers: held-out accuracy at step 0 and at the last step (`acc0`, `acc_final`), their mean over the
     evaluations (`acc_mean`), and the mean of each TABLE10 key over the last WINDOW of the steps (steps > (1 −
-    WINDOW)·steps, SALT Table 10's window), leaving out the steps where the key is undefined (NaN or absent)."""
+    WINDOW)·steps, SALT Table 10's window), leaving out the steps where the key is undefined: NaN or absent, and for
+    SALT's geometry (salt/*) the steps whose groups are all tied (`signal/tied_groups` = 1: every advantage is 0 and
+    the engine logs n_eff = 0/0 := 0, α_t = 1, which would read as cancellation)."""
     rows = [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     first = (1 - WINDOW) * steps
@@ -129,7 +131,11 @@ def read_run(path, steps):
         "acc_mean": float(np.mean([v for s, v in evals.items() if s > 0])) if len(evals) > 1 else math.nan,
     }
     for key in TABLE10:
-        values = [r[key] for r in rows if r.get("step", 0) > first and isinstance(r.get(key), (int, float))]
+        values = [
+            r[key] for r in rows
+            if r.get("step", 0) > first and isinstance(r.get(key), (int, float))
+            and not (key.startswith("salt/") and r.get("signal/tied_groups", 0) >= 1)
+        ]  # fmt: skip
         values = [v for v in values if math.isfinite(v)]
         out[key] = float(np.mean(values)) if values else math.nan
     return out
@@ -210,9 +216,10 @@ def summarize_phase2(runs):
 
 def verdict(row):
     """win / loss / no difference detected, from a paired CI of SALT − GRPO final accuracy."""
-    if not math.isfinite(row["low"]):
+    low, high = _num(row["low"]), _num(row["high"])
+    if not math.isfinite(low):
         return "undecided (fewer than 2 seeds)"
-    return "win" if row["low"] > 0 else "loss" if row["high"] < 0 else "no difference detected"
+    return "win" if low > 0 else "loss" if high < 0 else "no difference detected"
 
 
 # ---------------------------------------------------------------- report
@@ -222,9 +229,17 @@ def _f(x, digits=3):
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
+def _num(x):
+    """summary.json writes NaN as null (`strict_json`): read it back as NaN."""
+    return math.nan if x is None else x
+
+
 def _ci(row, digits=3):
-    return f"{row['gain']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]" if math.isfinite(
-        row["gain"]) else "n/a"  # fmt: skip
+    gain, low, high = (_num(row[key]) for key in ("gain", "low", "high"))
+    if not math.isfinite(gain):
+        return "n/a"
+    return f"{gain:+.{digits}f} [{_f(low, digits) if not math.isfinite(low) else f'{low:+.{digits}f}'}, " + (
+        f"{_f(high, digits) if not math.isfinite(high) else f'{high:+.{digits}f}'}]")  # fmt: skip
 
 
 def _md(d):
@@ -260,7 +275,8 @@ def render(summary):
     p2 = summary.get("phase2")
     if p2:
         lines += [
-            f"## Phase 2 (k = {rule['chosen']}): Table 10's columns over the last 20 % of steps, mean ± sd over seeds",
+            f"## Phase 2 (k = {summary['phase2_k']}): Table 10's columns over the last 20 % of steps, mean ± sd over "
+            "seeds",
             "",
             "| condition | acc final | acc mean of evals | n_eff in | n_eff out | D_a | D_g | U⊥ gain | α_t |"
             " sign flip | PR | response length |",
@@ -288,8 +304,9 @@ def render(summary):
         lines += [*[f"- {r}" for r in summary["not_finished"]], ""]
     if summary.get("stopped"):
         lines += ["Runs stopped by an error (left out):", *[f"- {k}: {v}" for k, v in summary["stopped"].items()], ""]
-    lines += ["Commands (each run: these flags, then --train.seed S --reward.noise.seed S --ckpt.output_dir DIR):", ""]
-    lines += [f"- {name}: `openrlhf-geo train {cmd}`" for name, cmd in s["commands"].items()]
+    lines += ["Commands: `openrlhf-geo train` + the length's common flags + the condition's flags + `--train.seed S "
+              "--reward.noise.seed S --ckpt.output_dir DIR`:", ""]  # fmt: skip
+    lines += [f"- {name}: `{cmd}`" for name, cmd in s["commands"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -305,9 +322,11 @@ def load(jobs, steps, stopped):
     return runs
 
 
-def command(j):
+def command(j, common=False):
+    """The run's train flags without seed and output (`common`: without the condition's flags too)."""
     argv = j["argv"]
-    return shlex.join(argv[: argv.index("--train.seed")])
+    end = argv.index("--train.seed") - (len(PHASE2[j["condition"]]) if common else 0)
+    return shlex.join(argv[:end])
 
 
 def run(args, out, workers, execute=True):
@@ -346,7 +365,8 @@ def run(args, out, workers, execute=True):
         stopped.update(run_jobs(jobs2, workers, steps) if execute else {})
         phase2_s = time.perf_counter() - t2
         phase2 = summarize_phase2(load(jobs2, steps, stopped).get(k2, {}))
-    commands = {f"k{j['k']}_{j['condition']}": command(j) for j in [*jobs1, *jobs2]}
+    commands = {f"k{j['k']} common": command(j, common=True) for j in [*jobs1, *jobs2]}
+    commands.update({c: shlex.join(flags) for c, flags in PHASE2.items()})
     summary = {
         "study": "long-cot",
         "setup": {
@@ -369,6 +389,7 @@ def run(args, out, workers, execute=True):
         "phase1": {str(k): v for k, v in phase1.items()},
         "decision": decision,
         "phase2": phase2,
+        "phase2_k": k2,
         "stopped": stopped,
         "not_finished": [j["out"] for j in [*jobs1, *jobs2] if j["out"] not in stopped and not finished(j, steps)],
     }
