@@ -323,23 +323,28 @@ def lm_head_features(
     local_dev = torch.from_numpy(local).to(device)
     weight_dev = torch.from_numpy(masked.weight).to(device=device, dtype=torch.float32)
     token_index = torch.arange(chunk_size, device=device)
+    new_run = np.ones(len(rows), dtype=bool)  # where a run of consecutive positions in one row starts
+    new_run[1:] = (rows[1:] != rows[:-1]) | (masked.cols[1:] != masked.cols[:-1] + 1)
 
     for start, ids in zip(starts, chunk_ids):
         sl = slice(start, start + chunk_size)
         y = masked.y[sl]
         n = len(y)
-        z = masked.take(logits, sl)  # (n, V), a view if one run: never written to
-        h = masked.take(hidden, sl).float()  # (n, d)
         # Σ_t per response present in the chunk, without atomics (deterministic on every device): (u, n) weights.
         assign = torch.zeros(len(ids), n, device=device)
         assign[local_dev[sl], token_index[:n]] = weight_dev[sl]
         if method == "sketch":
             block = torch.zeros(len(ids), width, device=device)
-            for first in range(0, n, tiles.size):
-                part = slice(first, first + tiles.size)
-                spectrum = tiles.spectrum(z[part], y[part], h[part])  # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1)
+            # tiles never cross a run of consecutive positions, so their logits are views: a gather of the chunk's
+            # (n, V) logits cost more than the sketch itself (V = 151936)
+            for tile in _run_tiles(new_run, start, start + n, tiles.size):
+                part = slice(tile.start - start, tile.stop - start)
+                z_tile, h_tile = masked.take(logits, tile), masked.take(hidden, tile).float()
+                spectrum = tiles.spectrum(z_tile, y[part], h_tile)  # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1)
                 block.addmm_(assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
         else:
+            z = masked.take(logits, sl)  # (n, V), a view if one run: never written to
+            h = masked.take(hidden, sl).float()  # (n, d)
             p = torch.softmax(z.float() / temperature if temperature != 1.0 else z.float(), dim=-1)
             if method == "exact":
                 left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
@@ -357,6 +362,14 @@ def lm_head_features(
     if not bool(torch.isfinite(out).all()):
         _raise_non_finite(logits, hidden, rows, masked.cols)
     return out
+
+
+def _run_tiles(new_run: np.ndarray, start: int, stop: int, size: int):
+    """Slices of at most `size` of the masked tokens [start, stop), none crossing the start of a run."""
+    cuts = [start, *(np.flatnonzero(new_run[start + 1 : stop]) + start + 1).tolist(), stop]
+    for first, last in zip(cuts[:-1], cuts[1:]):
+        for tile_start in range(first, last, size):
+            yield slice(tile_start, min(tile_start + size, last))
 
 
 class _TensorSketchTiles:
