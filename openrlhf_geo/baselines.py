@@ -13,10 +13,10 @@ GeoAlign §5.1 / App. B.5 (robust-RL baselines):
     seed_grpo_advantages    Seed-GRPO semantic-entropy advantage scaling, Chen et al. (arXiv 2505.12346)
     math_answer_clusters    semantic-equivalence classes for Seed-GRPO by math-verify equality of boxed answers
 
-``BaselineConfig`` holds the --baseline.* flags (options.py); ``policy_loss`` is the engines' dispatch to the two
-covariance losses. Where they run: the pipeline (pipeline.py) runs PF-PPO / PODS in ``curate`` and Seed-GRPO in
-``seed_grpo``; the local engine PAR, the losses and the entropy bonus; the fork the losses
-(fork_hooks.BaselinePolicyLoss), PF-PPO with keep_count and Seed-GRPO.
+``BaselineConfig`` holds the --baseline.* flags (options.py). Each baseline is registered once (registry.py) with
+the engines that run it: the curations PF-PPO / PODS (the pipeline's ``curate``), the policy losses (``policy_loss``,
+the engines' dispatch) and the adjustments PAR (local engine only) and Seed-GRPO (the pipeline's ``seed_grpo``). The
+entropy bonus is the local engine's (the fork's is upstream's own --actor.entropy_coef term).
 
 The two policy losses and the entropy bonus stay differentiable in their log-prob / entropy inputs (only their token
 selection runs without gradient); every other function runs under ``torch.no_grad``. The rollout-selection
@@ -26,12 +26,23 @@ Random choices come from a CPU ``torch.Generator``.
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
+from openrlhf_geo.config_flags import setting
 from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.registry import (
+    ADJUSTMENTS,
+    CURATIONS,
+    POLICY_LOSSES,
+    Adjustment,
+    PolicyLoss,
+    baseline_curations,
+    register_curation,
+    register_policy_loss,
+)
 from openrlhf_geo.rewards.math_verify import extract_last_boxed, score_answer
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -41,8 +52,11 @@ SE_ESTIMATORS = ("mc", "shannon")
 # SALT Table 4; the covariance bounds are also Cui et al.'s released defaults (verl clip_cov_lb / clip_cov_ub).
 CLIP_COV_RATIO, CLIP_COV_LB, CLIP_COV_UB, CLIP_COV_CLIP = 2e-4, 1.0, 5.0, 1.0
 KL_COV_RATIO, KL_COV_COEF = 2e-3, 1.0
-POLICY_LOSSES = ("ppo", "clip_cov", "kl_cov")
-CURATIONS = {"pf_ppo_br": "best_random", "pf_ppo_bw": "best_worst", "pods": None}  # flag value -> pf_ppo_plan mode
+
+
+def _only_with(policy_loss):
+    """Field metadata: the setting belongs to --baseline.policy_loss `policy_loss` (options.validate)."""
+    return {"policy_loss": policy_loss}
 
 
 @dataclass(frozen=True)
@@ -57,23 +71,46 @@ class BaselineConfig:
     par_references    0 (off) or PAR's M reference responses per prompt (``par_rewards``)
     """
 
-    policy_loss: str = "ppo"
-    clip_cov_ratio: float = CLIP_COV_RATIO
-    clip_cov_lb: float = CLIP_COV_LB
-    clip_cov_ub: float = CLIP_COV_UB
-    kl_cov_ratio: float = KL_COV_RATIO
-    kl_cov_coef: float = KL_COV_COEF
-    curation: str | None = None
-    pods_m: int | None = None
-    pf_ppo_keep_count: bool = False
-    seed_grpo_alpha: float | None = None
-    par_references: int = 0
+    FLAG_PREFIX = "baseline"
+
+    policy_loss: str = setting(
+        "ppo",
+        "per-token policy loss: ppo (the engine's own clipped surrogate), clip_cov or kl_cov (Cui et al., "
+        "arXiv 2505.22617)",
+        choices=lambda: POLICY_LOSSES,
+    )
+    clip_cov_ratio: float = setting(CLIP_COV_RATIO, "Clip-Cov token ratio", metadata=_only_with("clip_cov"))
+    clip_cov_lb: float = setting(CLIP_COV_LB, "Clip-Cov covariance lower bound", metadata=_only_with("clip_cov"))
+    clip_cov_ub: float = setting(CLIP_COV_UB, "Clip-Cov covariance upper bound", metadata=_only_with("clip_cov"))
+    kl_cov_ratio: float = setting(KL_COV_RATIO, "KL-Cov token ratio", metadata=_only_with("kl_cov"))
+    kl_cov_coef: float = setting(KL_COV_COEF, "KL-Cov KL coefficient", metadata=_only_with("kl_cov"))
+    curation: str | None = setting(
+        None,
+        "rollout selection instead of GeoAlign: PF-PPO best-vs-random / best-vs-worst, or PODS max-variance",
+        choices=baseline_curations,
+    )
+    pods_m: int | None = setting(
+        None,
+        "PODS: rollouts kept per prompt (required with --baseline.curation pods)",
+        metadata={"curation": ("pods",)},
+        type=int,
+    )
+    pf_ppo_keep_count: bool = setting(
+        False,
+        "PF-PPO: the best and its partner refill the filtered slots instead of dropping them (the fork needs it)",
+        metadata={"curation": ("pf_ppo_br", "pf_ppo_bw")},
+    )
+    seed_grpo_alpha: float | None = setting(
+        None,
+        "Seed-GRPO (arXiv 2505.12346): scale each prompt's advantages by 1 - alpha * SE / log G",
+        type=float,
+    )
+    par_references: int = setting(
+        0, "PAR (arXiv 2502.18770): reference responses per prompt from the initial policy (local engine only)"
+    )
 
     def __post_init__(self):
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"--baseline.policy_loss must be one of {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})"
-            )
+        POLICY_LOSSES[self.policy_loss]  # ValueError naming the registered losses
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
@@ -89,19 +126,16 @@ class BaselineConfig:
             )
         if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef >= 0):
             raise ValueError(f"--baseline.kl_cov_coef must be a finite number >= 0 (got {self.kl_cov_coef!r})")
-        if self.curation is not None and self.curation not in CURATIONS:
-            raise ValueError(f"--baseline.curation must be one of {', '.join(CURATIONS)} (got {self.curation!r})")
-        if (self.curation == "pods") != (self.pods_m is not None):
-            raise ValueError(
-                "--baseline.curation pods needs --baseline.pods_m M (rollouts kept per prompt; GeoAlign does not "
-                "report its PODS setting) and --baseline.pods_m only applies with it"
-            )
-        if self.pods_m is not None and not (isinstance(self.pods_m, int) and self.pods_m >= 1):
-            raise ValueError(f"--baseline.pods_m must be an integer >= 1 (got {self.pods_m!r})")
-        if self.pf_ppo_keep_count and self.curation not in ("pf_ppo_br", "pf_ppo_bw"):
-            raise ValueError(
-                "--baseline.pf_ppo_keep_count only applies with --baseline.curation pf_ppo_br or pf_ppo_bw"
-            )
+        if self.curation is not None and self.curation not in baseline_curations():
+            choices = ", ".join(baseline_curations())
+            raise ValueError(f"--baseline.curation must be one of {choices} (got {self.curation!r})")
+        for f in fields(self):  # a curation's own settings: only with that curation
+            owners = f.metadata.get("curation")
+            if owners and getattr(self, f.name) != f.default and self.curation not in owners:
+                raise ValueError(f"--baseline.{f.name} only applies with --baseline.curation {' or '.join(owners)}")
+        message = None if self.curation is None else CURATIONS[self.curation].check(self)
+        if message is not None:
+            raise ValueError(message)
         if self.seed_grpo_alpha is not None and not (
             isinstance(self.seed_grpo_alpha, (int, float)) and 0 <= self.seed_grpo_alpha <= 1
         ):
@@ -112,12 +146,12 @@ class BaselineConfig:
     @property
     def drops_rollouts(self) -> bool:
         """True when the curation plan can drop rollouts (keep False): PODS, and PF-PPO without keep_count."""
-        return self.curation == "pods" or (self.curation is not None and not self.pf_ppo_keep_count)
+        return self.curation is not None and CURATIONS[self.curation].drops(self)
 
     @property
     def in_pipeline(self) -> bool:
-        """Whether a per-step pipeline baseline is on (curation, Seed-GRPO or PAR; the policy losses are the loss)."""
-        return self.curation is not None or self.seed_grpo_alpha is not None or self.par_references > 0
+        """Whether a per-step pipeline baseline is on (a curation or an adjustment; the policy losses are the loss)."""
+        return self.curation is not None or any(entry.enabled(self) for entry in ADJUSTMENTS.values())
 
 
 def _aggregate(per_token, mask, mode, normalizer):
@@ -311,8 +345,8 @@ def kl_cov_policy_loss(log_probs, old_log_probs, advantages, mask, *, ratio=KL_C
 
 
 def policy_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator=None):
-    """--baseline.policy_loss clip_cov | kl_cov -> (per-token loss (N, T), stats): ``clip_cov_policy_loss`` or
-    ``kl_cov_policy_loss`` with the config's settings; both engines aggregate it as they aggregate their PPO loss.
+    """--baseline.policy_loss <registered loss> -> (per-token loss (N, T), stats) with the config's settings; both
+    engines aggregate it as they aggregate their PPO loss.
 
     clip_low / clip_high: the engine's PPO clip ratios (Clip-Cov clips with them; SALT Table 4 sets 1 / 1 for it).
     advantages (N,) per sequence or (N, T) per token. config.policy_loss ppo is the engine's own loss: ValueError.
@@ -320,24 +354,42 @@ def policy_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, cl
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(log_probs)
     advantages = advantages.to(log_probs.dtype)
-    if config.policy_loss == "clip_cov":
-        return clip_cov_policy_loss(
-            log_probs,
-            old_log_probs,
-            advantages,
-            mask,
-            ratio=config.clip_cov_ratio,
-            cov_lb=config.clip_cov_lb,
-            cov_ub=config.clip_cov_ub,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            generator=generator,
-        )
-    if config.policy_loss == "kl_cov":
-        return kl_cov_policy_loss(
-            log_probs, old_log_probs, advantages, mask, ratio=config.kl_cov_ratio, kl_coef=config.kl_cov_coef
-        )
-    raise ValueError(f"policy_loss: {config.policy_loss!r} is the engine's own loss, not a baseline")
+    loss = POLICY_LOSSES[config.policy_loss].loss
+    if loss is None:
+        raise ValueError(f"policy_loss: {config.policy_loss!r} is the engine's own loss, not a baseline")
+    return loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator)
+
+
+def _clip_cov_fits(config, eps_low):
+    if not eps_low <= 1:
+        return f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})"
+    return None
+
+
+POLICY_LOSSES.register(PolicyLoss("ppo", None))
+
+
+@register_policy_loss("clip_cov", clip_frac="clip_cov/ppo_clip_frac", check=_clip_cov_fits)
+def _clip_cov(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator):
+    return clip_cov_policy_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        ratio=config.clip_cov_ratio,
+        cov_lb=config.clip_cov_lb,
+        cov_ub=config.clip_cov_ub,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        generator=generator,
+    )
+
+
+@register_policy_loss("kl_cov")
+def _kl_cov(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator):
+    return kl_cov_policy_loss(
+        log_probs, old_log_probs, advantages, mask, ratio=config.kl_cov_ratio, kl_coef=config.kl_cov_coef
+    )
 
 
 def _best(rows, values, keys):
@@ -398,6 +450,35 @@ def pf_ppo_plan(rewards, group_ids, mode="best_random", generator=None, *, keep_
     return plan.to(rewards.device), stats
 
 
+def _fork_keeps_counts(config):
+    """The fork refuses a plan that drops rollouts (its groups and accumulation steps have fixed sizes)."""
+    if not config.drops_rollouts:
+        return None
+    return (
+        f"--baseline.curation {config.curation} drops rollouts, which OpenRLHF's fixed n_samples_per_prompt groups, "
+        "micro-batches and DeepSpeed accumulation steps cannot take: in the fork use PF-PPO with "
+        "--baseline.pf_ppo_keep_count (the pair refills the filtered slots); PODS and dropping PF-PPO run on the "
+        "local engine"
+    )
+
+
+def _pf_ppo(mode):
+    def plan(step, rewards, hidden):
+        config = step.owner.baseline
+        generator = step.owner.generators["baseline"]
+        return pf_ppo_plan(rewards, step.group_ids, mode, generator, keep_count=config.pf_ppo_keep_count)
+
+    return plan
+
+
+def _pf_ppo_drops(config):
+    return not config.pf_ppo_keep_count
+
+
+register_curation("pf_ppo_br", drops=_pf_ppo_drops, fork=_fork_keeps_counts)(_pf_ppo("best_random"))
+register_curation("pf_ppo_bw", drops=_pf_ppo_drops, fork=_fork_keeps_counts)(_pf_ppo("best_worst"))
+
+
 @torch.no_grad()
 def par_rewards(rewards, reference_rewards):
     """PAR, preference as reward (Fu et al., arXiv 2502.18770; formula as in the authors' released reward shaper)
@@ -434,6 +515,21 @@ def par_rewards(rewards, reference_rewards):
         "par/reference_mean": float(refs[present].mean()) if present.any() else math.nan,
     }
     return shaped.to(rewards.dtype), stats
+
+
+ADJUSTMENTS.register(
+    Adjustment(
+        "par",
+        "reward",
+        enabled=lambda config: config.par_references > 0,
+        fork=lambda config: (
+            "--baseline.par_references: PAR needs, every step, reward-model scores of M reference responses per "
+            "prompt sampled from the frozen initial policy; the fork's experience maker has no such generation pass "
+            "(it would need the initial weights in vLLM beside the policy's). Run PAR on the local engine "
+            "(`openrlhf-geo train --baseline.par_references M`)"
+        ),
+    )
+)
 
 
 def _max_variance_subset(values, m):
@@ -487,6 +583,22 @@ def pods_plan(rewards, group_ids, m):
         "pods/reward_var_after": float(np.mean(after)) if after else math.nan,
     }
     return plan.to(rewards.device), stats
+
+
+def _pods_m_given(config):
+    if config.pods_m is None:
+        return (
+            "--baseline.curation pods needs --baseline.pods_m M (rollouts kept per prompt; GeoAlign does not report "
+            "its PODS setting)"
+        )
+    if not (isinstance(config.pods_m, int) and config.pods_m >= 1):
+        return f"--baseline.pods_m must be an integer >= 1 (got {config.pods_m!r})"
+    return None
+
+
+@register_curation("pods", drops=lambda config: True, fork=_fork_keeps_counts, check=_pods_m_given)
+def _pods(step, rewards, hidden):
+    return pods_plan(rewards, step.group_ids, step.owner.baseline.pods_m)
 
 
 @torch.no_grad()
@@ -548,6 +660,9 @@ def seed_grpo_advantages(advantages, cluster_ids, group_ids, alpha, estimator="m
         "seed_grpo/scale_min": float(scale.min()) if len(scale) else math.nan,
     }
     return scaled, stats
+
+
+ADJUSTMENTS.register(Adjustment("seed_grpo", "advantage", enabled=lambda config: config.seed_grpo_alpha is not None))
 
 
 def _in_process_verdicts(responses, golds):

@@ -9,7 +9,8 @@ One flag's path through the fork, by the upstream file whose diff makes the call
     trainer/ppo_utils/experience_maker.py   (RemoteExperienceMaker, in the trainer process)
         ExperienceGeometry.take_actor_outputs   per-response geometry onto each micro-batch (side attribute)
         ExperienceGeometry.start_batch          reward noise (--reward.noise.*) where rewards are known
-        GeometryBatch.curate                    GeoAlign or PF-PPO, after rewards and before group statistics
+        GeometryBatch.curate                    the registered curation (GeoAlign, PF-PPO), after rewards and before
+                                                group statistics
         GeometryBatch.salt                      Seed-GRPO, then SALT a', on the group-normalized advantages
         GeometryBatch.finish                    replacement multiplicities on advantage rows; metrics into `info`
     trainer/ppo_trainer.py    save_geometry_state / load_geometry_state: projector + RNG states in checkpoints
@@ -36,6 +37,7 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
+from openrlhf_geo.registry import POLICY_LOSSES
 
 # Estimators whose per-prompt sequence advantages reach the loss unchanged (no batch whitening afterwards), so
 # GeoAlign's replacement can be expressed as multiplicities on advantage rows.
@@ -52,85 +54,49 @@ DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
 
 
 def validate_args(args) -> None:
-    """`options.validate`, then what the fork cannot run; raises ValueError naming the flag (shown by parser.error)."""
-    options.validate(args)
+    """`options.validate` for the fork (which also asks the registries what the fork cannot run), then the fork's
+    own limits; raises ValueError naming the flag (shown by parser.error)."""
+    options.validate(args, engine="fork")
     salt, geo = args.salt, args.geoalign
     if (salt.enable or geo.enable) and args.ds.ring_attn_size > 1:
         raise ValueError(
             f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT and GeoAlign "
             "read every response's features and last hidden state from one forward: use --ds.ring_attn_size 1"
         )
+    estimator = args.algo.advantage.estimator
     baseline = options.baseline_config(args)
     if baseline is not None:
-        _validate_baseline(args, baseline)
-    if not geo.enable:
-        return
-    config = options.geoalign_config(args)
-    if config.mode == "drop":
-        raise ValueError(
-            "--geoalign.mode drop changes per-prompt rollout counts, which OpenRLHF's fixed n_samples_per_prompt "
-            "groups, micro-batches and DeepSpeed accumulation steps cannot take; in the fork use replace, amplify, "
-            "or zero (removes a flagged rollout's gradient and keeps the batch shape)"
-        )
-    estimator = args.algo.advantage.estimator
-    if estimator not in GEOALIGN_ESTIMATORS:
+        if (baseline.curation or baseline.seed_grpo_alpha is not None) and estimator not in GEOALIGN_ESTIMATORS:
+            flag = "--baseline.curation" if baseline.curation else "--baseline.seed_grpo_alpha"
+            raise ValueError(
+                f"{flag} needs a per-prompt group estimator without batch whitening: "
+                f"{', '.join(GEOALIGN_ESTIMATORS)} (or salt with one of them as --salt.base) (got {estimator!r})"
+            )
+        if POLICY_LOSSES[baseline.policy_loss].loss is not None:
+            ignored = {
+                "--actor.dual_clip": args.actor.dual_clip is not None,
+                "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
+                "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
+            }
+            given = [flag for flag, on in ignored.items() if on]
+            if given:
+                raise ValueError(
+                    f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
+                    f"{given[0]} would be silently ignored: drop it"
+                )
+    if geo.enable and estimator not in GEOALIGN_ESTIMATORS:
         via = " (from --salt.base)" if salt.enable else ""
         raise ValueError(
             "--geoalign.enable needs a per-prompt group estimator without batch whitening: "
             f"{', '.join(GEOALIGN_ESTIMATORS)} or salt with one of them as --salt.base (got {estimator!r}{via})"
         )
-    if config.device != "cpu":
-        raise ValueError(
-            f"--geoalign.device {config.device}: the fork curates inside OpenRLHF's trainer actor, which Ray starts "
-            "without a GPU; use cpu (the default)"
-        )
-
-
-def _validate_baseline(args, baseline) -> None:
-    """The --baseline.* settings the fork cannot run."""
-    if baseline.par_references:
-        raise ValueError(
-            "--baseline.par_references: PAR needs, every step, reward-model scores of M reference responses per "
-            "prompt sampled from the frozen initial policy; the fork's experience maker has no such generation pass "
-            "(it would need the initial weights in vLLM beside the policy's). Run PAR on the local engine "
-            "(`openrlhf-geo train --baseline.par_references M`)"
-        )
-    if baseline.drops_rollouts:
-        raise ValueError(
-            f"--baseline.curation {baseline.curation} drops rollouts, which OpenRLHF's fixed n_samples_per_prompt "
-            "groups, micro-batches and DeepSpeed accumulation steps cannot take: in the fork use PF-PPO with "
-            "--baseline.pf_ppo_keep_count (the pair refills the filtered slots); PODS and dropping PF-PPO run on "
-            "the local engine"
-        )
-    estimator = args.algo.advantage.estimator
-    if (baseline.curation or baseline.seed_grpo_alpha is not None) and estimator not in GEOALIGN_ESTIMATORS:
-        flag = "--baseline.curation" if baseline.curation else "--baseline.seed_grpo_alpha"
-        raise ValueError(
-            f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(GEOALIGN_ESTIMATORS)} "
-            f"(or salt with one of them as --salt.base) (got {estimator!r})"
-        )
-    eps_low = (args.actor.eps_clip_low_high or (args.actor.eps_clip,))[0]
-    if baseline.policy_loss == "clip_cov" and not eps_low <= 1:
-        raise ValueError(f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})")
-    if baseline.policy_loss != "ppo":
-        ignored = {
-            "--actor.dual_clip": args.actor.dual_clip is not None,
-            "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
-            "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
-        }
-        given = [flag for flag, on in ignored.items() if on]
-        if given:
-            raise ValueError(
-                f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
-                f"{given[0]} would be silently ignored: drop it"
-            )
 
 
 def policy_loss(args, upstream):
     """The actor's policy loss (ActorPPOTrainer.actor_loss_fn): upstream's PolicyLoss `upstream`, or with
     --baseline.policy_loss clip_cov | kl_cov a BaselinePolicyLoss taking its clip ratios and aggregation."""
     baseline = options.baseline_config(args) if _section(args, "baseline") is not None else None
-    if baseline is None or baseline.policy_loss == "ppo":
+    if baseline is None or POLICY_LOSSES[baseline.policy_loss].loss is None:
         return upstream
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     generator = torch.Generator().manual_seed(args.train.seed + rank)  # Clip-Cov's draw, one stream per rank
@@ -140,12 +106,13 @@ def policy_loss(args, upstream):
 
 
 class BaselinePolicyLoss:
-    """Clip-Cov / KL-Cov (`baselines.policy_loss`) with upstream PolicyLoss's call signature and return tuple
-    (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), aggregated by upstream's `aggregate_loss` with the
-    micro-batch's loss_batch_info (dp_size, batch_num_tokens, global_batch_size), as PolicyLoss aggregates.
+    """A registered policy loss (Clip-Cov, KL-Cov: `baselines.policy_loss`) with upstream PolicyLoss's call signature
+    and return tuple (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), aggregated by upstream's `aggregate_loss`
+    with the micro-batch's loss_batch_info (dp_size, batch_num_tokens, global_batch_size), as PolicyLoss aggregates.
 
-    clip_ratio: the share of valid tokens the PPO clip cuts off (Clip-Cov; upstream's definition), 0 for KL-Cov,
-    which has no ratio clip; ppo_kl as upstream's; vllm_kl and is_filter_ratio None (no IS correction).
+    clip_ratio: the share of valid tokens the PPO clip cuts off (the loss's registered `clip_frac` stat; upstream's
+    definition), 0 for a loss without a ratio clip (KL-Cov); ppo_kl as upstream's; vllm_kl and is_filter_ratio None
+    (no IS correction).
     """
 
     def __init__(self, config, clip_eps_low, clip_eps_high, token_level_loss, generator):
@@ -184,7 +151,8 @@ class BaselinePolicyLoss:
             batch_num_tokens=batch_num_tokens,
             global_batch_size=global_batch_size,
         )
-        clip_ratio = torch.tensor(stats.get("clip_cov/ppo_clip_frac", 0.0), device=log_probs.device)
+        clip_frac = POLICY_LOSSES[self.config.policy_loss].clip_frac
+        clip_ratio = torch.tensor(stats.get(clip_frac, 0.0), device=log_probs.device)
         valid = mask.float()
         ppo_kl = ((old_log_probs - log_probs).detach() * valid).sum() / valid.sum().clamp(min=1)
         return loss, clip_ratio, ppo_kl, None, None
@@ -352,13 +320,13 @@ class GeometryBatch:
         return self._prompt_order(torch.cat([getattr(exp, SIDE_ATTR)[key] for exp in self.experiences]))
 
     def curate(self, rewards, indices):
-        """GeoAlign or PF-PPO between rewards and group statistics: rewards (N,) prompt order -> slot rewards."""
+        """The registered curation (GeoAlign, PF-PPO) between rewards and group statistics: rewards (N,) prompt order
+        -> slot rewards."""
         if not self.owner.active or self.owner.pipeline.curation is None:
             return rewards
         if not torch.equal(indices, self.indices):
             raise RuntimeError("experience order changed between start_batch and curate")
-        geoalign = self.owner.pipeline.curation == "geoalign"
-        hidden = self._geometry("hidden") if geoalign else None
+        hidden = self._geometry("hidden") if self.owner.pipeline.curation.needs_hidden else None
         rewards = rewards.reshape(-1)  # (N,) or an HTTP reward model's (N, 1)
         slot_rewards = self.step.curate(rewards, hidden)
         if self.dump is not None:

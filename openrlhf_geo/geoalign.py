@@ -23,6 +23,8 @@ from scipy import optimize
 from scipy.stats import gaussian_kde, mannwhitneyu
 from torch import nn
 
+from openrlhf_geo.config_flags import setting
+
 PRESETS = {
     # alpha: §5.1 "Implementation" (0.05 on Math, 0.12 on HH-RLHF; App. C.2 sensitivity);
     # val_acc: App. C.1 early stop "once validation accuracy surpasses ... 95% for Math and 85% for HH-RLHF".
@@ -33,8 +35,8 @@ RULES = ("pointwise", "threshold")
 MODES = ("replace", "zero", "drop", "amplify")
 GDI_KINDS = ("cumulative", "mean")
 PROTOTYPES = ("margin", "plain")
-# config fields set by --geoalign.projector.<field>; every other field is --geoalign.<field>
-PROJECTOR_FIELDS = ("hidden_sizes", "out_dim", "steps", "lr", "pair_batch", "val_acc", "val_frac", "warm_start")
+# field metadata of the settings of --geoalign.projector.<field>; every other field is --geoalign.<field>
+PROJECTOR = {"group": "projector"}
 SKIP_REASONS = ("no_pairs", "few_scores", "degenerate")  # stats["skipped_reason"] when curation did not run
 
 # A pair whose hidden states differ by less than this fraction of their norm (~10 float32 ulps) has no direction.
@@ -63,26 +65,71 @@ class GeoAlignConfig:
     (which validates again) is the way to change one. `GeoAlignConfig.preset("math" | "rlhf", **overrides)` gives
     the paper's per-task values; the field defaults are the "math" preset."""
 
-    alpha: float = 0.05  # §4.4: flag where density < alpha * peak (a fraction in (0, 1))
-    rule: str = "pointwise"  # anomaly rule, see kde_flags: pointwise (§4.4, the paper) | threshold (reference code)
-    mode: str = "replace"  # replace (Best-Random, Eq. 8) | zero | drop (App. C.5) | amplify (Anomaly-Amplify, §5.4)
-    gdi: str = "cumulative"  # cumulative (Eq. 7) | mean (the normalized ablation of §5.4)
-    prototype: str = "margin"  # margin-weighted (Eq. 5) | plain mean (the reference code)
+    FLAG_PREFIX = "geoalign"
+
+    alpha: float = setting(  # §4.4 (a fraction in (0, 1))
+        0.05, "flag rollouts whose GDI density < alpha * peak on the high tail"
+    )
+    rule: str = setting(  # see kde_flags
+        "pointwise",
+        "anomaly rule: pointwise = the paper's (§4.4: GDI right of the mode and its own density < alpha * peak) or "
+        "threshold = the released code's (every score past the first crossing right of the mode)",
+        choices=RULES,
+    )
+    mode: str = setting(
+        "replace",
+        "rectification: replace (Best-Random, Eq. 8), zero, drop (App. C.5) or amplify (Anomaly-Amplify, §5.4)",
+        choices=MODES,
+    )
+    gdi: str = setting(
+        "cumulative", "GDI aggregation: cumulative (Eq. 7) or mean (§5.4's ablation)", choices=GDI_KINDS
+    )
+    prototype: str = setting(
+        "margin", "margin-weighted prototype (Eq. 5) or plain mean (the reference code)", choices=PROTOTYPES
+    )
     # Opt-in gates from the reference code, not in the paper (None or 0 = off; the reference code uses 0.2 and 100):
-    max_flag_frac: float | None = None  # flag at most this fraction of the scored rollouts, highest GDI first
-    min_scores: int | None = None  # fewer scored rollouts than this -> flag nothing
-    max_pairs_per_side: int = 0  # §4.5: >0 pairs only each prompt's top-m winners with its bottom-m losers
+    max_flag_frac: float | None = setting(
+        None,
+        "opt-in cap on the flagged fraction of the scored rollouts, highest GDI first (not in the paper; the "
+        "reference code uses 0.2)",
+        type=float,
+    )
+    min_scores: int | None = setting(
+        None,
+        "opt-in: fewer GDI scores -> flag nothing (not in the paper; the reference code uses 100)",
+        type=int,
+    )
+    max_pairs_per_side: int = setting(  # §4.5
+        0, "per prompt pair only the top-m winners with the bottom-m losers; 0 = all pairs"
+    )
     # Projector M_psi and its temporary linear probe, trained on every call (§4.2 "Implementation", App. C.1).
     # The paper gives "3-layer MLP with ReLU", 50 steps, cosine LR from 1e-3; the widths are ours (Table 6 is lost).
-    hidden_sizes: tuple = (512, 512)
-    out_dim: int = 128
-    steps: int = 50
-    lr: float = 1e-3
-    pair_batch: int = 1024  # pairs per Adam step, epoch-wise shuffled (reference code: batches of 1024); 0 = all
-    val_acc: float = 0.95  # App. C.1: stop once validation accuracy "surpasses" this (>=, as the reference code)
-    val_frac: float = 0.1  # fraction of the paired prompts held out for validation (reference code: 10 % of pairs)
-    warm_start: bool = True  # keep the projector across steps (Algorithm 1 initialises M_psi once, line 1)
-    device: str = "cpu"
+    hidden_sizes: tuple = setting(
+        (512, 512), "hidden widths of the projector MLP", metadata=PROJECTOR, type=int, nargs="+"
+    )
+    out_dim: int = setting(128, "projector output width", metadata=PROJECTOR)
+    steps: int = setting(50, "projector Adam steps per batch", metadata=PROJECTOR)
+    lr: float = setting(1e-3, "projector peak LR, cosine decay", metadata=PROJECTOR)
+    pair_batch: int = setting(  # epoch-wise shuffled
+        1024,
+        "pairs per projector step (the released code's 1024); 0 = every pair of the batch",
+        metadata=PROJECTOR,
+    )
+    val_acc: float = setting(  # App. C.1: stop once validation accuracy "surpasses" this (>=, as the reference code)
+        0.95, "early-stop validation accuracy", metadata=PROJECTOR
+    )
+    val_frac: float = setting(  # reference code: 10 % of pairs
+        0.1, "fraction of the paired prompts held out for validation", metadata=PROJECTOR
+    )
+    warm_start: bool = setting(  # Algorithm 1 initialises M_psi once (line 1)
+        True,
+        "re-initialise the projector every step instead of keeping it",
+        metadata=PROJECTOR,
+        flag="no_warm_start",
+        action="store_const",
+        const=False,
+    )
+    device: str = setting("cpu", "device of the projector", type=str)
 
     def __post_init__(self):
         if isinstance(self.hidden_sizes, list):
@@ -123,9 +170,10 @@ class GeoAlignConfig:
             ("warm_start", isinstance(self.warm_start, bool), "True or False"),
             ("device", isinstance(self.device, str), "a torch device string such as cpu or cuda:0"),
         )
+        groups = {f.name: f.metadata.get("group") for f in fields(self)}
         for name, ok, requirement in checks:
             if not ok:
-                flag = f"--geoalign.projector.{name}" if name in PROJECTOR_FIELDS else f"--geoalign.{name}"
+                flag = ".".join(part for part in ("--geoalign", groups[name], name) if part)
                 raise ValueError(f"{flag} must be {requirement} (got {getattr(self, name)!r})")
         try:
             torch.device(self.device)
@@ -175,10 +223,6 @@ class CurationPlan:
     def to(self, device):
         """The same plan with every tensor on `device`."""
         return CurationPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-    def multiplicity(self):
-        """(N,) long: how many kept slots each original rollout fills (0 = replaced or dropped, 2+ = copied)."""
-        return torch.bincount(self.source[self.keep], minlength=self.source.numel())
 
     def apply(self, x):
         """The kept slots' content, in slot order: `x[source[keep]]` for a tensor (rows) or a sequence (items)."""

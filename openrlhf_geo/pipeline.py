@@ -6,7 +6,8 @@ and call, in this order:
     rewards, corrupted = pipeline.corrupt(rewards, group_ids)    --reward.noise.*  reward noise
     step = pipeline.start(group_ids, corrupted)
     slot_rewards = step.curate(rewards, hidden)                  --geoalign.*      GeoAlign Eq. 3-8 (plan), or
-                                                                 --baseline.curation  PF-PPO / PODS (plan)
+                                                                 --baseline.curation  PF-PPO / PODS (plan): the
+                                                                 registered curation (registry.CURATIONS)
     (the engine's group statistics on the slot rewards -> sequence advantages a (N,))
     a = step.seed_grpo(a, responses, verifier)                   --baseline.seed_grpo_alpha  Seed-GRPO scaling
     a_slot = step.reweight(a, features, entropy, lengths)        --salt.*          SALT Eq. 12-18 per partition
@@ -43,18 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_geo import diagnostics
-from openrlhf_geo.baselines import (
-    CURATIONS,
-    BaselineConfig,
-    math_answer_clusters,
-    pf_ppo_plan,
-    pods_plan,
-    seed_grpo_advantages,
-)
+from openrlhf_geo.baselines import BaselineConfig, math_answer_clusters, seed_grpo_advantages
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector, curate
+from openrlhf_geo.registry import active_curation, register_curation
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
-from openrlhf_geo.salt import VARIANTS, SaltConfig, entropy_alpha, salt_advantages
+from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
 
 # What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
 # batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
@@ -174,7 +169,10 @@ class GeometryConfig:
 
     def __post_init__(self):
         if self.geoalign is not None and self.baseline is not None and self.baseline.curation is not None:
-            raise ValueError(f"--baseline.curation {self.baseline.curation} and --geoalign.enable: use one of them")
+            raise ValueError(
+                f"--baseline.curation {self.baseline.curation} and --geoalign.enable both choose which rollouts to "
+                "train on: use one of them"
+            )
 
     @property
     def active(self) -> bool:
@@ -190,7 +188,7 @@ class GeometryConfig:
             features=self.salt.features if self.salt is not None else None,
             dim=self.salt.dim if self.salt is not None else 4096,
             seed=self.salt.seed if self.salt is not None else 0,
-            entropy=self.salt is not None and VARIANTS[self.salt.variant].needs_entropy,
+            entropy=self.salt is not None and self.salt.needs_entropy,
             hidden=self.geoalign is not None,
         )
 
@@ -241,6 +239,51 @@ def check_finite(name, values, group_ids, step):
         )
 
 
+def _geoalign_fork(config):
+    if config.mode == "drop":
+        return (
+            "--geoalign.mode drop changes per-prompt rollout counts, which OpenRLHF's fixed n_samples_per_prompt "
+            "groups, micro-batches and DeepSpeed accumulation steps cannot take; in the fork use replace, amplify, "
+            "or zero (removes a flagged rollout's gradient and keeps the batch shape)"
+        )
+    if config.device != "cpu":
+        return (
+            f"--geoalign.device {config.device}: the fork curates inside OpenRLHF's trainer actor, which Ray starts "
+            "without a GPU; use cpu (the default)"
+        )
+    return None
+
+
+@register_curation(
+    "geoalign",
+    config="geoalign",
+    metrics="geo",
+    drops=lambda config: config.mode == "drop",
+    fork=_geoalign_fork,
+    needs_hidden=True,
+)
+def _geoalign(step, rewards, hidden):
+    """GeoAlign Eq. 3-8 with the run's warm-started projector; keeps the per-rollout details (`step.curation`)."""
+    plan, stats = curate(
+        hidden,
+        rewards,
+        step.group_ids,
+        step.owner.geoalign,
+        step.owner.generators["geoalign"],
+        projector=step.owner.projector_for(hidden.shape[1]),
+        corrupted=step.corrupted,
+    )
+    plan = plan.to("cpu")
+    step.curation = {
+        "gdi": plan.gdi,
+        "corrupted": step.corrupted,
+        "flagged": plan.flagged,
+        "rewards": rewards,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
+        "group_ids": step.group_ids,
+    }
+    return plan, stats
+
+
 class GeometryPipeline:
     """The state that lives across steps: configs, GeoAlign's warm-started projector, the random streams and
     SALT entropy-alpha's running min/max of H_t. `state_dict`/`load_state_dict` checkpoint all of it."""
@@ -266,11 +309,10 @@ class GeometryPipeline:
         return self.config.active
 
     @property
-    def curation(self) -> str | None:
-        """Who picks each slot's rollout: "geoalign", a --baseline.curation value, or None (every rollout its own)."""
-        if self.geoalign is not None:
-            return "geoalign"
-        return self.baseline.curation if self.baseline is not None else None
+    def curation(self):
+        """Who picks each slot's rollout: the registered Curation (GeoAlign or a --baseline.curation), or None (every
+        rollout fills its own slot)."""
+        return active_curation(self.config)
 
     def corrupt(self, rewards, group_ids, paid=None):
         """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool).
@@ -342,49 +384,15 @@ class GeometryStep:
             values[part] = math.nan if value is None else float(value)
 
     def curate(self, rewards, hidden):
-        """GeoAlign, or PF-PPO / PODS (--baseline.curation), between rewards and group statistics: rewards (N,) ->
-        slot rewards rewards[source]. hidden (N, d) is GeoAlign's input (None for the baselines)."""
+        """The registered curation (GeoAlign, PF-PPO, PODS, ...) between rewards and group statistics: rewards (N,)
+        -> slot rewards rewards[source]. hidden (N, d): the input of a curation that `needs_hidden` (else None)."""
         curation = self.owner.curation
         if curation is None:
             return rewards
-        if curation != "geoalign":
-            return self._baseline_curate(rewards, curation)
-        config = self.owner.geoalign
-        rewards_cpu = rewards.detach().cpu()
-        projector = self.owner.projector_for(hidden.shape[1])
-        plan, stats = curate(
-            hidden,
-            rewards_cpu,
-            self.group_ids,
-            config,
-            self.owner.generators["geoalign"],
-            projector=projector,
-            corrupted=self.corrupted,
-        )
+        plan, stats = curation.plan(self, rewards.detach().cpu(), hidden)
         self.plan = plan.to("cpu")
-        self._record("geo", stats)
-        self.curation = {
-            "gdi": self.plan.gdi,
-            "corrupted": self.corrupted,
-            "flagged": self.plan.flagged,
-            "rewards": rewards_cpu,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
-            "group_ids": self.group_ids,
-        }
+        self._record(curation.metrics, stats)
         return rewards[self.plan.source.to(rewards.device)]
-
-    def _baseline_curate(self, rewards, curation):
-        """PF-PPO (GeoAlign App. B.5; Zhang et al., arXiv 2409.06957) or PODS (Xu et al., arXiv 2504.13818) plans."""
-        rewards_cpu, generator = rewards.detach().cpu(), self.owner.generators["baseline"]
-        if curation == "pods":
-            plan, stats = pods_plan(rewards_cpu, self.group_ids, self.owner.baseline.pods_m)
-        else:
-            keep_count = self.owner.baseline.pf_ppo_keep_count
-            plan, stats = pf_ppo_plan(
-                rewards_cpu, self.group_ids, CURATIONS[curation], generator, keep_count=keep_count
-            )
-        self.plan = plan
-        self._record("baseline", stats)
-        return rewards[plan.source.to(rewards.device)]
 
     def seed_grpo(self, advantages, responses, verifier=None):
         """Seed-GRPO (Chen et al., arXiv 2505.12346) after the group statistics, before SALT: slot advantages (N,)
@@ -427,7 +435,7 @@ class GeometryStep:
         features = features.detach().cpu()[source]
         lengths = lengths.detach().cpu().double()
         alpha_input = None
-        if VARIANTS[salt.variant].needs_entropy:
+        if salt.needs_entropy:
             alpha_input = self._entropy_alpha(entropy.detach().cpu().double(), lengths)
         new = torch.zeros_like(a)
         kept = torch.nonzero(self.kept)[:, 0]

@@ -21,6 +21,7 @@ import scipy.sparse.linalg
 import torch
 
 from openrlhf_geo import diagnostics, sketch_gram
+from openrlhf_geo.config_flags import setting
 from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.features import METHODS as FEATURE_METHODS
 
@@ -66,11 +67,6 @@ class Variant:
     def needs_entropy(self) -> bool:
         """The caller must pass α_t from the run's policy entropy (entropy_alpha)."""
         return self.alpha_rule == "entropy"
-
-    @property
-    def random(self) -> bool:
-        """a' depends on the generator's draws."""
-        return self.projector == "random" or self.assign != "none"
 
 
 # App. F.3.1 component ablations and mixing rules, App. F.3.2 matched nulls; "full" is the method.
@@ -122,15 +118,41 @@ class SaltConfig:
                    longer trains on exactly one partition's rollouts (pipeline.minibatch_partitions)
     """
 
-    variant: str = "full"
-    features: str = "sketch"
-    dim: int = DEFAULT_DIM
-    seed: int = 0
-    gram: str = "raw"
-    group_prompts: int | None = None
-    alpha: float | None = None
-    apply: bool = True
-    shuffle_minibatches: bool = False
+    FLAG_PREFIX = "salt"
+
+    variant: str = setting("full", "full SALT or an App. F.3 ablation", choices=lambda: VARIANTS)
+    features: str = setting(
+        "sketch",
+        "LM-head-gradient proxy (SALT Eq. 19): sketch = TensorSketch of the V*d gradient into --salt.dim columns, "
+        "O(V) per token, exact when V*d <= D; kronecker = the k*k Kronecker sketch (the default before, with "
+        "--salt.dim 4096; noisier at the same D); exact = the V*d gradient itself (tiny models)",
+        choices=FEATURE_METHODS,
+    )
+    dim: int = setting(
+        DEFAULT_DIM,
+        "sketch dimension D, a perfect square >= 16 (kronecker: k*k): the sketch's Gram cosines carry noise of sd "
+        "~1/sqrt(D), its Gram costs O(m^2 D); see benchmarks/README.md",
+    )
+    seed: int = setting(0, "seed of the fixed sketch hashes / projections")
+    gram: str = setting(
+        "raw",
+        "Gram estimate: raw F F^T/m (SALT Eq. 12) or shrink = noise-aware for --salt.features kronecker (debiased "
+        "PR, SURE-thresholded off-diagonal; see benchmarks/README.md for when it helps)",
+        choices=GRAMS,
+    )
+    group_prompts: int | None = setting(
+        None,
+        "prompts per SALT partition of the rollout batch (SALT's m = B*G); unset: the optimizer mini-batch's prompts "
+        "(--train.batch_size / --rollout.n_samples_per_prompt, SALT §3.1 / Table 4); 0 = the whole batch",
+        type=int,
+    )
+    alpha: float | None = setting(None, "fixed alpha_t in [0, 1], only with --salt.variant fixed-alpha", type=float)
+    apply: bool = True  # False: --salt.diagnostics (options.validate), not a flag of its own
+    shuffle_minibatches: bool = setting(
+        False,
+        "optimizer mini-batches mix prompts as upstream draws them; off: each optimizer step trains on exactly the "
+        "rollouts of one SALT partition (SALT §3.1's mini-batch)",
+    )
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -361,8 +383,8 @@ def salt_advantages(
     Both nulls return exactly a permutation of a'_SALT (same marginal, norm and positive mass).
     alpha: the fixed α ∈ [0, 1] of fixed-alpha (required by it, only allowed with it). entropy: α_t of entropy-alpha,
     already normalised by the caller with entropy_alpha(H_t, H_min, H_max) (required by it, only allowed with it).
-    Randomised variants (Variant.random) draw from `generator` (a CPU torch.Generator; None: torch's global RNG) and
-    are deterministic under a fixed one; the others draw nothing.
+    Randomised variants (projector "random", or an assign null) draw from `generator` (a CPU torch.Generator; None:
+    torch's global RNG) and are deterministic under a fixed one; the others draw nothing.
     gram (how K is estimated from F):
         raw     K = F Fᵀ / m for everything above
         shrink  F holds Kronecker-sketch rows (features.lm_head_features, method="kronecker") in row-major

@@ -127,6 +127,55 @@ def test_help_lists_upstream_and_fork_flags(up, monkeypatch, capsys):
     assert "salt (openrlhf-geo" in " ".join(out.split())
 
 
+def help_entries(text):
+    """--help text -> {option: its entry, whitespace collapsed}."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        start = re.match(r"\s{2}(--[\w.]+)", line)
+        if start:
+            current = start.group(1)
+            entries[current] = line
+        elif current and line.startswith(" " * 4):
+            entries[current] += " " + line
+        else:
+            current = None
+    return {option: " ".join(entry.split()) for option, entry in entries.items()}
+
+
+def test_help_of_both_engines_shows_each_config_flag_with_its_dataclass_default(up, monkeypatch, capsys):
+    from dataclasses import MISSING
+
+    from openrlhf_geo import cli
+    from openrlhf_geo.baselines import BaselineConfig
+    from openrlhf_geo.config_flags import flag_fields, shown
+    from openrlhf_geo.geoalign import GeoAlignConfig
+    from openrlhf_geo.rewards.noise import NoiseConfig
+    from openrlhf_geo.salt import SaltConfig
+
+    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
+    with pytest.raises(SystemExit):
+        fork.main(["--help"])
+    fork_help = help_entries(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    local_help = help_entries(capsys.readouterr().out)
+    # `openrlhf-geo train` rewrites these two to leave out misspecified noise, which it cannot run
+    rewritten = {"--reward.noise.type", "--reward.noise.rate"}
+    checked = 0
+    for config in (SaltConfig, GeoAlignConfig, NoiseConfig, BaselineConfig):
+        for f, option, _ in flag_fields(config):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            renamed = f"{f.name} " if not option.endswith(f".{f.name}") else ""
+            want = f"(default {renamed}{shown(default)}"
+            for engine, entries in (("fork", fork_help), ("local", local_help)):
+                if engine == "local" and option in rewritten:
+                    assert option in entries
+                    continue
+                assert want in entries.get(option, ""), (engine, option, entries.get(option))
+                checked += 1
+    assert checked > 60
+
+
 def test_advantage_estimator_salt_parses_to_its_base_plus_salt(up, monkeypatch):
     args = parse(up, monkeypatch, ["--advantage_estimator", "salt", "--salt.base", "rloo"])
     assert args.algo.advantage.estimator == "rloo" and args.salt.enable
@@ -836,6 +885,25 @@ def local_rollouts(samples):
         answers=[""] * n,
         prompt_width=p_width,
     )
+
+
+@pytest.mark.parametrize(
+    "batch_size, n_samples, group_prompts, prompts",
+    [(16, 4, None, 4), (2, 4, None, 1), (32, 4, 2, 2), (16, 4, 0, 0), (12, 4, None, 3)],
+)
+def test_both_engines_size_salt_partitions_by_one_rule(up, monkeypatch, batch_size, n_samples, group_prompts, prompts):
+    """Prompts per SALT partition: --salt.group_prompts, else the optimizer mini-batch's prompts (--train.batch_size
+    rollouts), at least one; 0 = the whole batch."""
+    from openrlhf_geo.local import engine, train
+
+    argv = ["--advantage_estimator", "salt", "--train.batch_size", str(batch_size)]
+    argv += ["--rollout.n_samples_per_prompt", str(n_samples)]
+    argv += [] if group_prompts is None else ["--salt.group_prompts", str(group_prompts)]
+    fork_args = parse(up, monkeypatch, argv)
+    local_args = train.parse_args([*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", *argv])
+    trainer = engine.Trainer(local_args, torch.nn.Linear(2, 2), NS(pad_token_id=0, eos_token_id=1), [], None)
+    assert fork_hooks.ExperienceGeometry(fork_args).partition_prompts == prompts
+    assert trainer.partition_prompts == prompts
 
 
 def local_step(model, argv, samples, rewards):

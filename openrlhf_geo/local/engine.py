@@ -42,6 +42,7 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
+from openrlhf_geo.registry import POLICY_LOSSES
 from openrlhf_geo.rewards.math_verify import PROBLEMS
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -391,12 +392,6 @@ class Trainer:
         self.minibatch_generator = torch.Generator().manual_seed(seed + 3)
         self.baseline = self.pipeline.baseline or baselines.BaselineConfig()
         self.loss_generator = torch.Generator().manual_seed(seed + 5)  # Clip-Cov's token draw
-        entropy_coef = args.actor.entropy_coef
-        if entropy_coef is not None and not entropy_coef >= 0:
-            raise ValueError(f"--actor.entropy_coef must be >= 0 (got {entropy_coef})")
-        eps_low = (args.actor.eps_clip_low_high or (args.actor.eps_clip,))[0]
-        if self.baseline.policy_loss == "clip_cov" and not eps_low <= 1:
-            raise ValueError(f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})")
         self.verifier = verifier
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -650,12 +645,13 @@ class Trainer:
         eps_low, eps_high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
         share = float(mask.sum()) / float(tokens)  # this micro-batch's part of the mini-batch's tokens
         out = {}
-        if self.baseline.policy_loss == "ppo":
+        registered = POLICY_LOSSES[self.baseline.policy_loss]
+        if registered.loss is None:  # the engine's own PPO clipped surrogate
             per_token, clipped = clipped_surrogate(
                 logprobs, batch.old_logprobs[index], advantages[index], eps_low, eps_high
             )
             out["clip_frac"] = float((clipped & mask).sum()) / float(tokens)
-        else:  # SALT App. I's Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617), SALT Table 4 settings
+        else:  # a registered loss, e.g. SALT App. I's Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
             per_token, stats = baselines.policy_loss(
                 self.baseline,
                 logprobs,
@@ -666,8 +662,8 @@ class Trainer:
                 eps_high,
                 self.loss_generator,
             )
-            out["clip_frac"] = stats.get("clip_cov/ppo_clip_frac", 0.0) * share  # KL-Cov has no ratio clip
-            out.update({f"baseline/{key}": value * share for key, value in stats.items()})
+            out["clip_frac"] = stats.get(registered.clip_frac, 0.0) * share  # None: no ratio clip (KL-Cov)
+            out.update({f"{registered.metrics}/{key}": value * share for key, value in stats.items()})
         policy_loss = aggregate(per_token, mask, args.actor.loss_agg_mode, normalizer)
         loss = policy_loss
         if entropy_coef is not None:  # SALT Eq. 70-71, aggregated like the policy loss

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openrlhf_geo.config_flags import setting
+
 NOISE_TYPES = ("none", "flip", "swap", "misspecified")
 
 
@@ -129,10 +131,26 @@ class NoiseConfig:
     with `seed`). `levels` applies to flip only: the two reward values it swaps, (0, 1) for GRPO or (-1, 1) for DAPO.
     """
 
-    type: str = "none"
-    rate: float = 0.0
-    levels: tuple | None = None
-    seed: int = 0
+    FLAG_PREFIX = "reward.noise"
+
+    type: str = setting(
+        "none",
+        "flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes; misspecified: "
+        "the verifier also pays one wrong procedure on a fixed fraction of prompts (needs a task hook: "
+        "`openrlhf-geo study geoalign-failure`)",
+        choices=NOISE_TYPES,
+    )
+    rate: float = setting(
+        0.0, "fraction of each prompt's rollouts corrupted (flip, swap); of prompts misspecified (misspecified)"
+    )
+    levels: tuple | None = setting(
+        None,
+        "the two reward values flip swaps: 0 1 (unset; GRPO) or -1 1 (DAPO)",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+    )
+    seed: int = setting(0, "seed of the corruption draw")
 
     def __post_init__(self):
         if self.type not in NOISE_TYPES:

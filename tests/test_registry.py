@@ -1,0 +1,162 @@
+"""The method registries: a new curation or policy loss is one function plus one registration, and runs through the
+pipeline and the local engine; the fork's refusals and the flag choices come from the registries."""
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from openrlhf_geo import options, registry
+from openrlhf_geo.baselines import BaselineConfig
+from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.local.engine import Rollouts, Trainer
+from openrlhf_geo.local.task import build_model, build_tokenizer
+from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
+from openrlhf_geo.salt import VARIANTS
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def drop_last_plan(step, rewards, hidden):
+    """Toy curation: each prompt's last rollout leaves the batch."""
+    plan = CurationPlan.identity(len(rewards))
+    last = torch.ones_like(plan.keep)
+    last[:-1] = step.group_ids[1:] != step.group_ids[:-1]
+    plan.keep[last], plan.weight[last], plan.flagged[last] = False, 0.0, True
+    return plan, {"toy/dropped_frac": float(last.double().mean())}
+
+
+def unclipped_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator):
+    """Toy policy loss: the surrogate -A r without a ratio clip."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    return torch.where(mask, -advantages * ratio, 0.0), {"toy_loss/ratio_mean": float(ratio.detach()[mask].mean())}
+
+
+@pytest.fixture
+def toys(monkeypatch):
+    monkeypatch.setitem(registry.CURATIONS, "toy", registry.Curation("toy", drop_last_plan, drops=lambda c: True))
+    monkeypatch.setitem(registry.POLICY_LOSSES, "toy_loss", registry.PolicyLoss("toy_loss", unclipped_loss))
+
+
+def test_a_registered_curation_runs_through_the_pipeline(toys):
+    pipeline = GeometryPipeline(GeometryConfig(baseline=BaselineConfig(curation="toy")))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    step = pipeline.start(group_ids)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    assert torch.equal(step.curate(rewards, None), rewards)  # nothing replaced
+    assert step.kept.tolist() == [True, True, False, True, True, False]
+    _, multiplicity = step.rows(torch.ones(6))
+    assert multiplicity.tolist() == [1, 1, 0, 1, 1, 0]
+    assert step.metrics["baseline/toy/dropped_frac"].tolist() == [pytest.approx(1 / 3)] * 6
+
+
+def test_a_registered_curation_and_policy_loss_train_on_the_local_engine(toys):
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    args = parse_args(
+        ["--actor.model_name_or_path", "unused", "--data.prompt_dataset", "unused"]
+        + ["--baseline.curation", "toy", "--baseline.policy_loss", "toy_loss", "--actor.adam.lr", "1e-2"]
+    )
+    prompts, responses = ["1+2="] * 3 + ["2+2="] * 3, ["\\boxed{3}", "5", "\\boxed{3}", "\\boxed{4}", "1", "2"]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = Trainer(args, model, tokenizer, [], None).learn(hand_batch(tokenizer, prompts, responses, rewards))
+    assert metrics["baseline/toy/dropped_frac"] == pytest.approx(1 / 3)
+    assert metrics["baseline/toy_loss/ratio_mean"] == pytest.approx(1.0)  # one epoch: the old policy's ratios
+    assert metrics["clip_frac"] == 0.0  # registered without a ratio clip
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def hand_batch(tokenizer, prompts, responses, rewards):
+    """Rollouts laid out like `generate_rollouts`, built by hand (each prompt's rollouts consecutive)."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    p_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    r_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in responses]
+    width, length = max(map(len, p_ids)), max(map(len, r_ids))
+    names = list(dict.fromkeys(prompts))
+    return Rollouts(
+        sequences=torch.tensor(
+            [[pad] * (width - len(p)) + p + r + [pad] * (length - len(r)) for p, r in zip(p_ids, r_ids)]
+        ),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + length) for p in p_ids]),
+        mask=torch.tensor([[True] * len(r) + [False] * (length - len(r)) for r in r_ids]),
+        group_ids=torch.tensor([names.index(p) for p in prompts]),
+        prompts=list(prompts),
+        responses=list(responses),
+        answers=[""] * len(prompts),
+        prompt_width=width,
+        rewards=torch.tensor(rewards),
+    )
+
+
+def parse(argv, engine="local"):
+    """The shared flags on a bare parser (no engine flags), validated for `engine`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--algo.advantage.estimator", "--advantage_estimator", default="group_norm")
+    parser.add_argument("--train.seed", type=int, default=0)
+    options.add_args(parser)
+    args = options.nest(parser.parse_args(argv))
+    options.validate(args, engine=engine)
+    return args
+
+
+def test_flag_choices_are_the_registered_names(toys):
+    parse(["--baseline.curation", "toy", "--baseline.policy_loss", "toy_loss"])
+    with pytest.raises(SystemExit):
+        parse(["--baseline.curation", "geoalign"])  # GeoAlign is --geoalign.enable, not a --baseline.curation
+
+
+def test_the_fork_refuses_what_the_registry_says_and_the_local_engine_runs_everything(toys, monkeypatch):
+    for argv in (["--baseline.curation", "pods", "--baseline.pods_m", "2"], ["--baseline.par_references", "1"]):
+        parse(argv)  # local
+        with pytest.raises(ValueError, match="local engine"):
+            parse(argv, engine="fork")
+    toy = registry.CURATIONS["toy"]
+    monkeypatch.setitem(registry.CURATIONS, "toy", registry.Curation("toy", toy.plan, fork=lambda c: "toy: no fork"))
+    with pytest.raises(ValueError, match="toy: no fork"):
+        parse(["--baseline.curation", "toy"], engine="fork")
+    parse(["--baseline.curation", "pf_ppo_br", "--baseline.pf_ppo_keep_count"], engine="fork")
+
+
+def test_unknown_names_list_the_registered_ones():
+    with pytest.raises(ValueError, match="--baseline.policy_loss must be one of ppo, clip_cov, kl_cov"):
+        registry.POLICY_LOSSES["bogus"]
+    with pytest.raises(ValueError, match="--baseline.curation must be one of pf_ppo_br, pf_ppo_bw, pods"):
+        BaselineConfig(curation="bogus")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.POLICY_LOSSES.register(registry.PolicyLoss("ppo", None))
+
+
+def test_the_architecture_doc_names_every_registered_method():
+    text = ARCHITECTURE.read_text()
+    names = [*registry.CURATIONS, *registry.POLICY_LOSSES, *registry.ADJUSTMENTS, *VARIANTS]
+    assert [name for name in names if f"`{name}`" not in text] == []
+
+
+def test_every_path_and_name_in_the_architecture_doc_exists():
+    """The flag paths and recipes name files (`openrlhf_geo/x.py`) and code (`module.name`): all must exist."""
+    text = ARCHITECTURE.read_text()
+    paths = set(re.findall(r"`((?:openrlhf_geo|tests|patches|docs)/[\w./-]+)`", text))
+    paths = {p for p in paths if "NAME" not in p}  # placeholders of a recipe (docs/studies/NAME.md)
+    assert paths and [p for p in sorted(paths) if not (ROOT / p).exists()] == []
+    names = {n for n in re.findall(r"`([A-Za-z_]\w*(?:\.\w+)+)(?:\(\))?`", text) if not re.search(r"\.(py|md)$", n)}
+    resolved, missing = 0, []
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest prefix that is a module of the package
+            try:
+                obj = importlib.import_module(".".join(["openrlhf_geo", *parts[:cut]]))
+            except ImportError:
+                continue
+            for part in parts[cut:]:
+                obj = getattr(obj, part, None)
+            resolved += 1
+            if obj is None:
+                missing.append(name)
+            break
+    assert resolved >= 30 and missing == []
