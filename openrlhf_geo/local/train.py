@@ -20,6 +20,7 @@ checkpoint, or a run that must stop (e.g. non-finite weights, which are never wr
 """
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import sys
@@ -28,8 +29,10 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import options
+from openrlhf_geo.config_flags import default_text
 from openrlhf_geo.local import rundir
 from openrlhf_geo.local.flags import FlagParser
+from openrlhf_geo.rewards.noise import NoiseConfig
 
 ESTIMATORS = ("group_norm", "dr_grpo", "salt")
 LOCAL_SALT_BASES = ("group_norm", "dr_grpo")
@@ -150,12 +153,16 @@ def build_parser():
     options.add_args(p)
     # --reward.noise.type misspecified needs a task that says which wrong answers the verifier pays (the studies' demo
     # task, `openrlhf-geo study geoalign-failure`): a train run has none, so its help does not offer it (`main`)
+    fields = {f.name: f for f in dataclasses.fields(NoiseConfig)}
     for action in p._actions:
         if "--reward.noise.type" in action.option_strings:
             action.metavar = "{" + ",".join(c for c in action.choices if c != "misspecified") + "}"
-            action.help = "flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes"
+            action.help = (
+                "flip: binary flips of a fraction of each prompt's rollouts; swap: HH-style swap-to-extremes "
+                + default_text(fields["type"])
+            )
         elif "--reward.noise.rate" in action.option_strings:
-            action.help = "fraction of each prompt's rollouts corrupted"
+            action.help = "fraction of each prompt's rollouts corrupted " + default_text(fields["rate"])
     return p
 
 
