@@ -41,6 +41,9 @@ def test_plan_is_train_commands_of_the_protocol(tmp_path):
     fixed = parse_args(phase2[-1]["argv"])
     assert fixed.salt.variant == "fixed-alpha" and fixed.salt.alpha == 0.5
     assert phase2[0]["argv"] == jobs[2]["argv"]  # phase 2's GRPO at a phase-1 seed is that phase-1 run
+    slow = study.phase1_jobs(tmp_path, (3,), (1,), 40, 20, lr=3e-5)[0]
+    assert parse_args(slow["argv"]).actor.adam.lr == 3e-5 and slow["cell"] == "k3_lr3e-05"
+    assert "/runs/k3_lr3e-05/grpo/seed1" in slow["out"] and jobs[0]["cell"] == "k3"
 
 
 def test_read_run_averages_the_last_20_percent_and_skips_undefined(tmp_path):
@@ -73,16 +76,16 @@ def test_decision_rule():
 
 def test_phase_summaries_and_report(tmp_path):
     runs1 = {}
-    for k, n_eff in ((3, 1.4), (5, 0.7)):
+    for k, n_eff in (("k3", 1.4), ("k5", 0.7)):
         for seed, lift in ((1, 0.10), (2, 0.12), (3, 0.08)):
             write_run(tmp_path / f"{k}{seed}", 10, (0.4, 0.45, 0.4 + lift), lambda s, n=n_eff: n)
             runs1.setdefault(k, {})[seed] = study.read_run(tmp_path / f"{k}{seed}", 10)
     phase1 = study.summarize_phase1(runs1)
-    assert phase1[5]["gain"]["gain"] == pytest.approx(0.10)
-    assert phase1[5]["gain"]["low"] > 0 and phase1[5]["n_eff"]["mean"] == pytest.approx(0.7)
+    assert phase1["k5"]["gain"]["gain"] == pytest.approx(0.10)
+    assert phase1["k5"]["gain"]["low"] > 0 and phase1["k5"]["n_eff"]["mean"] == pytest.approx(0.7)
     decision = study.decide(phase1)
-    assert decision["chosen"] == 5
-    runs2 = {"grpo": runs1[5], "salt": {}}
+    assert decision == {"learnable": ["k3", "k5"], "in_regime": ["k5"], "chosen": "k5"}
+    runs2 = {"grpo": runs1["k5"], "salt": {}}
     for seed in (1, 2, 3):
         write_run(tmp_path / f"salt{seed}", 10, (0.4, 0.4, 0.3), lambda s: 0.9, {"salt/D_a": 0.3})
         runs2["salt"][seed] = study.read_run(tmp_path / f"salt{seed}", 10)
@@ -92,10 +95,11 @@ def test_phase_summaries_and_report(tmp_path):
     assert phase2["table"]["salt"]["salt/D_a"]["mean"] == pytest.approx(0.3)
     setup = {"sft": {"params": 1, "steps": 1, "sft_s": 1.0, "accuracy": {}, "shortcut": {}}, "steps": 10,
              "workers": 1, "wall_s": 1.0, "kernels": {}, "commands": {"k5_grpo": "--x"}}  # fmt: skip
-    summary = {"setup": setup, "phase1": {str(k): v for k, v in phase1.items()}, "decision": decision,
-               "phase2": phase2, "phase2_k": 5, "stopped": {}}  # fmt: skip
+    summary = {"setup": setup, "phase1": phase1, "decision": decision, "phase1b": phase1, "decision1b": decision,
+               "phase2": phase2, "phase2_k": "k5", "stopped": {}}  # fmt: skip
     text = study.render(json.loads(json.dumps(strict_json(summary))))  # NaN -> null, as summary.json holds it
-    assert "| 5 |" in text and "loss" in text and "chosen: 5" in text
+    assert "| k5 | 120.0 |" in text and "loss" in text and "chosen: k5" in text and "Phase 1b" in text
+    assert "| yes | yes |" in text and "| yes | no |" in text  # k5 learnable and in the regime, k3 learnable only
     assert study.verdict({"gain": 0.1, "low": 0.05, "high": 0.2}) == "win"
     assert study.verdict({"gain": 0.0, "low": -0.05, "high": 0.2}) == "no difference detected"
     assert study.verdict({"gain": 0.1, "low": None, "high": None}).startswith("undecided")

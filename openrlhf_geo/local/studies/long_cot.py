@@ -40,6 +40,11 @@ STEPS, EVAL_STEPS = 30, 15  # RL steps per run; held-out evaluation at steps 0, 
 ROLLOUT = {"batch_size": 8, "group": 8}  # 64 rollouts per step = one SALT partition; G = 8 as SALT Table 4
 ACC_RANGE = (0.2, 0.8)  # learnable: held-out accuracy at step 0 in this range ...
 WINDOW = 0.2  # ... and SALT's regime: the backbone's n_eff < 1 over the last 20 % of steps (Table 10's window)
+LR = 3e-4  # the demo's RL learning rate (phase 1)
+# Amendment (docs/studies/long-cot.md, "Amendment", committed after phase 1 and before these runs): when no length
+# qualifies, phase 1 is repeated at k = 3 (the only length whose step-0 accuracy is in ACC_RANGE) with a 10x smaller
+# learning rate, under the same rule; phase 2 then runs at the length and learning rate it chooses
+AMENDMENT = {"candidates": (3,), "lr": 3e-5}
 QUICK = {"steps": 2, "eval_steps": 2, "sft_steps": 30, "seeds": (2025,), "candidates": (3,)}
 
 GRPO = ("--advantage_estimator", "group_norm", "--salt.diagnostics", "--salt.features", "exact")
@@ -57,30 +62,36 @@ PAPER = {"grpo": {"n_eff": 0.31}, "grpo_salt": {"n_eff": 0.80, "D_a": 0.24, "D_g
 # ---------------------------------------------------------------- plan
 
 
-def job(out, k, condition, seed, steps, eval_steps):
-    """One run: {"argv", "out", "tags", "k", "condition", "seed"} (demo.run_one's job plus bookkeeping)."""
-    run = Path(out) / "runs" / f"k{k}" / condition / f"seed{seed}"
+def cell(k, lr=LR):
+    """The name of a length and learning rate: k<k>, or k<k>_lr<lr> for another learning rate than LR."""
+    return f"k{k}" if lr == LR else f"k{k}_lr{lr:g}"
+
+
+def job(out, k, condition, seed, steps, eval_steps, lr=LR):
+    """One run: {"argv", "out", "tags", "k", "lr", "cell", "condition", "seed"} (demo.run_one's job plus
+    bookkeeping)."""
+    run = Path(out) / "runs" / cell(k, lr) / condition / f"seed{seed}"
     argv = [
-        *long_cot.train_flags(out, k, steps, eval_steps, ROLLOUT["batch_size"], ROLLOUT["group"]),
+        *long_cot.train_flags(out, k, steps, eval_steps, ROLLOUT["batch_size"], ROLLOUT["group"], lr),
         *PHASE2[condition],
         "--train.seed", str(seed), "--reward.noise.seed", str(seed),
         "--ckpt.output_dir", str(run),
     ]  # fmt: skip
-    return {"argv": argv, "out": str(run), "tags": {"method": f"k{k}_{condition}", "seed": seed}, "k": k,
-            "condition": condition, "seed": seed}  # fmt: skip
+    return {"argv": argv, "out": str(run), "tags": {"method": f"{cell(k, lr)}_{condition}", "seed": seed}, "k": k,
+            "lr": lr, "cell": cell(k, lr), "condition": condition, "seed": seed}  # fmt: skip
 
 
-def phase1_jobs(out, candidates, seeds, steps, eval_steps):
-    return [job(out, k, "grpo", s, steps, eval_steps) for k in candidates for s in seeds]
+def phase1_jobs(out, candidates, seeds, steps, eval_steps, lr=LR):
+    return [job(out, k, "grpo", s, steps, eval_steps, lr) for k in candidates for s in seeds]
 
 
 PHASE2_ORDER = (("grpo", "salt"), ("salt_fixed0", "salt_fixed1"), ("salt_fixed0.5",))  # the order they run in
 
 
-def phase2_jobs(out, k, seeds, steps, eval_steps):
+def phase2_jobs(out, k, seeds, steps, eval_steps, lr=LR):
     """GRPO and SALT seed by seed first, then fixed α 0 and 1, then 0.5: a study stopped early has its main
     comparison first."""
-    return [job(out, k, c, s, steps, eval_steps) for block in PHASE2_ORDER for s in seeds for c in block]
+    return [job(out, k, c, s, steps, eval_steps, lr) for block in PHASE2_ORDER for s in seeds for c in block]
 
 
 def finished(j, steps):
@@ -246,6 +257,25 @@ def _md(d):
     return f"{_f(d['mean'])} ± {_f(d['sd'])}"
 
 
+def phase1_lines(title, p1, rule):
+    lines = [
+        f"## {title}",
+        "",
+        "| length | response length | acc step 0 | acc final | RL gain [95 % CI] | backbone n_eff (last 20 %) | α_t |"
+        " PR | learnable | in regime |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, r in p1.items():
+        lines.append(
+            f"| {k} | {_f(r['response_length']['mean'], 1)} | {_md(r['acc0'])} | {_md(r['acc_final'])} | "
+            f"{_ci(r['gain'])} | {_md(r['n_eff'])} | {_f(r['alpha']['mean'])} | {_f(r['pr']['mean'], 2)} | "
+            f"{'yes' if k in rule['learnable'] else 'no'} | {'yes' if k in rule['in_regime'] else 'no'} |"
+        )
+    chosen = rule["chosen"] if rule["chosen"] is not None else "none"
+    lines += ["", f"Rule: learnable {rule['learnable']}, in SALT's regime {rule['in_regime']}, chosen: {chosen}.", ""]
+    return lines
+
+
 def render(summary):
     s = summary["setup"]
     lines = [
@@ -254,24 +284,16 @@ def render(summary):
         f"SFT warm-up: {s['sft']['params']} parameters, {s['sft']['steps']} steps, {_f(s['sft']['sft_s'], 0)} s; "
         f"held-out accuracy after it per k: {s['sft']['accuracy']}; shortcut share: {s['sft']['shortcut']}.",
         f"Runs: {s['steps']} RL steps, B = {ROLLOUT['batch_size']} prompts x G = {ROLLOUT['group']}, workers "
-        f"{s['workers']}; wall time phase 1 {_f(s.get('phase1_s', math.nan), 0)} s, phase 2 "
+        f"{s['workers']}; wall time phase 1 {_f(s.get('phase1_s', math.nan), 0)} s, phase 1b "
+        f"{_f(s.get('phase1b_s', math.nan), 0)} s, phase 2 "
         f"{_f(s.get('phase2_s', math.nan), 0)} s, total {_f(s['wall_s'], 0)} s. Kernels: {s['kernels']}.",
         "",
-        "## Phase 1: GRPO with SALT's diagnostics, per length",
-        "",
-        "| k | response length | acc step 0 | acc final | RL gain [95 % CI] | backbone n_eff (last 20 %) | α_t | PR |"
-        " learnable | in regime |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    p1, rule = summary["phase1"], summary["decision"]
-    for k, r in p1.items():
-        lines.append(
-            f"| {k} | {_f(r['response_length']['mean'], 1)} | {_md(r['acc0'])} | {_md(r['acc_final'])} | "
-            f"{_ci(r['gain'])} | {_md(r['n_eff'])} | {_f(r['alpha']['mean'])} | {_f(r['pr']['mean'], 2)} | "
-            f"{'yes' if int(k) in rule['learnable'] else 'no'} | {'yes' if int(k) in rule['in_regime'] else 'no'} |"
+    lines += phase1_lines("Phase 1: GRPO with SALT's diagnostics, per length", summary["phase1"], summary["decision"])
+    if summary.get("phase1b"):
+        lines += phase1_lines(
+            "Phase 1b (amendment): GRPO with SALT's diagnostics, lr 3e-5", summary["phase1b"], summary["decision1b"]
         )
-    lines += ["", f"Rule: learnable {rule['learnable']}, in SALT's regime {rule['in_regime']}, chosen: "
-              f"{rule['chosen'] if rule['chosen'] is not None else 'none (phase 2 not run)'}.", ""]  # fmt: skip
     p2 = summary.get("phase2")
     if p2:
         lines += [
@@ -318,7 +340,7 @@ def load(jobs, steps, stopped):
     for j in jobs:
         if j["out"] in stopped or not finished(j, steps):
             continue
-        runs.setdefault(j["k"], {}).setdefault(j["condition"], {})[j["seed"]] = read_run(j["out"], steps)
+        runs.setdefault(j["cell"], {}).setdefault(j["condition"], {})[j["seed"]] = read_run(j["out"], steps)
     return runs
 
 
@@ -352,20 +374,34 @@ def run(args, out, workers, execute=True):
     stopped = run_jobs(jobs1, workers, steps) if execute else {}
     phase1_s = time.perf_counter() - t1
     runs1 = load(jobs1, steps, stopped)
-    phase1 = summarize_phase1({k: c["grpo"] for k, c in runs1.items()})
+    phase1 = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1.items()})
     decision = decide(phase1)
-    if quick and decision["chosen"] is None:  # the smoke run goes through phase 2 whatever phase 1 gave
-        decision["chosen_for_smoke"] = candidates[0]
-    k2 = decision["chosen"] if decision["chosen"] is not None else decision.get("chosen_for_smoke")
-    phase2, phase2_s, jobs2 = None, 0.0, []
-    if k2 is not None:
-        print(f"phase 2 in k = {k2}")
-        jobs2 = phase2_jobs(out, k2, seeds2, steps, eval_steps)
+    chosen = {j["cell"]: (j["k"], j["lr"]) for j in jobs1}.get(decision["chosen"])
+    phase1b, decision1b, jobs1b, phase1b_s = None, None, [], 0.0
+    if chosen is None and not quick:  # the amendment
+        print(f"phase 1 chose no length: the amendment's phase 1b (k in {list(AMENDMENT['candidates'])}, lr "
+              f"{AMENDMENT['lr']:g})")  # fmt: skip
+        jobs1b = phase1_jobs(out, AMENDMENT["candidates"], seeds1, steps, eval_steps, AMENDMENT["lr"])
+        t1b = time.perf_counter()
+        stopped.update(run_jobs(jobs1b, workers, steps) if execute else {})
+        phase1b_s = time.perf_counter() - t1b
+        runs1b = load(jobs1b, steps, stopped)
+        phase1b = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1b.items()})
+        decision1b = decide(phase1b)
+        chosen = {j["cell"]: (j["k"], j["lr"]) for j in jobs1b}.get(decision1b["chosen"])
+    if quick and chosen is None:  # the smoke run goes through phase 2 whatever phase 1 gave
+        decision["chosen_for_smoke"] = cell(candidates[0])
+        chosen = (candidates[0], LR)
+    phase2, phase2_s, jobs2, cell2 = None, 0.0, [], None
+    if chosen is not None:
+        cell2 = cell(*chosen)
+        print(f"phase 2 in {cell2}")
+        jobs2 = phase2_jobs(out, *chosen[:1], seeds2, steps, eval_steps, chosen[1])
         t2 = time.perf_counter()
         stopped.update(run_jobs(jobs2, workers, steps) if execute else {})
         phase2_s = time.perf_counter() - t2
-        phase2 = summarize_phase2(load(jobs2, steps, stopped).get(k2, {}))
-    commands = {f"k{j['k']} common": command(j, common=True) for j in [*jobs1, *jobs2]}
+        phase2 = summarize_phase2(load(jobs2, steps, stopped).get(cell2, {}))
+    commands = {f"{j['cell']} common": command(j, common=True) for j in [*jobs1, *jobs1b, *jobs2]}
     commands.update({c: shlex.join(flags) for c, flags in PHASE2.items()})
     summary = {
         "study": "long-cot",
@@ -382,16 +418,21 @@ def run(args, out, workers, execute=True):
             "recipe": sft.get("recipe"),
             "sft_wall_s": sft_s,
             "phase1_s": phase1_s,
+            "phase1b_s": phase1b_s,
             "phase2_s": phase2_s,
             "wall_s": time.perf_counter() - start,
             "commands": commands,
         },  # fmt: skip
-        "phase1": {str(k): v for k, v in phase1.items()},
+        "phase1": phase1,
         "decision": decision,
+        "phase1b": phase1b,
+        "decision1b": decision1b,
         "phase2": phase2,
-        "phase2_k": k2,
+        "phase2_k": cell2,
         "stopped": stopped,
-        "not_finished": [j["out"] for j in [*jobs1, *jobs2] if j["out"] not in stopped and not finished(j, steps)],
+        "not_finished": [
+            j["out"] for j in [*jobs1, *jobs1b, *jobs2] if j["out"] not in stopped and not finished(j, steps)
+        ],
     }
     Path(out, "summary.json").write_text(json.dumps(strict_json(summary), indent=1) + "\n")
     Path(out, "report.md").write_text(render(json.loads(Path(out, "summary.json").read_text())))
