@@ -96,9 +96,10 @@ def test_phase_summaries_and_report(tmp_path):
     setup = {"sft": {"params": 1, "steps": 1, "sft_s": 1.0, "accuracy": {}, "shortcut": {}}, "steps": 10,
              "workers": 1, "wall_s": 1.0, "kernels": {}, "commands": {"k5_grpo": "--x"}}  # fmt: skip
     summary = {"setup": setup, "phase1": phase1, "decision": decision, "phase1b": phase1, "decision1b": decision,
-               "phase2": phase2, "phase2_k": "k5", "stopped": {}}  # fmt: skip
+               "descriptive": phase1, "phase2": phase2, "phase2_k": "k5", "stopped": {}}  # fmt: skip
     text = study.render(json.loads(json.dumps(strict_json(summary))))  # NaN -> null, as summary.json holds it
     assert "| k5 | 120.0 |" in text and "loss" in text and "chosen: k5" in text and "Phase 1b" in text
+    assert "Descriptive runs" in text
     assert "| yes | yes |" in text and "| yes | no |" in text  # k5 learnable and in the regime, k3 learnable only
     assert study.verdict({"gain": 0.1, "low": 0.05, "high": 0.2}) == "win"
     assert study.verdict({"gain": 0.0, "low": -0.05, "high": 0.2}) == "no difference detected"

@@ -45,6 +45,10 @@ LR = 3e-4  # the demo's RL learning rate (phase 1)
 # qualifies, phase 1 is repeated at k = 3 (the only length whose step-0 accuracy is in ACC_RANGE) with a 10x smaller
 # learning rate, under the same rule; phase 2 then runs at the length and learning rate it chooses
 AMENDMENT = {"candidates": (3,), "lr": 3e-5}
+# Amendment 2 (committed after phase 1b, before these runs): descriptive GRPO runs at the other lengths with phase 1b's
+# learning rate, for n_eff against response length where RL does not collapse; they cannot be chosen (their step-0
+# accuracy is below ACC_RANGE) and change no decision
+DESCRIPTIVE = {"candidates": (5, 7), "lr": 3e-5}
 QUICK = {"steps": 2, "eval_steps": 2, "sft_steps": 30, "seeds": (2025,), "candidates": (3,)}
 
 GRPO = ("--advantage_estimator", "group_norm", "--salt.diagnostics", "--salt.features", "exact")
@@ -285,7 +289,7 @@ def render(summary):
         f"held-out accuracy after it per k: {s['sft']['accuracy']}; shortcut share: {s['sft']['shortcut']}.",
         f"Runs: {s['steps']} RL steps, B = {ROLLOUT['batch_size']} prompts x G = {ROLLOUT['group']}, workers "
         f"{s['workers']}; wall time phase 1 {_f(s.get('phase1_s', math.nan), 0)} s, phase 1b "
-        f"{_f(s.get('phase1b_s', math.nan), 0)} s, phase 2 "
+        f"{_f(s.get('phase1b_s', math.nan), 0)} s, descriptive {_f(s.get('phase1c_s', math.nan), 0)} s, phase 2 "
         f"{_f(s.get('phase2_s', math.nan), 0)} s, total {_f(s['wall_s'], 0)} s. Kernels: {s['kernels']}.",
         "",
     ]
@@ -294,6 +298,9 @@ def render(summary):
         lines += phase1_lines(
             "Phase 1b (amendment): GRPO with SALT's diagnostics, lr 3e-5", summary["phase1b"], summary["decision1b"]
         )
+    if summary.get("descriptive"):
+        title = "Descriptive runs (amendment 2; not candidates): GRPO with SALT's diagnostics, lr 3e-5"
+        lines += phase1_lines(title, summary["descriptive"], decide(summary["descriptive"]))
     p2 = summary.get("phase2")
     if p2:
         lines += [
@@ -389,6 +396,15 @@ def run(args, out, workers, execute=True):
         phase1b = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1b.items()})
         decision1b = decide(phase1b)
         chosen = {j["cell"]: (j["k"], j["lr"]) for j in jobs1b}.get(decision1b["chosen"])
+    phase1c, jobs1c, phase1c_s = None, [], 0.0
+    if chosen is None and not quick:  # amendment 2: descriptive only
+        print(f"descriptive runs (amendment 2): k in {list(DESCRIPTIVE['candidates'])}, lr {DESCRIPTIVE['lr']:g}")
+        jobs1c = phase1_jobs(out, DESCRIPTIVE["candidates"], seeds1, steps, eval_steps, DESCRIPTIVE["lr"])
+        t1c = time.perf_counter()
+        stopped.update(run_jobs(jobs1c, workers, steps) if execute else {})
+        phase1c_s = time.perf_counter() - t1c
+        runs1c = load(jobs1c, steps, stopped)
+        phase1c = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1c.items()})
     if quick and chosen is None:  # the smoke run goes through phase 2 whatever phase 1 gave
         decision["chosen_for_smoke"] = cell(candidates[0])
         chosen = (candidates[0], LR)
@@ -401,7 +417,7 @@ def run(args, out, workers, execute=True):
         stopped.update(run_jobs(jobs2, workers, steps) if execute else {})
         phase2_s = time.perf_counter() - t2
         phase2 = summarize_phase2(load(jobs2, steps, stopped).get(cell2, {}))
-    commands = {f"{j['cell']} common": command(j, common=True) for j in [*jobs1, *jobs1b, *jobs2]}
+    commands = {f"{j['cell']} common": command(j, common=True) for j in [*jobs1, *jobs1b, *jobs1c, *jobs2]}
     commands.update({c: shlex.join(flags) for c, flags in PHASE2.items()})
     summary = {
         "study": "long-cot",
@@ -419,6 +435,7 @@ def run(args, out, workers, execute=True):
             "sft_wall_s": sft_s,
             "phase1_s": phase1_s,
             "phase1b_s": phase1b_s,
+            "phase1c_s": phase1c_s,
             "phase2_s": phase2_s,
             "wall_s": time.perf_counter() - start,
             "commands": commands,
@@ -427,11 +444,12 @@ def run(args, out, workers, execute=True):
         "decision": decision,
         "phase1b": phase1b,
         "decision1b": decision1b,
+        "descriptive": phase1c,
         "phase2": phase2,
         "phase2_k": cell2,
         "stopped": stopped,
         "not_finished": [
-            j["out"] for j in [*jobs1, *jobs1b, *jobs2] if j["out"] not in stopped and not finished(j, steps)
+            j["out"] for j in [*jobs1, *jobs1b, *jobs1c, *jobs2] if j["out"] not in stopped and not finished(j, steps)
         ],
     }
     Path(out, "summary.json").write_text(json.dumps(strict_json(summary), indent=1) + "\n")
