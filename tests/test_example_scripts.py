@@ -217,8 +217,8 @@ def flatten(ns, prefix=""):
 # ── the scripts as files ──
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
-def test_script_passes_bash_n(script):
+@pytest.mark.parametrize("script", sorted(p.relative_to(SCRIPTS).as_posix() for p in SCRIPTS.rglob("*.sh")))
+def test_script_passes_bash_n(script):  # the scripts and the library they source (lib/common.sh)
     done = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -252,7 +252,7 @@ def test_readme_lists_every_script():
 
 def test_scripts_hold_no_secrets():
     secret = re.compile(r"hf_[A-Za-z0-9]{30,}|\b[0-9a-f]{40}\b|sk-[A-Za-z0-9]{20,}|(api_key|token)\s*=\s*['\"]?\w{8,}")
-    for path in SCRIPTS.glob("*.sh"):
+    for path in SCRIPTS.rglob("*.sh"):
         assert not secret.search(path.read_text()), path.name
 
 

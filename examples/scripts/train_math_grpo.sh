@@ -49,131 +49,33 @@
 # Usage       bash examples/scripts/train_math_grpo.sh                          # GRPO, 1.5B, MATH-TRAIN, seed 2025
 #             for s in 2025 2026 2027 2028 2029; do SALT=1 SEED=$s bash examples/scripts/train_math_grpo.sh; done
 #             SALT=1 MODEL_SIZE=7B DATASET=dapo_math_17k bash examples/scripts/train_math_grpo.sh
-# Edit        the switches and paths below (or set them in the environment), the recipe block for other
-#             hyperparameters. Needs a running Ray cluster (`ray start --head` on the head node, `ray start
-#             --address=HEAD:6379` on the others) with `pip install "openrlhf-geo[openrlhf]"` on every node;
-#             DATA_DIR and SAVE_ROOT must be on a filesystem every node sees. WANDB_API_KEY set -> wandb logging
-#             (the key travels in the job's command line); TensorBoard logs are always written.
+# Edit        the switches below, the cluster and paths in lib/common.sh (or set them in the environment), the recipe
+#             blocks here and in lib/common.sh for other hyperparameters. Needs a running Ray cluster (`ray start
+#             --head` on the head node, `ray start --address=HEAD:6379` on the others) with `pip install
+#             "openrlhf-geo[openrlhf]"` on every node; DATA_DIR and SAVE_ROOT must be on a filesystem every node sees.
+#             WANDB_API_KEY set -> wandb logging (the key travels in the job's command line); TensorBoard logs are
+#             always written.
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_DIR=$(cd "$SCRIPT_DIR/../.." && pwd) # the job's working_dir: the entrypoint and reward file come from here
+# shellcheck source=lib/common.sh
+source "$SCRIPT_DIR/lib/common.sh"
 
-# Switches
-SALT=${SALT:-0}                # 1: --algo.advantage.estimator salt (group_norm reweighted by SALT)
-MODEL_SIZE=${MODEL_SIZE:-1.5B} # 1.5B | 7B
-DATASET=${DATASET:-math_train} # math_train | dapo_math_17k
-SEED=${SEED:-2025}             # the paper's seeds: 2025 2026 2027 2028 2029
-EVAL=${EVAL:-1}                # 1: evaluate the final model after training
+# Switches (and MODEL_SIZE, DATASET, SEED, EVAL: salt_math_recipe in lib/common.sh)
+SALT=${SALT:-0} # 1: --algo.advantage.estimator salt (group_norm reweighted by SALT)
 
-# Cluster and paths
-RAY_ADDRESS=${RAY_ADDRESS:-http://127.0.0.1:8265}
-NUM_NODES=${NUM_NODES:-1}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-DATA_DIR=${DATA_DIR:-$HOME/openrlhf-geo/data}
-SAVE_ROOT=${SAVE_ROOT:-$HOME/openrlhf-geo/runs}
-WANDB_PROJECT=${WANDB_PROJECT:-openrlhf-geo}
-
-# GRPO recipe: SALT Table 4 (see the header for the mapping)
-SAMPLES_PER_PROMPT=8
-PROMPTS_PER_STEP=64 # "Train batch size 64"
-TRAIN_BATCH=256     # "Mini-Batch Size 32" prompts x 8 samples
-LR=1e-6
-KL_COEF=0.001
+# GRPO recipe: SALT Table 4 (see the header for the mapping); its shared block is salt_math_recipe's
+salt_math_recipe
 ENTROPY_COEF=0
 EPS_CLIP=0.2
-TEMPERATURE=0.6
-MAX_PROMPT_LEN=1024
-MAX_NEW_TOKENS=8192
-NUM_EPISODES=2 # "Training epochs 2"
-EVAL_STEPS=10
-EVAL_SAMPLES=8
 
-case "$MODEL_SIZE" in
-  1.5B) MODEL=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B ZERO_STAGE=2 ;;
-  7B) MODEL=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B ZERO_STAGE=3 ;;
-  *) echo "MODEL_SIZE must be 1.5B or 7B (got '$MODEL_SIZE')" >&2 && exit 2 ;;
-esac
-case "$DATASET" in
-  math_train | dapo_math_17k) ;;
-  *) echo "DATASET must be math_train or dapo_math_17k (got '$DATASET')" >&2 && exit 2 ;;
-esac
 case "$SALT" in
-  0) METHOD=grpo ESTIMATOR_ARGS=(--algo.advantage.estimator group_norm --salt.diagnostics) ;;
-  1) METHOD=grpo-salt ESTIMATOR_ARGS=(--algo.advantage.estimator salt --salt.base group_norm --salt.variant full) ;;
-  *) echo "SALT must be 0 or 1 (got '$SALT')" >&2 && exit 2 ;;
+  0) METHOD=grpo ESTIMATOR_ARGS=("${DIAGNOSTICS_ESTIMATOR_ARGS[@]}") ;;
+  1) METHOD=grpo-salt ESTIMATOR_ARGS=("${SALT_ESTIMATOR_ARGS[@]}") ;;
+  *) die "SALT must be 0 or 1 (got '$SALT')" ;;
 esac
-case "$EVAL" in
-  0 | 1) ;;
-  *) echo "EVAL must be 0 or 1 (got '$EVAL')" >&2 && exit 2 ;;
-esac
-
-if [[ ! -f "$DATA_DIR/$DATASET.jsonl" || ! -f "$DATA_DIR/aime24.jsonl" || ! -f "$DATA_DIR/aime25.jsonl" ]]; then
-  PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 "$SCRIPT_DIR/prepare_math_data.py" --out "$DATA_DIR" "$DATASET" aime24 aime25
-fi
-
-SETTING="r1-distill-qwen-${MODEL_SIZE}_${DATASET}"
-RUN_DIR="$SAVE_ROOT/$SETTING/$METHOD/seed$SEED"
-RUN_NAME="${SETTING}_${METHOD}_seed${SEED}"
-VLLM_TP=1
-WANDB_ARGS=()
-if [[ -n "${WANDB_API_KEY:-}" ]]; then
-  WANDB_ARGS=(--logger.wandb.key "$WANDB_API_KEY" --logger.wandb.project "$WANDB_PROJECT"
-    --logger.wandb.group "${SETTING}_${METHOD}" --logger.wandb.run_name "$RUN_NAME")
-fi
-# Job level: working_dir + env_vars only. The fork's ray.init adds py_modules and upstream's env vars;
-# Ray rejects a field or env var set at both levels. OPENRLHF_GEO_MATH_MODE=grpo: rewards 1 / 0 (App. C.2).
-RUNTIME_ENV=$(printf '{"working_dir": "%s", "env_vars": {"OPENRLHF_GEO_MATH_MODE": "grpo"}}' "$REPO_DIR")
-
-ENGINE_ARGS=(
-  --actor.num_nodes "$NUM_NODES" --actor.num_gpus_per_node "$GPUS_PER_NODE"
-  --ref.num_nodes "$NUM_NODES" --ref.num_gpus_per_node "$GPUS_PER_NODE"
-  --vllm.num_engines $((NUM_NODES * GPUS_PER_NODE / VLLM_TP)) --vllm.tensor_parallel_size "$VLLM_TP"
-  --vllm.gpu_memory_utilization 0.6 --vllm.sync_backend nccl --vllm.enforce_eager
-  --train.colocate_all --vllm.enable_sleep --ds.enable_sleep
-  --ds.zero_stage "$ZERO_STAGE" --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
-  --ds.packing_samples --train.dynamic_batch_enable
-  --train.max_tokens_per_gpu 16384 --rollout.max_tokens_per_gpu 32768
-)
-DATA_ARGS=(
-  --actor.model_name_or_path "$MODEL"
-  --data.prompt_dataset "$DATA_DIR/$DATASET.jsonl" --data.input_key prompt --data.label_key answer
-  --data.apply_chat_template
-  --data.max_len $((MAX_PROMPT_LEN + MAX_NEW_TOKENS)) --rollout.max_new_tokens "$MAX_NEW_TOKENS"
-  --reward.remote_url openrlhf_geo/rewards/math_verify.py # relative to working_dir, on every node
-  --eval.dataset "$DATA_DIR/aime24.jsonl,$DATA_DIR/aime25.jsonl" --eval.steps "$EVAL_STEPS"
-  --eval.temperature "$TEMPERATURE" --eval.n_samples_per_prompt "$EVAL_SAMPLES"
-)
-ALGO_ARGS=(
-  --rollout.batch_size "$PROMPTS_PER_STEP" --rollout.n_samples_per_prompt "$SAMPLES_PER_PROMPT"
-  --train.batch_size "$TRAIN_BATCH" --rollout.micro_batch_size 8 --train.micro_batch_size 1
-  --train.num_episodes "$NUM_EPISODES" --train.max_epochs 1 --train.seed "$SEED"
-  --rollout.temperature "$TEMPERATURE"
-  --actor.adam.lr "$LR" --actor.lr_scheduler constant --actor.lr_warmup_ratio 0
+METHOD_ARGS=(
   --actor.eps_clip "$EPS_CLIP" --actor.loss_agg_mode seq-mean-token-mean --actor.entropy_coef "$ENTROPY_COEF"
-  --algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef "$KL_COEF"
-  "${ESTIMATOR_ARGS[@]}"
+  "${KL_LOSS_ARGS[@]}" "${ESTIMATOR_ARGS[@]}"
 )
-LOG_ARGS=(
-  --ckpt.output_dir "$RUN_DIR/final" --ckpt.path "$RUN_DIR/ckpt" --ckpt.save_hf
-  --ckpt.save_steps 20 --ckpt.max_num 3 --ckpt.load_enable
-  --logger.logging_steps 1 --logger.tensorboard_dir "$RUN_DIR/tensorboard" "${WANDB_ARGS[@]}"
-)
-# Evaluation (§4.1, App. D.2): 8 samples per problem at T = 0.6 with 8192 new tokens -> avg@8 = pass@1, pass@8.
-EVAL_ARGS=(
-  --model "$RUN_DIR/final" --benchmarks aime24,aime25,gsm8k,math500,gpqa_diamond
-  --n "$EVAL_SAMPLES" --k 1 "$EVAL_SAMPLES" --temperature "$TEMPERATURE" --top-p 1.0
-  --max-new-tokens "$MAX_NEW_TOKENS" --seed "$SEED" --backend vllm
-  --data-dir "$DATA_DIR/benchmarks" --from-hub --output-dir "$RUN_DIR"
-)
-
-echo "submitting $RUN_NAME to $RAY_ADDRESS (outputs in $RUN_DIR)"
-ray job submit --address="$RAY_ADDRESS" --runtime-env-json="$RUNTIME_ENV" \
-  -- python3 -m openrlhf_geo.cli train-ppo-ray \
-  "${ENGINE_ARGS[@]}" "${DATA_ARGS[@]}" "${ALGO_ARGS[@]}" "${LOG_ARGS[@]}"
-if [[ "$EVAL" == 1 ]]; then
-  echo "evaluating $RUN_DIR/final"
-  ray job submit --address="$RAY_ADDRESS" --runtime-env-json="$RUNTIME_ENV" --entrypoint-num-gpus=1 \
-    -- python3 -m openrlhf_geo.cli eval "${EVAL_ARGS[@]}"
-fi
+salt_math_run grpo # OPENRLHF_GEO_MATH_MODE=grpo: rewards 1 / 0 (App. C.2)
