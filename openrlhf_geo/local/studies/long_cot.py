@@ -121,11 +121,15 @@ def run_jobs(jobs, workers, steps):
     print(f"{len(jobs)} runs, {len(jobs) - len(pending)} finished before, {len(pending)} to go")
     if not pending:
         return {}
+    RAN.add(id(jobs))
     try:
         demo.run_all(pending, workers, steps)
     except demo.RunsFailed as failed:
         return {j["out"]: f"{type(e).__name__}: {e}" for j, e in failed.failures}
     return {}
+
+
+RAN = set()  # the job lists `run_jobs` ran something of in this process (for the wall times a resumed study keeps)
 
 
 # ---------------------------------------------------------------- per-run numbers
@@ -153,6 +157,13 @@ def read_run(path, steps):
         ]  # fmt: skip
         values = [v for v in values if math.isfinite(v)]
         out[key] = float(np.mean(values)) if values else math.nan
+    # descriptive, over every step with an untied group (not the rule's window): n_eff and how often α_t > 0
+    defined = [
+        r for r in rows if isinstance(r.get("salt/n_eff_in"), (int, float)) and r.get("signal/tied_groups", 0) < 1
+    ]
+    out["n_eff_all"] = float(np.mean([r["salt/n_eff_in"] for r in defined])) if defined else math.nan
+    out["alpha_pos_share"] = float(np.mean([r["salt/n_eff_in"] < 1 for r in defined])) if defined else math.nan
+    out["defined_steps"] = len(defined)
     return out
 
 
@@ -205,6 +216,9 @@ def summarize_phase1(runs):
             "n_eff": describe(r["salt/n_eff_in"] for r in seeds.values()),
             "alpha": describe(r["salt/alpha"] for r in seeds.values()),
             "pr": describe(r["salt/pr"] for r in seeds.values()),
+            "n_eff_all": describe(r["n_eff_all"] for r in seeds.values()),
+            "alpha_pos_share": describe(r["alpha_pos_share"] for r in seeds.values()),
+            "defined_steps": describe(r["defined_steps"] for r in seeds.values()),
             "response_length": describe(r["response_length"] for r in seeds.values()),
             "per_seed": seeds,
         }
@@ -266,13 +280,14 @@ def phase1_lines(title, p1, rule):
         f"## {title}",
         "",
         "| length | response length | acc step 0 | acc final | RL gain [95 % CI] | backbone n_eff (last 20 %) | α_t |"
-        " PR | learnable | in regime |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " PR | n_eff, all untied steps | steps with n_eff < 1 | untied steps | learnable | in regime |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, r in p1.items():
         lines.append(
             f"| {k} | {_f(r['response_length']['mean'], 1)} | {_md(r['acc0'])} | {_md(r['acc_final'])} | "
             f"{_ci(r['gain'])} | {_md(r['n_eff'])} | {_f(r['alpha']['mean'])} | {_f(r['pr']['mean'], 2)} | "
+            f"{_md(r['n_eff_all'])} | {_f(r['alpha_pos_share']['mean'], 2)} | {_f(r['defined_steps']['mean'], 1)} | "
             f"{'yes' if k in rule['learnable'] else 'no'} | {'yes' if k in rule['in_regime'] else 'no'} |"
         )
     chosen = rule["chosen"] if rule["chosen"] is not None else "none"
@@ -290,7 +305,9 @@ def render(summary):
         f"Runs: {s['steps']} RL steps, B = {ROLLOUT['batch_size']} prompts x G = {ROLLOUT['group']}, workers "
         f"{s['workers']}; wall time phase 1 {_f(s.get('phase1_s', math.nan), 0)} s, phase 1b "
         f"{_f(s.get('phase1b_s', math.nan), 0)} s, descriptive {_f(s.get('phase1c_s', math.nan), 0)} s, phase 2 "
-        f"{_f(s.get('phase2_s', math.nan), 0)} s, total {_f(s['wall_s'], 0)} s. Kernels: {s['kernels']}.",
+        f"{_f(s.get('phase2_s', math.nan), 0)} s, total {_f(s['wall_s'], 0)} s with the SFT "
+        f"warm-up's {_f(s.get('sft_wall_s', math.nan), 0)} s (each phase as measured when its runs ran; a resumed "
+        f"study keeps those). Kernels: {s['kernels']}.",
         "",
     ]
     lines += phase1_lines("Phase 1: GRPO with SALT's diagnostics, per length", summary["phase1"], summary["decision"])
@@ -452,6 +469,17 @@ def run(args, out, workers, execute=True):
             j["out"] for j in [*jobs1, *jobs1b, *jobs1c, *jobs2] if j["out"] not in stopped and not finished(j, steps)
         ],
     }
+    # a phase that had nothing left to run keeps the wall time an earlier invocation measured for it
+    try:
+        before = json.loads(Path(out, "summary.json").read_text())["setup"]
+    except (OSError, ValueError, KeyError):
+        before = {}
+    for key, ran in (("phase1_s", jobs1), ("phase1b_s", jobs1b), ("phase1c_s", jobs1c), ("phase2_s", jobs2)):
+        if id(ran) not in RAN and before.get(key):
+            summary["setup"][key] = before[key]
+    summary["setup"]["sft_wall_s"] = sft.get("wall_s", sft_s)  # the warm-up's own measured time (it is cached)
+    total = ("sft_wall_s", "phase1_s", "phase1b_s", "phase1c_s", "phase2_s")
+    summary["setup"]["wall_s"] = sum(summary["setup"][key] or 0.0 for key in total)
     Path(out, "summary.json").write_text(json.dumps(strict_json(summary), indent=1) + "\n")
     Path(out, "report.md").write_text(render(json.loads(Path(out, "summary.json").read_text())))
     print(f"study long-cot finished: {Path(out) / 'report.md'}")
