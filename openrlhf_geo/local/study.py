@@ -9,6 +9,8 @@
                       2606.26917 §5.3), against noisy GRPO and the four baselines of its App. B.5
     salt-proxy        SALT Table 1 / App. E: the LM-head proxy against full per-sample gradients and nulls at
                       checkpoints of the demo's GRPO run (not a list of conditions: it steps the runs itself)
+    long-cot          a long chain-of-thought task (repeated-addition traces of 116-260 tokens): GRPO's n_eff per
+                      length, then GRPO vs SALT and fixed α where a length is learnable and n_eff < 1 (two phases)
 
 Each study is a module of `openrlhf_geo.local.studies` (registered in its MODULES); a study of conditions runs
 through `studies.runner` (plan, resume, time estimate, settings, summary.json, report.md). This module is the

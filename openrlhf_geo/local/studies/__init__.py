@@ -12,6 +12,7 @@ MODULES = (
     "salt_ablations",
     "geoalign_failure",
     "salt_proxy",
+    "long_cot",
 )
 REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 
