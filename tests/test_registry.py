@@ -16,7 +16,7 @@ from openrlhf_geo.local.engine import Rollouts, Trainer
 from openrlhf_geo.local.task import build_model, build_tokenizer
 from openrlhf_geo.local.train import parse_args
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
-from openrlhf_geo.salt import VARIANTS
+from openrlhf_geo.salt import VARIANTS, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -69,6 +69,25 @@ def test_a_registered_curation_and_policy_loss_train_on_the_local_engine(toys):
     assert metrics["baseline/toy/dropped_frac"] == pytest.approx(1 / 3)
     assert metrics["baseline/toy_loss/ratio_mean"] == pytest.approx(1.0)  # one epoch: the old policy's ratios
     assert metrics["clip_frac"] == 0.0  # registered without a ratio clip
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_salt_variant_row_parses_and_trains_on_the_local_engine(monkeypatch):
+    """A new row of salt.VARIANTS is the whole change: --salt.variant takes it, the engine runs it (no projection
+    and no exploration channel: a' = a, so the applied advantages are GRPO's)."""
+    monkeypatch.setitem(VARIANTS, "toy-identity", Variant(projector="none", explore=False))
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    args = parse_args(
+        ["--actor.model_name_or_path", "unused", "--data.prompt_dataset", "unused", "--actor.adam.lr", "1e-2"]
+        + ["--advantage_estimator", "salt", "--salt.variant", "toy-identity", "--salt.features", "exact"]
+    )
+    assert args.salt.variant == "toy-identity"
+    prompts, responses = ["1+2="] * 3 + ["2+2="] * 3, ["\\boxed{3}", "5", "\\boxed{3}", "\\boxed{4}", "1", "2"]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = Trainer(args, model, tokenizer, [], None).learn(hand_batch(tokenizer, prompts, responses, rewards))
+    assert metrics["salt/D_a"] == 0.0 and metrics["salt/U_perp_gain"] == 1.0  # a' = a
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
