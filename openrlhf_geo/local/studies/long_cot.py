@@ -393,11 +393,16 @@ def run(args, out, workers, execute=True):
     for k in candidates:
         long_cot.prepare_data(out, k)
     sft_s = time.perf_counter() - start
+    stopped = {}
+
+    def run_phase(jobs):
+        """Run `jobs` (when executing) -> (their runs as `load` reads them, the phase's wall seconds)."""
+        t = time.perf_counter()
+        stopped.update(run_jobs(jobs, workers, steps) if execute else {})
+        return load(jobs, steps, stopped), time.perf_counter() - t
+
     jobs1 = phase1_jobs(out, candidates, seeds1, steps, eval_steps)
-    t1 = time.perf_counter()
-    stopped = run_jobs(jobs1, workers, steps) if execute else {}
-    phase1_s = time.perf_counter() - t1
-    runs1 = load(jobs1, steps, stopped)
+    runs1, phase1_s = run_phase(jobs1)
     phase1 = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1.items()})
     decision = decide(phase1)
     chosen = {j["cell"]: (j["k"], j["lr"]) for j in jobs1}.get(decision["chosen"])
@@ -406,10 +411,7 @@ def run(args, out, workers, execute=True):
         print(f"phase 1 chose no length: the amendment's phase 1b (k in {list(AMENDMENT['candidates'])}, lr "
               f"{AMENDMENT['lr']:g})")  # fmt: skip
         jobs1b = phase1_jobs(out, AMENDMENT["candidates"], seeds1, steps, eval_steps, AMENDMENT["lr"])
-        t1b = time.perf_counter()
-        stopped.update(run_jobs(jobs1b, workers, steps) if execute else {})
-        phase1b_s = time.perf_counter() - t1b
-        runs1b = load(jobs1b, steps, stopped)
+        runs1b, phase1b_s = run_phase(jobs1b)
         phase1b = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1b.items()})
         decision1b = decide(phase1b)
         chosen = {j["cell"]: (j["k"], j["lr"]) for j in jobs1b}.get(decision1b["chosen"])
@@ -417,10 +419,7 @@ def run(args, out, workers, execute=True):
     if chosen is None and not quick:  # amendment 2: descriptive only
         print(f"descriptive runs (amendment 2): k in {list(DESCRIPTIVE['candidates'])}, lr {DESCRIPTIVE['lr']:g}")
         jobs1c = phase1_jobs(out, DESCRIPTIVE["candidates"], seeds1, steps, eval_steps, DESCRIPTIVE["lr"])
-        t1c = time.perf_counter()
-        stopped.update(run_jobs(jobs1c, workers, steps) if execute else {})
-        phase1c_s = time.perf_counter() - t1c
-        runs1c = load(jobs1c, steps, stopped)
+        runs1c, phase1c_s = run_phase(jobs1c)
         phase1c = summarize_phase1({c: conditions["grpo"] for c, conditions in runs1c.items()})
     if quick and chosen is None:  # the smoke run goes through phase 2 whatever phase 1 gave
         decision["chosen_for_smoke"] = cell(candidates[0])
@@ -430,10 +429,8 @@ def run(args, out, workers, execute=True):
         cell2 = cell(*chosen)
         print(f"phase 2 in {cell2}")
         jobs2 = phase2_jobs(out, *chosen[:1], seeds2, steps, eval_steps, chosen[1])
-        t2 = time.perf_counter()
-        stopped.update(run_jobs(jobs2, workers, steps) if execute else {})
-        phase2_s = time.perf_counter() - t2
-        phase2 = summarize_phase2(load(jobs2, steps, stopped).get(cell2, {}))
+        runs2, phase2_s = run_phase(jobs2)
+        phase2 = summarize_phase2(runs2.get(cell2, {}))
     commands = {f"{j['cell']} common": command(j, common=True) for j in [*jobs1, *jobs1b, *jobs1c, *jobs2]}
     commands.update({c: shlex.join(flags) for c, flags in PHASE2.items()})
     summary = {
