@@ -9,7 +9,9 @@
    m = 1024 for the default D), and the whole call.
 
 Timings are min and median over repeats, interleaved so each ratio compares calls made under the same load.
-Usage: python benchmarks/salt_overhead.py [--part features|salt|all] [--reps N] [--threads 2]
+On a GPU (`--device cuda`, part 1 only) the LM head runs in bf16, as a model's does, and the features read its
+logits cast to float32, as `Actor.forward` casts them (its log-prob pass, which the fork pays anyway, is timed too).
+Usage: python benchmarks/salt_overhead.py [--part features|salt|all] [--reps N] [--threads 2] [--device cpu|cuda]
 """
 
 import argparse
@@ -34,8 +36,11 @@ OLD_DIM = 4096  # the Kronecker sketch's D when it was the default
 
 
 def timed(fn):
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None  # a GPU call only queues work
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -54,10 +59,11 @@ def with_tile(tile, fn):
 
 def feature_cases(T, weight, gen, sweep):
     """Callables timed for T tokens: the logits matmul, the softmax alone, each sketch (and the sweep's variants)."""
-    hidden = torch.randn(1, T, HIDDEN, generator=gen)
-    logits = 4.0 * hidden @ weight.T  # sharper than random init, like a trained LM
-    tokens = torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen).T
-    mask = torch.ones(1, T, dtype=torch.bool)
+    device = weight.device
+    hidden = torch.randn(1, T, HIDDEN, generator=gen).to(device, weight.dtype)
+    logits = (4.0 * hidden @ weight.T).float()  # sharper than random init, like a trained LM
+    tokens = torch.multinomial(torch.softmax(logits[0].cpu(), -1), 1, generator=gen).T.to(device)
+    mask = torch.ones(1, T, dtype=torch.bool, device=device)
 
     def features(method, dim, **kwargs):
         return lambda: lm_head_features(logits, hidden, tokens, mask, method, dim, **kwargs)
@@ -65,6 +71,8 @@ def feature_cases(T, weight, gen, sweep):
     cases = {
         "logits matmul": lambda: hidden @ weight.T,
         "softmax alone": lambda: [torch.softmax(c, -1) for c in logits[0].split(DEFAULT_CHUNK_SIZE)],
+        # what Actor.forward computes from the same float32 logits without the fork: log_softmax at the tokens
+        "log-probs (upstream)": lambda: logits.log_softmax(-1).gather(-1, tokens[..., None]),
         f"kronecker D={OLD_DIM}": features("kronecker", OLD_DIM),
         f"sketch D={DEFAULT_DIM}": features("sketch", DEFAULT_DIM),
     }
@@ -78,14 +86,19 @@ def feature_cases(T, weight, gen, sweep):
     return cases
 
 
-def bench_features(reps, token_counts=(64, 256)):
+def bench_features(reps, token_counts=(64, 256), device="cpu"):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(V, HIDDEN, generator=gen) / math.sqrt(HIDDEN)
+    if device != "cpu":  # the LM head in a model's dtype
+        weight = weight.to(device, torch.bfloat16)
     t = timed(lambda: kronecker_projections(V, HIDDEN, OLD_DIM, seed=0))
     print(f"kronecker projections D={OLD_DIM}: generated once per process in {t * 1e3:.0f} ms, then cached")
     t = timed(lambda: sketch_hashes(V, HIDDEN, DEFAULT_DIM, seed=0))
     print(f"sketch hashes D={DEFAULT_DIM}: generated once per process in {t * 1e3:.0f} ms, then cached")
-    print(f"\n[1] feature cost vs logits matmul z = h W^T, V={V}, d={HIDDEN}, chunk_size={DEFAULT_CHUNK_SIZE}")
+    print(
+        f"\n[1] feature cost vs logits matmul z = h W^T ({weight.dtype}, {device}), V={V}, d={HIDDEN}, chunk_size="
+        f"{DEFAULT_CHUNK_SIZE}"
+    )
     print(f"{'T':>5} {'what':>22} {'min ms':>9} {'med ms':>9} {'us/token':>9} {'ratio min':>10} {'ratio med':>10}")
     for T in token_counts:
         cases = feature_cases(T, weight, gen, sweep=T == max(token_counts))
@@ -149,12 +162,15 @@ def main(argv=None):
     parser.add_argument("--part", choices=("features", "salt", "all"), default="all")
     parser.add_argument("--reps", type=int, default=5, help="timed repeats per case (after one warm-up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for part 1 on a GPU (bf16 LM head)")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and args.part != "features":
+        parser.error("--device cuda measures part 1 only: pass --part features")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; min and median over {args.reps} repeats")
     print(f"load average at start (other processes share these cores): {os.getloadavg()[0]:.1f}")
     if args.part in ("features", "all"):
-        bench_features(args.reps)
+        bench_features(args.reps, device=args.device)
     if args.part in ("salt", "all"):
         bench_salt(args.reps)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
