@@ -23,7 +23,9 @@ responses of T/2..T tokens, on-policy and shared-prefix (logits in a temporary m
 Then the cost of the noise-aware Gram next to the raw one (--cost-m), measured interleaved in this run.
 
 Usage: python benchmarks/salt_fidelity.py [--draws 30] [--seeds 3] [--dim D] [--old-dim 4096] [--extra-dims ...]
-       [--demo-dir runs/demo] [--no-demo] [--no-synthetic] [--real 64:64 ...] [--cost-m 256 1024] [--threads 2]
+       [--demo-dir runs/demo] [--no-demo] [--no-synthetic] [--real 64:64 ...] [--real-kinds on-policy shared-prefix]
+       [--no-kronecker] [--cost-m 256 1024] [--threads 2]
+(--real-kinds and --no-kronecker only shorten a run: an LLM-shape regime costs minutes per kind.)
 """
 
 import argparse
@@ -282,10 +284,13 @@ def evaluate(name, gram_exact, candidates, advantages, note=""):
 
 def candidates_for(logits, hidden, tokens, mask, args, rows_per_call=32):
     """{label: (list of per-seed features, gram)} for the feature sets of the module docstring."""
-    kron = [
-        features(logits, hidden, tokens, mask, "kronecker", args.old_dim, s, rows_per_call) for s in range(args.seeds)
-    ]
-    out = {f"kronecker {args.old_dim}": (kron, "raw"), f"kronecker+shrink {args.old_dim}": (kron, "shrink")}
+    out = {}
+    if not args.no_kronecker:
+        kron = [
+            features(logits, hidden, tokens, mask, "kronecker", args.old_dim, s, rows_per_call)
+            for s in range(args.seeds)
+        ]
+        out = {f"kronecker {args.old_dim}": (kron, "raw"), f"kronecker+shrink {args.old_dim}": (kron, "shrink")}
     for dim in (args.dim, *args.extra_dims):
         label = f"sketch {dim}" + (" (default)" if dim == DEFAULT_DIM else "")
         out[label] = (
@@ -336,6 +341,14 @@ def main(argv=None):
     p.add_argument("--no-demo", action="store_true", help="skip the demo-rollout regimes")
     p.add_argument("--no-synthetic", action="store_true", help="skip the CPU-sized synthetic regimes")
     p.add_argument("--real", type=parse_real, nargs="*", default=[], help="LLM-shape regimes M:T (e.g. 64:64)")
+    p.add_argument(
+        "--real-kinds",
+        nargs="+",
+        choices=("on-policy", "shared-prefix"),
+        default=["on-policy", "shared-prefix"],
+        help="which LLM-shape regimes --real runs (both)",
+    )
+    p.add_argument("--no-kronecker", action="store_true", help="skip the Kronecker sketch rows")
     p.add_argument("--cost-m", type=int, nargs="*", default=[256, 1024], help="m for the cost table (256 1024)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -370,7 +383,7 @@ def main(argv=None):
             run("demo rollouts", batch, note=note)
     with tempfile.TemporaryDirectory(prefix="salt_fidelity_") as directory:
         for m, T in args.real:
-            for prefix in (False, True):
+            for prefix in (kind == "shared-prefix" for kind in args.real_kinds):
                 t0 = time.perf_counter()
                 batch = llm_rollouts(m, T, 0, prefix, directory)
                 t1 = time.perf_counter()

@@ -4,6 +4,11 @@
    produced them (V=151936, d=1536), for T tokens: the default TensorSketch (`sketch`, D = DEFAULT_DIM) next to the
    Kronecker sketch it replaced (`kronecker`, D = 4096), plus a softmax alone (the Kronecker sketch computes one; the
    TensorSketch only an exp pass) and, at the largest T, TensorSketch sizes and CPU tile sizes (goal: ≤ 5 %).
+   In the fork, Actor.forward takes the log-probs of the action tokens from the sketch's own exp pass and skips
+   upstream's `log_probs_from_logits` (patches/openrlhf.models.actor.diff), so the features' cost there is
+   "sketch D + log-probs" minus upstream's log-prob pass on the same tokens: printed as "fork's extra, D=…".
+   Upstream's pass is its own function, loaded from the installed openrlhf (on a GPU with flash-attn, its
+   Triton cross-entropy, as upstream runs it).
 2. SALT on m rollouts: the Gram K = F Fᵀ/m (diagnostics.gram) and the solve (PR, top-k eigvecs, α, a'; salt's own
    `solve_ms`) of `salt_advantages(a, F)` for the features' width D of each sketch (goal: Gram + solve ≤ 1 s at
    m = 1024 for the default D), and the whole call.
@@ -12,9 +17,11 @@ Timings are min and median over repeats, interleaved so each ratio compares call
 On a GPU (`--device cuda`, part 1 only) the LM head runs in bf16, as a model's does, and the features read its
 logits cast to float32, as `Actor.forward` casts them (its log-prob pass, which the fork pays anyway, is timed too).
 Usage: python benchmarks/salt_overhead.py [--part features|salt|all] [--reps N] [--threads 2] [--device cpu|cuda]
+       [--dims 4096 25600] [--sizes 256 1024 4096]
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
@@ -57,7 +64,20 @@ def with_tile(tile, fn):
     return run
 
 
-def feature_cases(T, weight, gen, sweep):
+def upstream_log_probs():
+    """openrlhf 0.11.2's `models/utils.py::log_probs_from_logits`, loaded from its file (importing openrlhf.models
+    would import flash-attn, absent on a CPU), or None when openrlhf is not installed."""
+    spec = importlib.util.find_spec("openrlhf")
+    if spec is None:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "models", "utils.py")
+    module_spec = importlib.util.spec_from_file_location("openrlhf_models_utils", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.log_probs_from_logits
+
+
+def feature_cases(T, weight, gen, sweep, log_probs_from_logits):
     """Callables timed for T tokens: the logits matmul, the softmax alone, each sketch (and the sweep's variants)."""
     device = weight.device
     hidden = torch.randn(1, T, HIDDEN, generator=gen).to(device, weight.dtype)
@@ -71,14 +91,16 @@ def feature_cases(T, weight, gen, sweep):
     cases = {
         "logits matmul": lambda: hidden @ weight.T,
         "softmax alone": lambda: [torch.softmax(c, -1) for c in logits[0].split(DEFAULT_CHUNK_SIZE)],
-        # what Actor.forward computes from the same float32 logits without the fork: log_softmax at the tokens
-        "log-probs (upstream)": lambda: logits.log_softmax(-1).gather(-1, tokens[..., None]),
         f"kronecker D={OLD_DIM}": features("kronecker", OLD_DIM),
         f"sketch D={DEFAULT_DIM}": features("sketch", DEFAULT_DIM),
+        # the fork's pass: features and the action tokens' log-probs from one exp pass over the logits
+        f"sketch D={DEFAULT_DIM} + log-probs": features("sketch", DEFAULT_DIM, return_log_probs=True),
     }
+    if log_probs_from_logits is not None:  # what Actor.forward computes from the same float32 logits upstream
+        cases["log-probs (upstream)"] = lambda: log_probs_from_logits(logits, tokens)
     if sweep:
-        for dim in (16384, 36864):
-            cases[f"sketch D={dim}"] = features("sketch", dim)
+        for dim in (16384, 36864, 65536, 102400):
+            cases[f"sketch D={dim} + log-probs"] = features("sketch", dim, return_log_probs=True)
         for tile in (16, 64):
             cases[f"sketch tile={tile}"] = with_tile(tile, features("sketch", DEFAULT_DIM))
         for chunk in (64, 1024):
@@ -99,9 +121,12 @@ def bench_features(reps, token_counts=(64, 256), device="cpu"):
         f"\n[1] feature cost vs logits matmul z = h W^T ({weight.dtype}, {device}), V={V}, d={HIDDEN}, chunk_size="
         f"{DEFAULT_CHUNK_SIZE}"
     )
-    print(f"{'T':>5} {'what':>22} {'min ms':>9} {'med ms':>9} {'us/token':>9} {'ratio min':>10} {'ratio med':>10}")
+    log_probs_from_logits = upstream_log_probs()
+    if log_probs_from_logits is None:
+        print("openrlhf is not installed: upstream's log-prob pass and the fork's marginal cost are not measured")
+    print(f"{'T':>5} {'what':>26} {'min ms':>9} {'med ms':>9} {'us/token':>9} {'ratio min':>10} {'ratio med':>10}")
     for T in token_counts:
-        cases = feature_cases(T, weight, gen, sweep=T == max(token_counts))
+        cases = feature_cases(T, weight, gen, T == max(token_counts), log_probs_from_logits)
         for fn in cases.values():  # warm-up
             fn()
         times = {name: [] for name in cases}
@@ -112,8 +137,18 @@ def bench_features(reps, token_counts=(64, 256), device="cpu"):
         for name, ts in times.items():
             t_min, t_med = min(ts), statistics.median(ts)
             print(
-                f"{T:>5} {name:>22} {t_min * 1e3:>9.1f} {t_med * 1e3:>9.1f} {t_min / T * 1e6:>9.0f}"
+                f"{T:>5} {name:>26} {t_min * 1e3:>9.1f} {t_med * 1e3:>9.1f} {t_min / T * 1e6:>9.0f}"
                 f" {t_min / base_min:>10.1%} {t_med / base_med:>10.1%}"
+            )
+        fused = [name for name in times if name.endswith("+ log-probs")]
+        for name in fused if "log-probs (upstream)" in times else []:
+            # per repeat, so both passes of a difference ran under the same load
+            extra = [f - u for f, u in zip(times[name], times["log-probs (upstream)"])]
+            ratios = [e / b for e, b in zip(extra, times["logits matmul"])]
+            label = f"fork's extra, {name.split()[1]}"
+            print(
+                f"{T:>5} {label:>26} {min(extra) * 1e3:>9.1f} {statistics.median(extra) * 1e3:>9.1f}"
+                f" {min(extra) / T * 1e6:>9.0f} {min(ratios):>10.1%} {statistics.median(ratios):>10.1%}"
             )
 
 
@@ -163,6 +198,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=5, help="timed repeats per case (after one warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for part 1 on a GPU (bf16 LM head)")
+    parser.add_argument("--dims", type=int, nargs="+", default=[OLD_DIM, DEFAULT_DIM], help="part 2: feature widths")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="part 2: rollouts m")
     args = parser.parse_args(argv)
     if args.device != "cpu" and args.part != "features":
         parser.error("--device cuda measures part 1 only: pass --part features")
@@ -172,7 +209,7 @@ def main(argv=None):
     if args.part in ("features", "all"):
         bench_features(args.reps, device=args.device)
     if args.part in ("salt", "all"):
-        bench_salt(args.reps)
+        bench_salt(args.reps, args.sizes, args.dims)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 

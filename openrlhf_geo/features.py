@@ -262,7 +262,8 @@ def lm_head_features(
     temperature: float = 1.0,
     segment_ids: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
+    return_log_probs: bool = False,
+):
     """SALT Eq. 19: one LM-head-gradient feature row per response: exact, TensorSketch or Kronecker sketch.
 
     Inputs are aligned: `logits[b, t]` (B, S, V), pre-temperature, any float dtype, is the distribution that
@@ -280,7 +281,9 @@ def lm_head_features(
     `exact`. The softmax (sketch: its exp) runs in float32 per chunk of `chunk_size` masked tokens.
     Logits of −inf (masked vocabulary entries) are probability 0; NaN, +inf or a row without a finite logit at a
     masked position raises ValueError, as do NaN/inf in `hidden` there.
-    Returns float32 (R, D) on logits.device.
+    Returns float32 (R, D) on logits.device; with `return_log_probs`, (features, log_probs): log_probs (B, S)
+    float32 holds log softmax(z_t/τ)[y_t] at the masked positions and 0 elsewhere, from the normalizer the
+    features' own pass over the logits computes (the sketch's exp pass: no second pass over the (N, V) logits).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
@@ -310,8 +313,10 @@ def lm_head_features(
 
     rows, response, num_responses = masked.rows, masked.response, masked.num_responses
     out = torch.zeros(num_responses, width, dtype=torch.float32, device=device)
+    log_probs = torch.zeros(logits.shape[:2], dtype=torch.float32, device=device) if return_log_probs else None
     if len(rows) == 0:
-        return out if method != "sketch" else out[:, :dim]
+        out = out if method != "sketch" else out[:, :dim]
+        return (out, log_probs) if return_log_probs else out
     # Per chunk, the position of each token's response among the responses present in the chunk (`local`) and
     # those responses (`chunk_ids`), moved to the device once.
     starts = range(0, len(rows), chunk_size)
@@ -340,12 +345,19 @@ def lm_head_features(
             for tile in _run_tiles(new_run, start, start + n, tiles.size):
                 part = slice(tile.start - start, tile.stop - start)
                 z_tile, h_tile = masked.take(logits, tile), masked.take(hidden, tile).float()
-                spectrum = tiles.spectrum(z_tile, y[part], h_tile)  # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1)
+                # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1), and the tile's log-probs
+                spectrum, tile_log_probs = tiles.spectrum(z_tile, y[part], h_tile)
                 block.addmm_(assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
+                if log_probs is not None:
+                    log_probs[masked.rows_dev[tile], masked.cols_dev[tile]] = tile_log_probs
         else:
             z = masked.take(logits, sl)  # (n, V), a view if one run: never written to
             h = masked.take(hidden, sl).float()  # (n, d)
-            p = torch.softmax(z.float() / temperature if temperature != 1.0 else z.float(), dim=-1)
+            scaled = z.float() / temperature if temperature != 1.0 else z.float()
+            p = torch.softmax(scaled, dim=-1)
+            if log_probs is not None:
+                label = scaled.gather(1, y[:, None])[:, 0]
+                log_probs[masked.rows_dev[sl], masked.cols_dev[sl]] = label - torch.logsumexp(scaled, dim=-1)
             if method == "exact":
                 left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
                 left[token_index[:n], y] += 1.0
@@ -361,7 +373,7 @@ def lm_head_features(
         out = torch.fft.irfft(torch.view_as_complex(out.view(num_responses, -1, 2)), n=dim)
     if not bool(torch.isfinite(out).all()):
         _raise_non_finite(logits, hidden, rows, masked.cols)
-    return out
+    return (out, log_probs) if return_log_probs else out
 
 
 def _run_tiles(new_run: np.ndarray, start: int, stop: int, size: int):
@@ -390,17 +402,22 @@ class _TensorSketchTiles:
         self.zero = torch.zeros((), device=device)  # a float32 shift: bf16 logits minus it are float32
 
     def spectrum(self, z, y, h):
-        """rfft(C_V e_t) ∘ rfft(C_d h_t) (n, D/2 + 1) complex64 for n ≤ size tokens: logits z (n, V) of any float
-        dtype (read, never written), tokens y (n,), hidden h (n, d) float32. A view of the buffers."""
+        """(rfft(C_V e_t) ∘ rfft(C_d h_t) (n, D/2 + 1) complex64, a view of the buffers; log softmax(z_t/τ)[y_t]
+        (n,) float32, from the same exp pass) for n ≤ size tokens: logits z (n, V) of any float dtype (read, never
+        written), tokens y (n,), hidden h (n, d) float32."""
         n, hashes = z.shape[0], self.hashes
         right = self.right[:n].zero_().index_add_(1, hashes.hidden_bucket, h * hashes.hidden_sign)
         spectra = self.spectra[:, :n]
-        torch.fft.rfft(self._vocab(z, y), out=spectra[0])
+        left, shift, log_total = self._vocab(z, y)
+        torch.fft.rfft(left, out=spectra[0])
         torch.fft.rfft(right, out=spectra[1])
-        return spectra[0].mul_(spectra[1])
+        # subtract the shift before dividing by τ: large logits keep their float32 precision
+        log_probs = (z.gather(1, y[:, None])[:, 0].float() - shift) / self.temperature - log_total
+        return spectra[0].mul_(spectra[1]), log_probs
 
     def _vocab(self, z, y):
-        """C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ), (n, D) float32.
+        """(C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ) (n, D) float32, the shift c_t of each row's exp
+        pass and log Σ_v exp((z_v − c_t)/τ), both (n,) float32).
 
         One pass of exp over the logits (`_exp_pass`), unshifted: softmax is shift-invariant, and subtracting the
         row maximum would take a pass over the logits of its own. Rows where exp(z/τ) overflows (some z_v/τ > 88)
@@ -410,14 +427,16 @@ class _TensorSketchTiles:
         n, hashes = z.shape[0], self.hashes
         sketch, total = self.left[:n].zero_(), z.new_zeros(n, 1, dtype=torch.float32)
         self._exp_pass(z, None, sketch, total)
+        shift = total.new_zeros(n, 1)
         redo = ~(total[:, 0] > UNDERFLOW_TOTAL) | torch.isinf(total[:, 0])
         if bool(redo.any()):
+            shift[redo] = z[redo].amax(-1, keepdim=True).float()
             again, again_total = torch.zeros_like(sketch[redo]), torch.zeros_like(total[redo])
-            self._exp_pass(z[redo], z[redo].amax(-1, keepdim=True).float(), again, again_total)
+            self._exp_pass(z[redo], shift[redo], again, again_total)
             sketch[redo], total[redo] = again, again_total
         sketch.div_(total).neg_()
         sketch[torch.arange(n, device=z.device), hashes.vocab_bucket[y]] += hashes.vocab_sign[y]
-        return sketch
+        return sketch, shift[:, 0], total[:, 0].log()
 
     def _exp_pass(self, z, shift, sketch, total):
         """sketch += C_V exp((z − shift)/τ), total += Σ_v exp((z_v − shift)/τ) (shift None: 0), block by block of D
@@ -569,9 +588,14 @@ ENTROPY_CHUNK = 256  # positions per chunk of the token-entropy pass (peak extra
 
 
 @torch.no_grad()
-def response_geometry(spec, logits, hidden, labels, producing, response, temperature=1.0, segment_ids=None, rows=None):
+def response_geometry(
+    spec, logits, hidden, labels, producing, response, temperature=1.0, segment_ids=None, rows=None, log_probs=False
+):
     """Per-response geometry of one forward, small float32 CPU tensors: {"features" (R, D), "hidden" (R, d),
     "entropy" (R,)}, each only when `spec` asks for it. Both engines call this on their own layouts.
+    With `log_probs` and features, also "log_probs": log softmax(z_s)[labels_s] at the producing positions (0
+    elsewhere), float32 in logits' (B, S) layout and device, from the features' own pass over the logits (the
+    fork's Actor.forward then skips its own log-prob pass).
 
     logits (B, S, V) padded or (1, T, V) packed: the temperature-scaled logits (the sampling distribution);
     hidden: the lm_head input of the same forward, same layout; labels: label at position s = token s+1;
@@ -588,8 +612,18 @@ def response_geometry(spec, logits, hidden, labels, producing, response, tempera
     if spec.features is not None:
         scaled = hidden / temperature if temperature != 1.0 else hidden
         feats = lm_head_features(
-            logits, scaled, labels, producing, spec.features, spec.dim, spec.seed, segment_ids=segment_ids
+            logits,
+            scaled,
+            labels,
+            producing,
+            spec.features,
+            spec.dim,
+            spec.seed,
+            segment_ids=segment_ids,
+            return_log_probs=log_probs,
         )
+        if log_probs:
+            feats, out["log_probs"] = feats
         out["features"] = _pad_rows(feats, rows).float().cpu()
     if spec.hidden:
         out["hidden"] = _pad_rows(last_token_hidden(hidden, response, segment_ids), rows).float().cpu()

@@ -6,6 +6,7 @@ One flag's path through the fork, by the upstream file whose diff makes the call
     trainer/ray/ppo_actor.py  actor_spec(args) -> GeometrySpec: what the experience forward also returns
                               policy_loss(args, PolicyLoss) -> the actor's loss (--baseline.policy_loss)
     models/actor.py           lm_head_input(), response_geometry(): features and hidden states of that same forward
+                              (with SALT features, also the log-probs, from their exp pass over the logits)
     trainer/ppo_utils/experience_maker.py   (RemoteExperienceMaker, in the trainer process)
         ExperienceGeometry.take_actor_outputs   per-response geometry onto each micro-batch (side attribute)
         ExperienceGeometry.start_batch          reward noise (--reward.noise.*) where rewards are known
@@ -175,7 +176,9 @@ def actor_spec(args) -> GeometrySpec | None:
 def response_geometry(
     spec, logits, hidden, labels, action_mask, attention_mask, indices=None, temperature=1.0, ring_attn_group=None
 ):
-    """Actor.forward's layout -> `features.response_geometry`: features (B, D), hidden (B, d), entropy (B,).
+    """Actor.forward's layout -> `features.response_geometry`: features (B, D), hidden (B, d), entropy (B,), and
+    with features "log_probs" in logits' layout: the action tokens' log-probs from the features' own exp pass,
+    which Actor.forward uses instead of its log_probs_from_logits pass (0 at other positions, masked there anyway).
 
     logits (B, S, V) padded or (1, T, V) packed, already divided by `temperature` (Actor.forward does it in place);
     hidden: the lm_head input of the same forward, same layout; labels: Actor.forward's rolled sequences (label at
@@ -197,7 +200,7 @@ def response_geometry(
         producing, response = producing.flatten()[indices][None], response.flatten()[indices][None]
         segment_ids = (indices // seqlen)[None]
     return features.response_geometry(
-        spec, logits, hidden, labels, producing, response, temperature, segment_ids, rows=batch
+        spec, logits, hidden, labels, producing, response, temperature, segment_ids, rows=batch, log_probs=True
     )
 
 

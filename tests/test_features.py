@@ -166,6 +166,53 @@ def test_sketch_redoes_rows_whose_unshifted_exp_overflows_or_underflows(temperat
     assert torch.equal(half, upcast)  # bf16 logits: the exp of the float32 values, on either path
 
 
+def numpy_log_probs(logits, tokens, mask, temperature=1.0):
+    """log softmax(z/τ)[y] in float64 at masked positions, 0 elsewhere (scipy, one position at a time)."""
+    from scipy.special import log_softmax
+
+    z = logits.double().numpy()
+    out = np.zeros(mask.shape)
+    for b, t in zip(*np.nonzero(mask.numpy())):
+        out[b, t] = log_softmax(z[b, t] / temperature)[int(tokens[b, t])]
+    return torch.from_numpy(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    method=st.sampled_from(METHODS),
+    temperature=st.sampled_from([1.0, 0.6]),
+    packed=st.booleans(),
+    chunk=st.sampled_from([2, 1000]),
+)
+def test_log_probs_from_the_feature_pass_equal_log_softmax(seed, method, temperature, packed, chunk):
+    """return_log_probs: log softmax(z/τ)[y] at masked positions from the features' own pass; features unchanged."""
+    batch = random_batch(seed, B=4, S=5, V=40, d=4, p_mask=0.6, scale=4.0)
+    kwargs = {"temperature": temperature, "chunk_size": chunk}
+    if packed:
+        *batch, kwargs["segment_ids"] = packed_from_padded(*batch, order=[2, 0, 3, 1])
+    logits, _, tokens, mask = batch
+    features, log_probs = lm_head_features(*batch, method, 64, return_log_probs=True, **kwargs)
+    assert torch.equal(features, lm_head_features(*batch, method, 64, **kwargs))
+    keep = mask & (kwargs["segment_ids"] >= 0) if packed else mask
+    expected = numpy_log_probs(logits.nan_to_num(), tokens, keep, temperature)
+    assert log_probs.dtype == torch.float32 and log_probs.shape == mask.shape
+    assert_close(log_probs.double(), expected, rtol=1e-6, atol=1e-6)  # float32 rounding
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_log_probs_survive_the_overflow_and_underflow_redo(temperature):
+    logits, hidden, tokens, mask = random_batch(7, B=3, S=5, V=300, d=6, scale=20.0)
+    logits[0, :2] += 400.0  # the sketch's unshifted exp overflows: redone shifted by the row maximum
+    logits[1, 1:4] -= 400.0  # underflows for the whole row: redone too
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: against the log_softmax of the bf16 values
+        z = logits.to(dtype)
+        _, got = lm_head_features(z, hidden, tokens, mask, "sketch", 256, seed=2, temperature=temperature,
+                                  return_log_probs=True)  # fmt: skip
+        # float32 rounding of |z/τ| up to ~900: the float32 log_softmax's own error is as large
+        assert_close(got.double(), numpy_log_probs(z, tokens, mask, temperature), rtol=0, atol=1e-4)
+
+
 def test_sketch_is_the_exact_gradient_when_it_fits():
     batch = random_batch(6, V=8, d=4)  # V·d = 32 <= D = 36
     assert torch.equal(lm_head_features(*batch, "sketch", 36), lm_head_features(*batch, "exact"))

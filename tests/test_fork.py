@@ -188,9 +188,9 @@ def cpu_root(tmp_path_factory):
 
 # The GPU fork's six diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "d99442f13fbb328eabb072815d6c03dc4b3b16590065e65a4febf6318327305f",
+    "openrlhf.__init__.diff": "cb65628a31dcce5224450d96761cebe2563c820ff283d85f6d45b17ef686f9f1",
     "openrlhf.cli.train_ppo_ray.diff": "38cf53896074d741bdcd3d87c9aa065cad4f0d61473eabf1d5e77c6724f7ff09",
-    "openrlhf.models.actor.diff": "488b13e2bce28dc3382ba593b6de20e0c35f9927a477da07c9e4cc781df91c8a",
+    "openrlhf.models.actor.diff": "9e7341139ea1b5c6b296eb5a4dd3bc658d35ac8d3f4e206e0cc5ecaa97148437",
     "openrlhf.trainer.ppo_trainer.diff": "5c82a5705eb133fbf64864d3d6ca8d6715b4d39d4c638f8f3b014761357c0a61",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
         "17b272ad7f84f5926114c97a2af58edce46cc01e178ae521ad53d5810d1e55b0"

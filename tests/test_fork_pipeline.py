@@ -336,7 +336,9 @@ def test_actor_forward_returns_upstream_log_probs_plus_exact_geometry(up, tiny_p
     with torch.no_grad():
         plain = actor(seq, action, attn)
         lp, out = actor(seq, action, attn, return_output=True, geometry=spec)
-    assert torch.equal(lp, plain)  # the hook does not change upstream's result
+    # the log-probs now come from the features' pass: upstream's values up to float32 rounding, 0 off the actions
+    torch.testing.assert_close(lp, plain, atol=2e-6, rtol=1e-6)
+    assert not lp[~action].any()
     geo = out.geometry
     batch, seqlen = seq.shape
     width = action.shape[1]
@@ -359,6 +361,28 @@ def test_actor_forward_returns_upstream_log_probs_plus_exact_geometry(up, tiny_p
         p = torch.softmax(logits[b, offset + cols], -1)
         entropy = -(p * p.log()).sum() / math.log(V)
         torch.testing.assert_close(geo["entropy"][b], entropy.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_salt_features_give_the_log_probs_in_one_pass_over_the_logits(up, tiny_path, packing, monkeypatch):
+    """With SALT features Actor.forward skips log_probs_from_logits: the sketch's exp pass gave the log-probs."""
+    actor = load_actor(up, tiny_path, packing, temperature=0.7)
+    seq, attn, action = toy_batch(4, left_pad=True)
+    actor_module = sys.modules[type(actor).__module__]
+    calls, upstream = [], actor_module.log_probs_from_logits
+    monkeypatch.setattr(actor_module, "log_probs_from_logits", lambda *a: calls.append(1) or upstream(*a))
+    with torch.no_grad():
+        plain = actor(seq, action, attn)
+        hidden_only = actor(seq, action, attn, return_output=True, geometry=fork_hooks.GeometrySpec(hidden=True))[0]
+        assert len(calls) == 2  # no features: upstream's own pass
+        spec = fork_hooks.GeometrySpec(features="sketch", dim=64, seed=3)
+        lp, out = actor(seq, action, attn, return_output=True, geometry=spec)
+    assert torch.equal(hidden_only, plain)
+    assert len(calls) == 2 and "log_probs" not in out.geometry  # consumed by forward, not sent on with the geometry
+    ref_lp, *_ = hf_reference(actor, seq, attn, action, 0.7)  # float32 log_softmax of the same logits
+    torch.testing.assert_close(lp, ref_lp, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(lp, plain, atol=2e-6, rtol=1e-6)
+    assert not lp[~action].any()
 
 
 def test_packed_and_padded_forwards_agree_on_sketch_features(up, tiny_path):
