@@ -17,7 +17,7 @@ Timings are min and median over repeats, interleaved so each ratio compares call
 On a GPU (`--device cuda`, part 1 only) the LM head runs in bf16, as a model's does, and the features read its
 logits cast to float32, as `Actor.forward` casts them (its log-prob pass, which the fork pays anyway, is timed too).
 Usage: python benchmarks/salt_overhead.py [--part features|salt|all] [--reps N] [--threads 2] [--device cpu|cuda]
-       [--dims 4096 25600] [--sizes 256 1024 4096]
+       [--dims 4096 102400] [--sizes 256 1024]
 """
 
 import argparse
@@ -99,9 +99,9 @@ def feature_cases(T, weight, gen, sweep, log_probs_from_logits):
     if log_probs_from_logits is not None:  # what Actor.forward computes from the same float32 logits upstream
         cases["log-probs (upstream)"] = lambda: log_probs_from_logits(logits, tokens)
     if sweep:
-        for dim in (16384, 36864, 65536, 102400):
+        for dim in (25600, 65536):
             cases[f"sketch D={dim} + log-probs"] = features("sketch", dim, return_log_probs=True)
-        for tile in (16, 64):
+        for tile in (4, 32):
             cases[f"sketch tile={tile}"] = with_tile(tile, features("sketch", DEFAULT_DIM))
         for chunk in (64, 1024):
             cases[f"sketch chunk={chunk}"] = features("sketch", DEFAULT_DIM, chunk_size=chunk)
@@ -160,7 +160,7 @@ def powerlaw_features(m, dim, gen, rank=1024):
     return (torch.randn(m, r, generator=gen) * spectrum) @ torch.randn(r, dim, generator=gen) / math.sqrt(dim)
 
 
-def bench_salt(reps, sizes=(256, 1024, 4096), dims=(OLD_DIM, DEFAULT_DIM), group=8):
+def bench_salt(reps, sizes, dims, group=8):
     from openrlhf_geo.diagnostics import gram
     from openrlhf_geo.salt import salt_advantages
 
@@ -199,7 +199,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for part 1 on a GPU (bf16 LM head)")
     parser.add_argument("--dims", type=int, nargs="+", default=[OLD_DIM, DEFAULT_DIM], help="part 2: feature widths")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="part 2: rollouts m")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="part 2: rollouts m")
     args = parser.parse_args(argv)
     if args.device != "cpu" and args.part != "features":
         parser.error("--device cuda measures part 1 only: pass --part features")

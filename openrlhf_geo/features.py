@@ -6,14 +6,17 @@ input. SALT needs only the Gram ⟨G_i, G_j⟩_F of these (§3.2: the proxy must
 App. E); the paper does not say how it forms them at LLM sizes. Three feature maps, all linear in G_i:
 
 - `exact`: vec(G_i), V·d columns (tiny models, tests).
-- `sketch` (default): a TensorSketch (Pham & Pagh 2013) of vec(G_i) into D = dim columns. Entry (v, c) of G_i goes
-  to bucket (b_V(v) + b_d(c)) mod D with sign s_V(v)·s_d(c), so φ_i = (1/T_i) Σ_t (C_V e_t) ⊛ (C_d h_t) / τ: the
-  circular convolution of two CountSketches, computed as a product of their real FFTs. C_V e_t costs O(V) per token
-  (one pass of exp over the logits, no V×k product), the rest O(D log D). With independent random signs
-  E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F, and every pair of distinct entries collides with probability ≤ 1/(D − 1), so an
-  inner product's error has about the variance of a Johnson-Lindenstrauss sketch of D rows, (‖G_i‖²‖G_j‖² +
-  ⟨G_i, G_j⟩²)/D, at most 4‖G_i‖²‖G_j‖²/(D − 1) (`sketch_hashes`; measured: benchmarks/README.md). When
-  V·d ≤ D the sketch is exact: the features are vec(G_i) itself.
+- `sketch` (default): a blocked TensorSketch (after Pham & Pagh 2013) of vec(G_i) into D = dim = L·P columns, P
+  the smallest divisor of D that is ≥ d. A CountSketch C_V sends token v to bucket b_V(v) = q·L + r, i.e. position
+  q of block r; a random injection b_d sends hidden coordinate c to [0, P); entry (v, c) of G_i goes to position
+  (q + b_d(c)) mod P of block r with sign s_V(v)·s_d(c). So φ_i = (1/T_i) Σ_t (C_V e_t) ⊛_P (C_d h_t) / τ, a circular
+  convolution within each of the L blocks, computed as a product of real FFTs of length P (the plain TensorSketch,
+  one FFT of length D, cost 2.5× as much per token at D = 102400: cache). C_V e_t costs O(V) per token (one pass of
+  exp over the logits, no V×k product), the rest O(D log P). With independent random signs E⟨φ_i, φ_j⟩ =
+  ⟨G_i, G_j⟩_F; two token ids share a block with probability about 1/L, so on average an inner product's error has
+  the variance of a Johnson-Lindenstrauss sketch of D rows, (‖G_i‖²‖G_j‖² + ⟨G_i, G_j⟩²)/D, and at most
+  4‖G_i‖²‖G_j‖²/(P − 1) (`sketch_hashes`; measured: benchmarks/README.md). When V·d ≤ D the sketch is exact: the
+  features are vec(G_i) itself.
 - `kronecker` (the default before the TensorSketch): φ_i = vec(S_e G_i S_hᵀ) = (1/T_i) Σ_t (S_e e_t) ⊗ (S_h h_t) / τ
   with fixed seeded Rademacher S_e (k, V), S_h (k, d), k = √dim (`kronecker_projections`). Also unbiased, but its
   D = k² entries share k rows and k columns, so the error of a rank-one term is ~√(2/k) rather than ~1/√D (its
@@ -38,8 +41,10 @@ import torch
 
 METHODS = ("sketch", "kronecker", "exact")
 # The default sketch size D: JL-like noise ≈ 1/√D per Gram cosine, and the Gram costs O(m²·D) (benchmarks/README.md
-# measures both; 160² keeps D a perfect square, the --salt.dim contract since the Kronecker sketch's k × k).
-DEFAULT_DIM = 25600
+# measures both). 320² (a perfect square: the --salt.dim contract since the Kronecker sketch's k × k) keeps a' within
+# the fidelity target with shared prompt prefixes at m = 256 and Qwen2.5-1.5B's LM-head shape, where 160² and 256²
+# fall short, and the Gram + solve at m = 1024 within 1 s on 2 cores.
+DEFAULT_DIM = 102400
 # `exact` returns R rows of V·d floats; above this V·d the sketch is the only sensible choice.
 EXACT_MAX_NUMEL = 2**26
 # Masked tokens per chunk: bounds the float32 buffers over the vocabulary (156 MB per chunk at V=151936; the
@@ -48,31 +53,41 @@ DEFAULT_CHUNK_SIZE = 256
 # Below this Σ_v exp(z_v/τ) (every z_v/τ < −50) the sketch's unshifted exp would lose the distribution's tail to
 # float32 underflow: such rows are redone shifted by their maximum.
 UNDERFLOW_TOTAL = math.exp(-50)
-# Tokens per tile of the sketch on a CPU: its (tile, D) buffers (exp of a vocabulary block, the FFTs) stay in cache.
-EXP_TILE = 32
+# Tokens per tile of the sketch on a CPU: its (tile, D) buffers (exp of a vocabulary block, the FFTs) stay in cache
+# (benchmarks/salt_overhead.py sweeps it: at D = 102400, 8 tokens took 0.59× the time of 32).
+EXP_TILE = 8
 
 
 class SketchHashes(NamedTuple):
     """The TensorSketch's fixed hash functions (`sketch_hashes`): entry (v, c) of a (V, d) matrix goes to bucket
-    (vocab_bucket[v] + hidden_bucket[c]) mod D with sign vocab_sign[v] · hidden_sign[c]."""
+    P·r + (q + hidden_bucket[c]) mod P, where vocab_bucket[v] = q·L + r (L = D / P), with sign
+    vocab_sign[v] · hidden_sign[c]."""
 
     vocab_bucket: torch.Tensor  # (V,) int64 in [0, D)
     vocab_sign: torch.Tensor  # (V,) float32 ±1
-    hidden_bucket: torch.Tensor  # (d,) int64 in [0, D)
+    hidden_bucket: torch.Tensor  # (d,) int64 in [0, P)
     hidden_sign: torch.Tensor  # (d,) float32 ±1
+    block: int  # P: the length of the circular convolutions, D = L·P
+
+
+def _block_length(dim: int, hidden_size: int) -> int:
+    """P: the smallest divisor of D that is >= d (D itself when d > D)."""
+    return next((p for p in range(hidden_size, dim) if dim % p == 0), dim)
 
 
 @functools.lru_cache(maxsize=4)
 def _hash_storage(seed: int, vocab_size: int, hidden_size: int, dim: int, device: torch.device):
     """(SketchHashes on `device`, vocabulary block offsets as ints), drawn on the CPU: the same bits everywhere."""
     gen = torch.Generator().manual_seed(seed)
-    # Hidden side first: it then depends on (seed, d, D) only, whatever the vocabulary size. d <= D: a random
+    # Hidden side first: it then depends on (seed, d, D) only, whatever the vocabulary size. d <= P: a random
     # injection, so no two entries of one vocabulary row share a bucket.
-    hidden_bucket = torch.randperm(max(dim, hidden_size), generator=gen)[:hidden_size] % dim
+    block = _block_length(dim, hidden_size)
+    hidden_bucket = torch.randperm(max(block, hidden_size), generator=gen)[:hidden_size] % block
     hidden_sign = 2 * torch.randint(0, 2, (hidden_size,), generator=gen) - 1
     # Vocabulary blocks of D consecutive ids, each cyclically shifted by a uniform offset: an exp pass over the
     # logits then adds whole slices (no scatter), ids in one block never share a bucket, ids in two blocks do with
-    # probability 1/D, and a bucket difference within a block is matched by b_d with probability ≤ 1/(D − 1).
+    # probability 1/D. Bucket q·L + r is position q of convolution block r, so consecutive ids land in different
+    # blocks.
     offsets = torch.randint(0, dim, (-(-vocab_size // dim),), generator=gen)
     vocab_sign = 2 * torch.randint(0, 2, (vocab_size,), generator=gen) - 1
     ids = torch.arange(vocab_size)
@@ -82,6 +97,7 @@ def _hash_storage(seed: int, vocab_size: int, hidden_size: int, dim: int, device
         vocab_sign.float().to(device),
         hidden_bucket.to(device),
         hidden_sign.float().to(device),
+        block,
     )
     return hashes, tuple(offsets.tolist())
 
@@ -90,19 +106,23 @@ def sketch_hashes(vocab_size: int, hidden_size: int, dim: int = DEFAULT_DIM, see
     """The fixed hash functions of the TensorSketch of (V, d) matrices into D = dim buckets, as `SketchHashes`.
 
     Signs are independent Rademacher, so E[sign(a) sign(a')] = [a = a'] for entries a, a' of the (V, d) grid and the
-    sketch's inner products are unbiased for ⟨G_i, G_j⟩_F. Buckets: b_d is a uniformly random injection of the d
-    hidden coordinates into [0, D) (a balanced random map when d > D); b_V shifts each block of D consecutive token
-    ids by its own uniform offset. For d ≤ D every two distinct entries share a bucket with probability ≤ 1/(D − 1),
-    the pairwise bound of a universal hash.
+    sketch's inner products are unbiased for ⟨G_i, G_j⟩_F. Buckets: D = L·P with P the smallest divisor of D that
+    is ≥ d (P = D when d > D); b_d is a uniformly random injection of the d hidden coordinates into [0, P) (a
+    balanced random map when d > P); b_V shifts each block of D consecutive token ids by its own uniform offset, and
+    b_V(v) = q·L + r puts row v at position q of convolution block r (see `SketchHashes`).
 
-    Error (d ≤ D; X = G_i, Y = G_j, a ≠ b entries of the grid, H the bucket): ⟨φ_i, φ_j⟩ − ⟨X, Y⟩_F =
-    Σ_{a≠b} s(a) s(b) X_a Y_b [H(a) = H(b)], mean 0. Its variance has three parts: Σ_{a≠b} P(H(a) = H(b))
-    (X_a² Y_b² + X_a Y_a X_b Y_b) ≤ 2‖X‖²‖Y‖²/(D − 1) (≈ (‖X‖²‖Y‖² + ⟨X, Y⟩²)/D, a JL sketch's); the rows of two
-    token ids in different blocks share their buckets with probability 1/D, and then whole rows collide at once
-    (b_d is shared): (1/D) Σ_{v≠v'} ((X_v·Y_v')² + (X_v·Y_v')(X_v'·Y_v)) ≤ 2‖X‖²‖Y‖²/D; and terms of order
-    ‖X‖²‖Y‖²/D² (the TensorSketch's sign products over four entries). In all ≤ 4‖X‖²‖Y‖²/(D − 1) + O(D⁻²).
-    `dim` must be a perfect square >= 16 (the --salt.dim contract; the sketch itself takes any D). Same arguments ⇒
-    bit-identical tensors in every process and on every device; cached per (seed, V, d, D, device). Read-only.
+    When two distinct entries a = (v, c), b = (v', c') share a bucket (d ≤ P): never for v = v'; with probability
+    1/D for v, v' in different id blocks (b_V(v') is uniform given b_V(v)); for v' = v + δ in one id block, only if
+    L divides δ (same convolution block), and then with probability ≤ 1/(P − 1) (b_d(c) − b_d(c') must equal δ/L
+    mod P). Over token ids 1/L of the pairs are such, so the collision rate averages 1/D.
+    Error (X = G_i, Y = G_j, H the bucket): ⟨φ_i, φ_j⟩ − ⟨X, Y⟩_F = Σ_{a≠b} s(a) s(b) X_a Y_b [H(a) = H(b)], mean 0.
+    Its variance: Σ_{a≠b} P(H(a) = H(b)) (X_a² Y_b² + X_a Y_a X_b Y_b) ≤ 2‖X‖²‖Y‖²/(P − 1), about
+    (‖X‖²‖Y‖² + ⟨X, Y⟩²)/D (a JL sketch's) when the mass of X and Y is spread over token ids; plus the sign products
+    over four entries (v, c), (v', c'), (v, c'), (v', c), nonzero only when both pairs collide, ≤ 2‖X‖²‖Y‖²/(P − 1).
+    In all ≤ 4‖X‖²‖Y‖²/(P − 1), a worst case reached only when the mass sits on token ids whose differences are
+    multiples of L. `dim` must be a perfect square >= 16 (the --salt.dim contract; the sketch itself takes any D).
+    Same arguments ⇒ bit-identical tensors in every process and on every device; cached per (seed, V, d, D,
+    device). Read-only.
     """
     _sketch_side(dim)
     vocab_size, hidden_size = _as_int(vocab_size, "vocab_size", 1), _as_int(hidden_size, "hidden_size", 1)
@@ -305,7 +325,8 @@ def lm_head_features(
     elif method == "sketch":
         hashes, offsets = _hash_storage(_as_int(seed, "seed", 0), vocab_size, hidden_size, dim, device)
         tiles = _TensorSketchTiles(hashes, offsets, dim, temperature, chunk_size, device)
-        width = 2 * (dim // 2 + 1)  # the real and imaginary parts of the rfft spectrum, summed per response
+        # the real and imaginary parts of the L blocks' rfft spectra, summed per response
+        width = 2 * (dim // hashes.block) * (hashes.block // 2 + 1)
     else:
         s_e, s_h = kronecker_projections(vocab_size, hidden_size, dim, seed, device)
         se_t, sh_t = s_e.T, s_h.T  # (V, k), (d, k): row-gather S_e[:, y] and right-multiply without copies
@@ -345,7 +366,7 @@ def lm_head_features(
             for tile in _run_tiles(new_run, start, start + n, tiles.size):
                 part = slice(tile.start - start, tile.stop - start)
                 z_tile, h_tile = masked.take(logits, tile), masked.take(hidden, tile).float()
-                # of C_V e_t ⊛ C_d h_t, (tile, D/2 + 1), and the tile's log-probs
+                # of C_V e_t ⊛_P C_d h_t, (tile, L, P/2 + 1), and the tile's log-probs
                 spectrum, tile_log_probs = tiles.spectrum(z_tile, y[part], h_tile)
                 block.addmm_(assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
                 if log_probs is not None:
@@ -370,7 +391,8 @@ def lm_head_features(
         out.index_add_(0, ids, block)  # ids are unique: one add per row
 
     if method == "sketch":
-        out = torch.fft.irfft(torch.view_as_complex(out.view(num_responses, -1, 2)), n=dim)
+        spectra = torch.view_as_complex(out.view(num_responses, dim // hashes.block, -1, 2))
+        out = torch.fft.irfft(spectra, n=hashes.block).reshape(num_responses, dim)
     if not bool(torch.isfinite(out).all()):
         _raise_non_finite(logits, hidden, rows, masked.cols)
     return (out, log_probs) if return_log_probs else out
@@ -389,7 +411,8 @@ class _TensorSketchTiles:
 
     Fresh multi-megabyte buffers for every vocabulary block cost the CPU a page fault per 4 KiB, which took ~3× as
     long as the exp pass itself (measured with torch.profiler at V = 151936, D = 25600). A tile is EXP_TILE
-    tokens on a CPU, so each (tile, D) buffer stays in cache, and the whole chunk on a GPU.
+    tokens on a CPU, so each (tile, D) buffer stays in cache, and the whole chunk on a GPU (there about four
+    (chunk_size, D) float32 buffers: 0.4 GB at the defaults).
     """
 
     def __init__(self, hashes, offsets, dim, temperature, chunk_size, device):
@@ -397,23 +420,27 @@ class _TensorSketchTiles:
         self.size = min(chunk_size, EXP_TILE) if device.type == "cpu" else chunk_size
         self.block = torch.empty(self.size, dim, device=device)  # exp of one vocabulary block
         self.left = torch.empty(self.size, dim, device=device)  # C_V e_t
-        self.right = torch.empty(self.size, dim, device=device)  # C_d h_t
-        self.spectra = torch.empty(2, self.size, dim // 2 + 1, dtype=torch.complex64, device=device)
+        self.right = torch.empty(self.size, hashes.block, device=device)  # C_d h_t
+        blocks, half = dim // hashes.block, hashes.block // 2 + 1
+        self.spectra = torch.empty(self.size, blocks, half, dtype=torch.complex64, device=device)
+        self.hidden_spectra = torch.empty(self.size, half, dtype=torch.complex64, device=device)
         self.zero = torch.zeros((), device=device)  # a float32 shift: bf16 logits minus it are float32
 
     def spectrum(self, z, y, h):
-        """(rfft(C_V e_t) ∘ rfft(C_d h_t) (n, D/2 + 1) complex64, a view of the buffers; log softmax(z_t/τ)[y_t]
-        (n,) float32, from the same exp pass) for n ≤ size tokens: logits z (n, V) of any float dtype (read, never
-        written), tokens y (n,), hidden h (n, d) float32."""
+        """(rfft(C_V e_t) ∘ rfft(C_d h_t) per convolution block (n, L, P/2 + 1) complex64, a view of the buffers;
+        log softmax(z_t/τ)[y_t] (n,) float32, from the same exp pass) for n ≤ size tokens: logits z (n, V) of any
+        float dtype (read, never written), tokens y (n,), hidden h (n, d) float32."""
         n, hashes = z.shape[0], self.hashes
         right = self.right[:n].zero_().index_add_(1, hashes.hidden_bucket, h * hashes.hidden_sign)
-        spectra = self.spectra[:, :n]
+        spectra, hidden_spectra = self.spectra[:n], self.hidden_spectra[:n]
         left, shift, log_total = self._vocab(z, y)
-        torch.fft.rfft(left, out=spectra[0])
-        torch.fft.rfft(right, out=spectra[1])
+        # bucket b = q·L + r of the vocabulary side is position q of block r: consecutive token ids spread over the
+        # L blocks (a block of consecutive ids would collide whole rows with each other)
+        torch.fft.rfft(left.view(n, self.hashes.block, -1).transpose(1, 2), out=spectra)
+        torch.fft.rfft(right, out=hidden_spectra)
         # subtract the shift before dividing by τ: large logits keep their float32 precision
         log_probs = (z.gather(1, y[:, None])[:, 0].float() - shift) / self.temperature - log_total
-        return spectra[0].mul_(spectra[1]), log_probs
+        return spectra.mul_(hidden_spectra[:, None]), log_probs
 
     def _vocab(self, z, y):
         """(C_V e_t = s_V(y_t) 1[b_V(y_t)] − C_V softmax(z_t/τ) (n, D) float32, the shift c_t of each row's exp

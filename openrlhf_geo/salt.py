@@ -312,7 +312,8 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
             )
         if x.ndim != ndim:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-        if not torch.isfinite(x.sum(dtype=torch.float64)) and not torch.isfinite(x).all():  # see diagnostics._checked
+        total = x.sum(dtype=torch.promote_types(x.dtype, torch.float32))  # see diagnostics._checked
+        if not torch.isfinite(total) and not torch.isfinite(x).all():
             raise ValueError(f"{name} contains NaN or inf; SALT needs finite inputs")
     if advantages.numel() == 0:
         raise ValueError("advantages is empty (m = 0); SALT needs m >= 1 responses")
