@@ -393,6 +393,8 @@ def main(argv=None):
                 kind = "shared-prefix" if prefix else "on-policy"
                 run(f"LLM shape {kind} T<={T}", batch, rows_per_call=4, gram_exact=gram_exact, note=note)
                 del batch
+                for path in Path(directory).glob("*.f32"):  # 10 GB per regime at 256:64: free it now
+                    path.unlink()
 
     print(f"\na'-cosine vs exact (mean over draws x seeds; target >= {COS_TARGET}) and k (target: every seed within")
     print("max(1, 10 %) of exact k); 'no' marks a missed target")

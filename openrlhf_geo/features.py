@@ -10,13 +10,13 @@ App. E); the paper does not say how it forms them at LLM sizes. Three feature ma
   the smallest divisor of D that is ≥ d. A CountSketch C_V sends token v to bucket b_V(v) = q·L + r, i.e. position
   q of block r; a random injection b_d sends hidden coordinate c to [0, P); entry (v, c) of G_i goes to position
   (q + b_d(c)) mod P of block r with sign s_V(v)·s_d(c). So φ_i = (1/T_i) Σ_t (C_V e_t) ⊛_P (C_d h_t) / τ, a circular
-  convolution within each of the L blocks, computed as a product of real FFTs of length P (the plain TensorSketch,
-  one FFT of length D, cost 2.5× as much per token at D = 102400: cache). C_V e_t costs O(V) per token (one pass of
-  exp over the logits, no V×k product), the rest O(D log P). With independent random signs E⟨φ_i, φ_j⟩ =
-  ⟨G_i, G_j⟩_F; two token ids share a block with probability about 1/L, so on average an inner product's error has
-  the variance of a Johnson-Lindenstrauss sketch of D rows, (‖G_i‖²‖G_j‖² + ⟨G_i, G_j⟩²)/D, and at most
-  4‖G_i‖²‖G_j‖²/(P − 1) (`sketch_hashes`; measured: benchmarks/README.md). When V·d ≤ D the sketch is exact: the
-  features are vec(G_i) itself.
+  convolution within each of the L blocks, computed as a product of real FFTs of length P (with the plain
+  TensorSketch's one FFT of length D the pass took 1.9× as long at D = 102400 on a CPU: cache). C_V e_t costs
+  O(V) per token (one pass of exp over the logits, no V×k product), the rest O(D log P). With independent random
+  signs E⟨φ_i, φ_j⟩ = ⟨G_i, G_j⟩_F; two token ids share a block with probability about 1/L, so on average an inner
+  product's error has the variance of a Johnson-Lindenstrauss sketch of D rows, (‖G_i‖²‖G_j‖² + ⟨G_i, G_j⟩²)/D,
+  and at most 4‖G_i‖²‖G_j‖²/(P − 1) (`sketch_hashes`; measured: benchmarks/README.md). When V·d ≤ D the sketch is
+  exact: the features are vec(G_i) itself.
 - `kronecker` (the default before the TensorSketch): φ_i = vec(S_e G_i S_hᵀ) = (1/T_i) Σ_t (S_e e_t) ⊗ (S_h h_t) / τ
   with fixed seeded Rademacher S_e (k, V), S_h (k, d), k = √dim (`kronecker_projections`). Also unbiased, but its
   D = k² entries share k rows and k columns, so the error of a rank-one term is ~√(2/k) rather than ~1/√D (its
