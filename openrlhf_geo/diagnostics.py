@@ -88,10 +88,12 @@ def gram(features) -> torch.Tensor:
     The product runs in F's precision, at least float32 (float64 features stay float64): it dominates SALT's cost
     at large m (m = 4096, D = 4096: 3.4 s in float32 vs 9.0 s in float64 on 2 cores), and float32 rounding (~1e-6
     relative) is far below the sketch's noise. F is divided by `unit_scale(F)` before the product and K multiplied
-    back in float64, so finite features never overflow (float32 1e20) or underflow (float32 1e-30) in the squares;
-    when max |F| lies in [2⁻⁴⁰, 2⁴⁰] no square or sum of D ≤ 2⁴⁰ of them can leave float32's normal range, so F
-    is used as it is (a power-of-two scale changes no rounding, and the copy cost as much as the product's
-    overhead at m = 1024, D = 102400). Raises ValueError when K itself lies beyond float64's range.
+    back in float64, so finite features never overflow (float32 1e20) or underflow (float32 1e-30) in the squares.
+    When max |F| lies in [2⁻⁴⁰, 2⁴⁰] F is used as it is (the copy took 0.2 s at m = 1024, D = 102400): no sum of
+    squares can overflow, products of entries near the peak stay normal floats, and only products far below
+    float32's resolution of K's largest entries can round differently (as subnormals) than after the power-of-two
+    scale. `salt.salt_advantages` scales F itself first, so SALT's numbers do not depend on this.
+    Raises ValueError when K itself lies beyond float64's range.
     """
     F = _checked(features, "features", "(m, D)")
     F = F.to(torch.promote_types(F.dtype, torch.float32))
