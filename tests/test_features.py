@@ -240,6 +240,21 @@ def test_sketch_hashes_are_signs_and_spread_buckets():
     assert [sketch_hashes(10, d, 102400).block for d in (1536, 2048, 3584, 200_000)] == [1600, 2048, 4096, 102400]
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(40, 400), d=st.integers(2, 24), dim=st.sampled_from([64, 144, 256]))
+def test_rows_of_neighbouring_token_ids_never_share_a_bucket(seed, V, d, dim):
+    """Token ids v, v + δ (0 < δ < L) of one block of D ids fall in different convolution blocks, so their rows never
+    collide: the layout bug this guards against (blocks of consecutive ids) collided whole rows of neighbouring ids.
+    (Ids in different blocks of D ids have independent offsets: their entries collide with probability 1/D.)"""
+    hashes = sketch_hashes(V, d, dim, seed)
+    L = dim // hashes.block
+    buckets = countsketch_matrix(V, d, dim, seed).abs().reshape(V, d, dim).sum(1) > 0  # (V, D): row v's buckets
+    same_id_block = torch.arange(V) // dim
+    for delta in range(1, L):
+        pairs = same_id_block[:-delta] == same_id_block[delta:]
+        assert not (buckets[:-delta] & buckets[delta:])[pairs].any(), (L, delta)
+
+
 @pytest.mark.parametrize("method", ["sketch", "kronecker"])
 def test_sketch_inner_products_are_unbiased_over_seeds(method):
     """Mean over seeds of ⟨φ_i, φ_j⟩ matches ⟨G_i, G_j⟩_F within 4 standard errors estimated from the draws."""
