@@ -124,8 +124,8 @@ def test_exact_features_match_float64_numpy_bruteforce(seed, temperature):
 
 
 def countsketch_matrix(vocab_size, hidden_size, dim, seed):
-    """The TensorSketch as an explicit (V·d, D) float64 matrix from its hashes: entry (v, c) -> bucket
-    P·(b_V(v) div P) + (b_V(v) + b_d(c)) mod P with sign s_V(v) s_d(c) (the definition, independent of the FFT
+    """The TensorSketch as an explicit (V·d, D) float64 matrix from its hashes: with b_V(v) = q·L + r, entry (v, c)
+    -> bucket P·r + (q + b_d(c)) mod P with sign s_V(v) s_d(c) (the definition, independent of the FFT
     implementation)."""
     hashes = sketch_hashes(vocab_size, hidden_size, dim, seed)
     P, b_V = hashes.block, hashes.vocab_bucket[:, None]
