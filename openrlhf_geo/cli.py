@@ -17,6 +17,7 @@ COMMANDS = {
     "report": ("openrlhf_geo.eval.report", "paired multi-seed comparison with bootstrap CIs and plots"),
     "judge": ("openrlhf_geo.eval.judge", "pairwise LLM judge with position swap (GeoAlign HH-RLHF win rate)"),
     "serve-rm": ("openrlhf_geo.rewards.armorm", "serve ArmoRM scores over HTTP for --reward.remote_url"),
+    "model": ("openrlhf_geo.real_lm", "convert a registry-installed pretrained LM (smollm2) once into the cache"),
 }
 
 # commands whose per-seed results the README reports: the same CPU kernels on every machine (local.kernels)

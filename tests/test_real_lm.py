@@ -1,0 +1,189 @@
+"""The real pretrained LM asset (openrlhf_geo.real_lm): SmolLM2-135M-Instruct from the registry wheel, converted once,
+atomically, with the right special tokens; and one-line errors when it cannot be provided."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from openrlhf_geo import real_lm
+from openrlhf_geo.real_lm import SMOLLM2, AssetError
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The converted model in the user's cache (scripts/setup_cpu.sh test converts it; a no-op here then)."""
+    return real_lm.convert()
+
+
+def test_conversion_is_the_pinned_llama_with_its_chat_tokens(smollm2):
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(smollm2)
+    assert config.model_type == "llama" and config.tie_word_embeddings
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (49152, 576, 30)
+    assert (config.num_attention_heads, config.head_dim, config.num_key_value_heads) == (9, 64, 3)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    # the release's ids: the GGUF's own tokenizer said eos = <|im_start|> and had no pad
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 2)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 2)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_end|>" in text
+    card = json.loads((smollm2 / real_lm.CARD_JSON).read_text())
+    assert card["gguf_sha256"] == SMOLLM2.gguf_sha256 and card["parameters"] == SMOLLM2.parameters
+    assert card["license"] == "Apache-2.0" and card["quantization"].startswith("Q4_1")
+    assert "4-bit quantization of the release" in (smollm2 / real_lm.CARD_MD).read_text()
+
+
+def test_converted_weights_are_a_pretrained_lm(smollm2):
+    """English reads far likelier than the same tokens shuffled, and greedy decoding answers a chat turn and ends it
+    with <|im_end|>: the weights are a trained model, not a random init of the same shape."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    assert sum(p.numel() for p in model.parameters()) == SMOLLM2.parameters
+    ids = tokenizer("The capital of France is Paris. It is known for the Eiffel Tower.", return_tensors="pt").input_ids
+    shuffled = ids[:, torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        nll = [model(input_ids=x, labels=x).loss.item() for x in (ids, shuffled)]
+    assert nll[0] < 4.0 < nll[1] - 2.0, nll
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = out[0, prompt["input_ids"].shape[1] :]
+    assert "5" in tokenizer.decode(answer, skip_special_tokens=True)
+    assert tokenizer.eos_token_id in answer.tolist()
+
+
+def test_a_finished_conversion_is_returned_without_rebuilding(smollm2, monkeypatch):
+    monkeypatch.setattr(real_lm, "_build", lambda *a: pytest.fail("a finished conversion was rebuilt"))
+    assert real_lm.convert() == smollm2
+    assert real_lm.is_converted(smollm2)
+
+
+def _fake_build(asset, gguf, target):
+    (target / "weights.bin").write_bytes(b"x" * 10)
+    card = {"gguf_sha256": asset.gguf_sha256, "files": {"weights.bin": 10}}
+    (target / real_lm.CARD_JSON).write_text(json.dumps(card))
+
+
+def test_interrupted_conversion_leaves_nothing_and_the_next_one_finishes(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+
+    def interrupted(asset, gguf, target):
+        (target / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(real_lm, "_build", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        real_lm.convert(out=out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock"]
+    (tmp_path / ".m.tmp-4242").mkdir()  # what a SIGKILL-ed conversion leaves
+    monkeypatch.setattr(real_lm, "_build", _fake_build)
+    assert real_lm.convert(out=out) == out and real_lm.is_converted(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock", "m"]
+
+
+def test_sigkill_during_conversion_leaves_no_target(tmp_path):
+    """A real conversion killed while it writes: the target never exists half-written."""
+    out = tmp_path / "m"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openrlhf_geo.real_lm", "smollm2", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".m.tmp-*/*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the weights are being written
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(tmp_path.glob(".m.tmp-*/*")), "killed before it wrote anything"
+    assert not out.exists() and not real_lm.is_converted(out)
+
+
+def test_a_foreign_directory_is_refused_unless_forced(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "mine.txt").write_text("user data")
+    monkeypatch.setattr(real_lm, "_build", _fake_build)
+    with pytest.raises(AssetError, match="not a finished conversion: pass --force"):
+        real_lm.convert(out=out)
+    assert (out / "mine.txt").read_text() == "user data"
+    assert real_lm.convert(out=out, force=True) == out
+    assert not (out / "mine.txt").exists() and real_lm.is_converted(out)
+
+
+def test_a_truncated_file_is_not_a_finished_conversion(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    monkeypatch.setattr(real_lm, "_build", _fake_build)
+    real_lm.convert(out=out)
+    (out / "weights.bin").write_bytes(b"x")
+    assert not real_lm.is_converted(out)
+    with pytest.raises(AssetError, match="not a finished conversion"):
+        real_lm.convert(out=out)
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("not-installed", "is not installed: run `bash scripts/setup_cpu.sh real-lm`"),
+        ("other-version", "0.0.9 is installed, 0.1.2 is pinned"),
+        ("no-gguf-module", "needs gguf: run `bash scripts/setup_cpu.sh real-lm`"),
+        ("wrong-hash", "pinned b179c952"),
+    ],
+)
+def test_what_is_missing_is_named_with_the_command_that_installs_it(tmp_path, monkeypatch, breakage, message):
+    import importlib.metadata
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    if breakage == "not-installed":
+
+        def distribution(name):
+            raise importlib.metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    elif breakage == "other-version":
+
+        class Other:
+            version = "0.0.9"
+
+        monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Other())
+    elif breakage == "no-gguf-module":
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "gguf" else real_find_spec(n))
+    else:
+        monkeypatch.setattr(real_lm, "sha256", lambda path: "0" * 64)
+    monkeypatch.setattr(real_lm, "_build", lambda *a: pytest.fail("converted despite " + breakage))
+    with pytest.raises(AssetError, match=re.escape(message)):
+        real_lm.convert(out=tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_model_command_prints_the_directory_or_one_line(tmp_path, smollm2, capsys):
+    from openrlhf_geo import cli
+
+    assert cli.main(["model", "smollm2"]) == 0
+    assert capsys.readouterr().out.strip() == str(smollm2)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "x").write_text("x")
+    assert cli.main(["model", "smollm2", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("openrlhf-geo model: ") and "--force" in err and len(err.splitlines()) == 1
