@@ -14,6 +14,7 @@ MODULES = (
     "salt_proxy",
     "long_cot",
     "real_lm_geometry",
+    "real_lm_geoalign",
 )
 REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 
