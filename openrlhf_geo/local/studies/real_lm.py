@@ -107,19 +107,17 @@ def _vllm_child(request_path, result_path):
     request = json.loads(Path(request_path).read_text())
     llm = LLM(request["model"], dtype="float32", enforce_eager=True, seed=request["seed"],
               max_model_len=request["max_model_len"], gpu_memory_utilization=request["memory"])  # fmt: skip
-    params = [
-        SamplingParams(
-            n=request["samples"],
-            temperature=request["temperature"],
-            top_p=1.0,
-            top_k=-1,
-            max_tokens=request["max_tokens"],
-            seed=request["seed"] * 100003 + i,
-            stop_token_ids=[request["eos"]],
-            detokenize=False,
-        )  # fmt: skip
-        for i in range(len(request["prompt_ids"]))
-    ]
+    # the engine's seed only: vLLM 0.29's CPU runner cannot seed requests one by one (a per-request generator fails in
+    # `_bookkeeping_sync` with "CPU Generator does not use offset" once prefills are chunked)
+    params = SamplingParams(
+        n=request["samples"],
+        temperature=request["temperature"],
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=request["max_tokens"],
+        stop_token_ids=[request["eos"]],
+        detokenize=False,
+    )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompt_ids"]], params)
     rows = [list(o.token_ids) for out in outputs for o in out.outputs]
     tmp = Path(result_path).with_suffix(".tmp")
@@ -161,6 +159,7 @@ def _sample_vllm(model_path, prompt_ids, collection, eos, work):
                 pass
     if proc.returncode != 0 or not result.exists():
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in lines if "Error" in line] or lines  # the exception, not a progress bar
         raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}"
                            f" (log: {log})")  # fmt: skip
     return json.loads(result.read_text())
