@@ -15,6 +15,7 @@ MODULES = (
     "long_cot",
     "real_lm_geometry",
     "real_lm_geoalign",
+    "real_lm_proxy",
 )
 REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 
