@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CARD_JSON, CARD_MD = "model_card.json", "MODEL_CARD.md"
+CONVERSION = 2  # what `_build` writes; a directory of an earlier conversion of the same GGUF is rebuilt
 SETUP = "bash scripts/setup_cpu.sh real-lm"
 
 
@@ -128,7 +129,7 @@ def is_converted(directory: Path, asset: Asset = SMOLLM2) -> bool:
     """A directory `convert` finished for this asset: its card names the same GGUF and every file it lists exists
     with the size it recorded."""
     card = read_card(directory)
-    if card is None or card.get("gguf_sha256") != asset.gguf_sha256:
+    if card is None or card.get("gguf_sha256") != asset.gguf_sha256 or card.get("conversion") != CONVERSION:
         return False
     files = card.get("files")
     if not isinstance(files, dict) or not files:
@@ -184,6 +185,7 @@ def _build(asset: Asset, gguf: Path, target: Path):
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     tokenizer.add_special_tokens(dict(asset.special_tokens))
+    tokenizer.clean_up_tokenization_spaces = False  # as the release's (transformers ignores it for BPE, and warns)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in asset.special_tokens.items()}
     config_ids = {
         "bos_token": model.config.bos_token_id,
@@ -204,6 +206,7 @@ def _build(asset: Asset, gguf: Path, target: Path):
     config = model.config.to_dict()
     card = {
         "name": asset.name,
+        "conversion": CONVERSION,
         "release": asset.release,
         "distribution": asset.distribution,
         "version": asset.version,
@@ -252,16 +255,18 @@ def _locked(root: Path, name: str):
 
 def convert(asset: Asset = SMOLLM2, out: Path | None = None, force: bool = False) -> Path:
     """The converted model's directory (`out`, default `default_dir`): returned as is when a finished conversion
-    of this asset is there, else built beside it and renamed into place. A directory there that is not this asset's
-    finished conversion is refused unless `force` (then replaced, only after the new one is complete)."""
+    of this asset is there, else built beside it and renamed into place (an earlier CONVERSION of the same GGUF is
+    rebuilt so). Any other directory there is refused unless `force` (then replaced, only after the new one is
+    complete)."""
     target = Path(out).expanduser().absolute() if out is not None else default_dir(asset)
     if not force and is_converted(target, asset):
         return target
     with _locked(target.parent, target.name):
         if not force and is_converted(target, asset):  # another process finished it while we waited
             return target
-        if target.exists() and not force:
-            card = read_card(target) or {}
+        card = read_card(target) or {}
+        ours = card.get("gguf_sha256") == asset.gguf_sha256 and card.get("conversion") != CONVERSION
+        if target.exists() and not force and not ours:  # an earlier conversion of this GGUF is rebuilt in place
             what = (
                 "a conversion of another model"
                 if card.get("gguf_sha256") not in (None, asset.gguf_sha256)
@@ -281,7 +286,7 @@ def convert(asset: Asset = SMOLLM2, out: Path | None = None, force: bool = False
         building.mkdir()
         try:
             _build(asset, gguf, building)
-            if target.exists():  # --force: the old directory goes only once the new one is complete
+            if target.exists():  # --force or an earlier conversion: the old one goes once the new one is complete
                 old = target.parent / f".{target.name}.tmp-old-{os.getpid()}"
                 target.rename(old)
                 building.rename(target)

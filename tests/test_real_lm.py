@@ -40,6 +40,7 @@ def test_conversion_is_the_pinned_llama_with_its_chat_tokens(smollm2):
     card = json.loads((smollm2 / real_lm.CARD_JSON).read_text())
     assert card["gguf_sha256"] == SMOLLM2.gguf_sha256 and card["parameters"] == SMOLLM2.parameters
     assert card["license"] == "Apache-2.0" and card["quantization"].startswith("Q4_1")
+    assert card["conversion"] == real_lm.CONVERSION and not tokenizer.clean_up_tokenization_spaces
     assert "4-bit quantization of the release" in (smollm2 / real_lm.CARD_MD).read_text()
 
 
@@ -77,7 +78,7 @@ def test_a_finished_conversion_is_returned_without_rebuilding(smollm2, monkeypat
 
 def _fake_build(asset, gguf, target):
     (target / "weights.bin").write_bytes(b"x" * 10)
-    card = {"gguf_sha256": asset.gguf_sha256, "files": {"weights.bin": 10}}
+    card = {"gguf_sha256": asset.gguf_sha256, "conversion": real_lm.CONVERSION, "files": {"weights.bin": 10}}
     (target / real_lm.CARD_JSON).write_text(json.dumps(card))
 
 
@@ -129,6 +130,16 @@ def test_a_foreign_directory_is_refused_unless_forced(tmp_path, monkeypatch):
     assert (out / "mine.txt").read_text() == "user data"
     assert real_lm.convert(out=out, force=True) == out
     assert not (out / "mine.txt").exists() and real_lm.is_converted(out)
+
+
+def test_an_earlier_conversion_of_the_same_gguf_is_rebuilt_without_force(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    out.mkdir()
+    card = {"gguf_sha256": SMOLLM2.gguf_sha256, "conversion": real_lm.CONVERSION - 1, "files": {}}
+    (out / real_lm.CARD_JSON).write_text(json.dumps(card))
+    monkeypatch.setattr(real_lm, "_build", _fake_build)
+    assert real_lm.convert(out=out) == out and real_lm.is_converted(out)
+    assert real_lm.read_card(out)["conversion"] == real_lm.CONVERSION
 
 
 def test_a_truncated_file_is_not_a_finished_conversion(tmp_path, monkeypatch):

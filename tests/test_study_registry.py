@@ -134,7 +134,7 @@ def test_an_unregistered_study_is_refused_naming_the_registered_ones():
 def test_every_shipped_study_is_registered_from_its_own_module():
     assert list(studies.REGISTRY) == [
         "salt-scaling", "regime", "learnable-regime", "salt-ablations", "geoalign-failure", "salt-proxy",
-        "long-cot"]  # fmt: skip
+        "long-cot", "real-lm-geometry", "real-lm-geoalign", "real-lm-proxy", "real-lm-rl"]  # fmt: skip
     for module, study in zip(studies.MODULES, studies.REGISTRY.values()):
         assert type(study).__module__ == f"openrlhf_geo.local.studies.{module}"
     designs = {n: s.design() for n, s in studies.REGISTRY.items() if isinstance(s, ConditionStudy)}

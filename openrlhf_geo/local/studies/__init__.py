@@ -16,6 +16,7 @@ MODULES = (
     "real_lm_geometry",
     "real_lm_geoalign",
     "real_lm_proxy",
+    "real_lm_rl",
 )
 REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 

@@ -297,9 +297,12 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     seconds["rewards"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path_model, dtype=torch.float32)
-    log(f"forward with geometry over {len(response_ids)} rollouts at caps {list(collection.caps)}")
-    geometry = forward_geometry(model, prompt_ids, response_ids, collection.samples, collection.caps,
-                                collection.temperature)  # fmt: skip
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(response_ids), desc=f"forward with geometry (caps {list(collection.caps)})",
+              unit="rollout") as bar:  # fmt: skip
+        geometry = forward_geometry(model, prompt_ids, response_ids, collection.samples, collection.caps,
+                                    collection.temperature, progress=bar.update)  # fmt: skip
     seconds["forward"] = time.perf_counter() - t0
     result = {
         "collection": asdict(collection),

@@ -1,0 +1,282 @@
+"""The real-LM task and studies' machinery (local.word_task, studies.real_lm and the real-lm-* studies): each piece
+against an independent direct computation, on a tiny random Llama (the studies' real SmolLM2 runs are the studies)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from openrlhf_geo.local import word_task
+from openrlhf_geo.local.studies import real_lm, real_lm_geoalign, real_lm_geometry, real_lm_proxy, real_lm_rl
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                         eos_token_id=2, pad_token_id=2, bos_token_id=1, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _rollouts(seed=0, prompts=3, samples=4):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = [torch.randint(3, 61, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(prompts)]  # fmt: skip
+    response_ids = []
+    for i in range(prompts * samples):
+        n = int(torch.randint(1, 13, (1,), generator=g))
+        ids = torch.randint(3, 61, (n,), generator=g).tolist()
+        response_ids.append(ids + [2] if i % 3 else ids)  # some end with EOS, some run to the limit
+    return prompt_ids, response_ids
+
+
+# ---------------------------------------------------------------- the task
+
+
+def test_word_problems_are_distinct_correct_and_never_the_demonstrations():
+    rows = word_task.word_problems(300, 5)
+    assert len({q for q, _ in rows}) == 300
+    for q, a in rows:
+        x, y = (int(w) for w in q.split() if w.isdigit())
+        assert int(a) == x + y and (x, y) != word_task.DEMO_OPERANDS
+        assert word_task.LOW <= x <= word_task.HIGH and word_task.LOW <= y <= word_task.HIGH
+    held = word_task.word_problems(50, 6, exclude={q for q, _ in rows})
+    assert not {q for q, _ in held} & {q for q, _ in rows}
+
+
+def test_the_prompt_is_the_chat_template_over_instruction_demonstration_and_question():
+    class Template:  # records the messages; the real template is exercised by tests/test_real_lm.py
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return messages
+
+    messages = word_task.chat_prompt(Template(), "Q?")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[-1]["content"] == "Q?" and "\\boxed{15}" in messages[2]["content"]
+
+
+def test_math_verify_pays_the_demonstrations_answer_format():
+    from openrlhf_geo.local.reward import CachedMathVerify
+
+    verify = CachedMathVerify()
+    demo = word_task.DEMONSTRATION[1]
+    assert verify(["", ""], [demo, demo.replace("{15}", "{16}")], ["15", "15"]).tolist() == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- studies.real_lm
+
+
+def test_segments_tile_the_caps_and_cap_mask_keeps_the_first_tokens():
+    assert real_lm._segments((32, 64, 128)) == [(0, 32), (32, 64), (64, 128)]
+    mask = real_lm.cap_mask(torch.tensor([3, 10, 0]), 5, 8)
+    assert mask.sum(1).tolist() == [3, 5, 0] and mask[1, :5].all() and not mask[1, 5:].any()
+
+
+def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama):
+    """Prompt KV cache shared by a prompt's samples and each token sketched once per segment == one padded forward
+    per rollout cut at the cap, through `features.response_geometry` as the engines call it."""
+    from openrlhf_geo.features import GeometrySpec, lm_head_input, response_geometry
+    from openrlhf_geo.salt import SaltConfig
+
+    prompt_ids, response_ids = _rollouts()
+    caps, temperature = (4, 8, 13), 0.7
+    fast = real_lm.forward_geometry(tiny_llama, prompt_ids, response_ids, 4, caps, temperature, micro_batch=3)
+    config = SaltConfig()
+    spec = GeometrySpec(features=config.features, dim=config.dim, seed=config.seed, hidden=True)
+    for cap in caps:
+        feats, hidden = [], []
+        for i, response in enumerate(response_ids):
+            prompt, y = prompt_ids[i // 4], response[:cap]
+            seq = torch.tensor([prompt + y])
+            with torch.no_grad(), lm_head_input(tiny_llama) as captured:
+                logits = tiny_llama(input_ids=seq).logits
+            producing = torch.zeros_like(seq, dtype=torch.bool)
+            producing[:, len(prompt) - 1 : len(prompt) - 1 + len(y)] = True
+            response_mask = producing.roll(1, dims=1)
+            geo = response_geometry(spec, logits / temperature, captured.hidden, seq.roll(-1, 1), producing,
+                                    response_mask, temperature)  # fmt: skip
+            feats.append(geo["features"][0].double())
+            hidden.append(geo["hidden"][0])
+        F = torch.stack(feats)
+        torch.testing.assert_close(fast[cap]["gram"], F @ F.T, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(fast[cap]["hidden"], torch.stack(hidden), rtol=1e-4, atol=1e-5)
+        assert fast[cap]["lengths"].tolist() == [min(len(r), cap) for r in response_ids]
+
+
+def test_collection_key_changes_with_every_setting():
+    base = real_lm.Collection()
+    keys = {real_lm.Collection(**{**base.__dict__, **change}).key("/nonexistent") for change in
+            ({}, {"prompts": 32}, {"samples": 8}, {"temperature": 1.0}, {"seed": 1}, {"generator": "hf"},
+             {"max_tokens": 128, "caps": (32, 128)}, {"problem_offset": 64})}  # fmt: skip
+    assert len(keys) == 8
+    with pytest.raises(ValueError, match="caps must be increasing and end at max_tokens"):
+        real_lm.Collection(caps=(32, 64))
+    with pytest.raises(ValueError, match="generator must be vllm or hf"):
+        real_lm.Collection(generator="sglang")
+
+
+def test_vllm_missing_is_one_line_naming_the_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    with pytest.raises(RuntimeError, match=r"setup_cpu\.sh engines.*--generator hf"):
+        real_lm._sample_vllm("/m", [[1, 2]], real_lm.Collection(), 2, tmp_path)
+
+
+# ---------------------------------------------------------------- real-lm-geometry
+
+
+@given(st.sampled_from([4, 8, 16]))
+def test_replicates_partition_the_collection_into_disjoint_prompt_grouped_batches(G):
+    batches = real_lm_geometry.replicates(64, 16, G, 256)
+    assert len(batches) == 4 and all(len(b) == 256 for b in batches)
+    rows = np.concatenate(batches)
+    assert sorted(rows.tolist()) == list(range(64 * 16))
+    for b in batches:  # consecutive blocks of G rows share one prompt
+        prompts = b // 16
+        assert (prompts.reshape(-1, G) == prompts.reshape(-1, G)[:, :1]).all()
+
+
+@given(st.integers(2, 12), st.integers(1, 30), st.integers(0, 2**16))
+def test_salt_on_the_gram_factor_equals_salt_on_the_features(m, dim, seed):
+    from openrlhf_geo.salt import salt_advantages
+
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(m, dim, generator=g, dtype=torch.float64)
+    a = torch.randn(m, generator=g, dtype=torch.float64)
+    factor = real_lm_geometry.gram_factor(features @ features.T)
+    torch.testing.assert_close(factor @ factor.T, features @ features.T, rtol=1e-9, atol=1e-9)
+    new_f, stats_f = salt_advantages(a, features)
+    new_k, stats_k = salt_advantages(a, factor)
+    assert stats_f["k"] == stats_k["k"]
+    if stats_f["gap"] > 1e-6:  # P_k unique: the same projector, so the same a'
+        torch.testing.assert_close(new_k, new_f, rtol=1e-6, atol=1e-8)
+    for key in ("pr", "n_eff_in", "alpha"):
+        assert math.isclose(stats_f[key], stats_k[key], rel_tol=1e-7, abs_tol=1e-9)
+
+
+def test_analyse_batch_measures_grpo_cancellation_and_leaves_tied_batches_undefined():
+    from openrlhf_geo import diagnostics
+    from openrlhf_geo.local.engine import group_advantages
+
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(16, 40, generator=g, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 1, 1, 1])
+    lengths = torch.randint(5, 30, (16,), generator=g)
+    record = real_lm_geometry.analyse_batch(rewards, features @ features.T, lengths, 4)
+    a = group_advantages(rewards.double(), torch.arange(16) // 4, "group_norm")
+    direct = diagnostics.effective_sample_size(a, diagnostics.gram(features), 0.0)
+    assert math.isclose(record["n_eff"], direct, rel_tol=1e-6) and record["signal"] == 1.0
+    assert record["mixed"] == 0.75 and record["accuracy"] == rewards.mean().item()
+    tied = real_lm_geometry.analyse_batch(torch.ones(16), features @ features.T, lengths, 4)
+    assert tied["signal"] == 0.0 and math.isnan(tied["n_eff"]) and math.isnan(tied["alpha"])
+
+
+def test_regime_rule_reads_the_ci_of_n_eff():
+    rule = real_lm_geometry.regime
+    assert rule({"n": 4, "low": 0.2, "high": 0.9}).startswith("in SALT's regime")
+    assert rule({"n": 4, "low": 1.1, "high": 1.9}).startswith("outside")
+    assert rule({"n": 4, "low": 0.8, "high": 1.2}).startswith("not decided")
+    assert rule({"n": 1, "low": math.nan, "high": math.nan}).startswith("no verdict")
+
+
+# ---------------------------------------------------------------- real-lm-geoalign
+
+
+def test_raw_spread_is_one_when_every_winner_sits_on_one_side():
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 1e-9], [2.0, 0.0]])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    out = real_lm_geoalign.raw_spread(hidden, rewards, torch.tensor([0, 0, 1, 1]))
+    assert out["raw_cos_gt_0.8"] == 1.0 and math.isclose(out["raw_consensus"], 1.0, rel_tol=1e-6)
+
+
+def test_pair_count_is_the_number_of_same_prompt_rollouts_with_another_reward():
+    rewards, groups = torch.tensor([1.0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 0, 1, 1, 1])
+    assert real_lm_geoalign.pair_count(rewards, groups).tolist() == [2, 1, 1, 0, 0, 0]
+
+
+def test_geoalign_analysis_reports_detection_against_the_reward_only_score():
+    g = torch.Generator().manual_seed(0)
+    groups = torch.arange(64) // 16
+    rewards = (torch.rand(64, generator=g) < 0.5).float()
+    hidden = torch.randn(64, 24, generator=g) + rewards[:, None] * torch.linspace(0, 2, 24)  # a reward direction
+    rec = real_lm_geoalign.analyse_batch(hidden, rewards, groups, 0.1, torch.Generator().manual_seed(1))
+    assert rec["corrupted"] > 0 and 0 <= rec["auroc"] <= 1 and 0 <= rec["pair_count_auroc"] <= 1
+    assert math.isclose(rec["auroc_gain"], rec["auroc"] - rec["pair_count_auroc"])
+    clean = real_lm_geoalign.analyse_batch(hidden, rewards, groups, 0.0, None)
+    assert "auroc" not in clean and 0 <= clean["val_acc"] <= 1
+
+
+# ---------------------------------------------------------------- real-lm-proxy
+
+
+def test_countsketched_gradient_grams_are_unbiased_within_their_stated_error(tiny_llama):
+    """The reference Gram: CountSketched per-sample gradients against the exact gradients of the same objective."""
+    prompt_ids, response_ids = _rollouts(1, prompts=2, samples=3)
+    model = tiny_llama.train(False)
+    rows = list(range(6))
+    dim = 1 << 14
+    tables = real_lm_proxy.countsketch_tables(model, dim, 0)
+    sketches, norms, whole = real_lm_proxy.sketched_gradients(model, prompt_ids, response_ids, rows, 3, 0.8, tables)
+    exact = []
+    for i in rows:
+        model.zero_grad(set_to_none=True)
+        real_lm_proxy.response_objective(model, prompt_ids[i // 3], response_ids[i], 0.8).backward()
+        exact.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
+    E = torch.stack(exact)
+    K, R = E @ E.T, (sketches["full"] @ sketches["full"].T).double()
+    torch.testing.assert_close(norms["full"], K.diagonal(), rtol=1e-4, atol=0)
+    bound = (2 * K.diagonal()[:, None] * K.diagonal()[None, :] / dim).sqrt()  # sd of a CountSketch inner product
+    assert bool(((R - K).abs() <= 6 * bound + 1e-9).all())
+    torch.testing.assert_close(torch.stack(whole)[:, :10].double(), E[: real_lm_proxy.EXACT_PAIRS, :10])
+    assert sketches["last_block"].abs().sum() > 0 and norms["first_block"].gt(0).all()
+
+
+def test_the_exact_proxy_gram_is_eq19s_lm_head_gradient_gram(tiny_llama):
+    """`proxy_grams`' exact Gram == the Gram of vec ∇_W ℓ_i computed by autograd on the LM head (tied: the output
+    projection's use only, through a detached copy)."""
+    prompt_ids, response_ids = _rollouts(2, prompts=2, samples=2)
+    model, temperature = tiny_llama, 0.7
+    exact, kron = real_lm_proxy.proxy_grams(model, prompt_ids, response_ids, [0, 1, 2, 3], 2, temperature)
+    grads = []
+    for i in range(4):
+        prompt, y = prompt_ids[i // 2], response_ids[i]
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([prompt + y]), output_hidden_states=True)
+        h = out.hidden_states[-1][0, len(prompt) - 1 : len(prompt) - 1 + len(y)]
+        W = model.get_output_embeddings().weight.detach().clone().requires_grad_(True)
+        logp = torch.log_softmax((h @ W.T) / temperature, -1).gather(-1, torch.tensor(y)[:, None]).mean()
+        (grad,) = torch.autograd.grad(logp, W)
+        grads.append(grad.reshape(-1).double())
+    G = torch.stack(grads)
+    torch.testing.assert_close(exact, G @ G.T, rtol=1e-4, atol=1e-8)
+    assert kron.shape == (4, 4) and bool(torch.isfinite(kron).all())
+
+
+def test_the_noise_null_is_the_gram_of_gaussian_rows():
+    G = real_lm_proxy.wishart_gram(6, 10_000, 0)
+    assert G.shape == (6, 6) and torch.allclose(G, G.T)
+    assert float((G.diagonal() / 10_000 - 1).abs().max()) < 0.1
+    assert float((G / 10_000 - torch.eye(6, dtype=G.dtype)).abs().max()) < 0.1
+
+
+# ---------------------------------------------------------------- real-lm-rl
+
+
+def test_real_lm_rl_conditions_parse_as_train_commands(tmp_path):
+    from openrlhf_geo.local.train import parse_args
+
+    for name in real_lm_rl.CONDITIONS:
+        argv = real_lm_rl.train_argv(tmp_path / "model", tmp_path, tmp_path / name, real_lm_rl.FULL, name)
+        args = parse_args(argv)
+        assert args.rollout.temperature == word_task.TEMPERATURE and args.actor.adam.lr == real_lm_rl.LR
+        assert (args.algo.advantage.estimator == "salt") == (name == "salt") or args.salt.enable == (name == "salt")
+        assert args.geoalign.enable == (name == "geoalign_flip")
+        assert (args.reward.noise.type == "flip") == name.endswith("_flip")
