@@ -259,8 +259,9 @@ def plot(summary, out) -> str:
             ax.axhline(1.0, color="black", linestyle=":", label="n_eff = 1")
             ax.axhline(PAPER_TABLE10["backbone"]["n_eff"][0], color="black", linestyle="--", label="Table 10 GRPO")
         ax.set(xscale="log", xlabel="response-length cap (tokens)", title=label)
+        ax.minorticks_off()
         ax.set_xticks(summary["setup"]["caps"], [str(c) for c in summary["setup"]["caps"]])
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     name = "geometry_by_cap.png"
     fig.savefig(Path(out) / name, dpi=100)
