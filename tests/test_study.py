@@ -4,8 +4,13 @@ noise.pay_wrong, the engine's hook)."""
 
 import json
 import math
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -622,3 +627,41 @@ def test_the_engine_applies_the_hook_and_refuses_misspecified_noise_without_one(
         even = torch.arange(16) % 2 == 0
         assert asked == [16] and torch.equal(batch.corrupted, even) and (batch.correct == 0).all()
         assert batch.rewards.tolist() == [1.0 if e else low for e in even.tolist()]
+
+
+def test_sigterm_of_a_study_stops_the_process_group_it_started(tmp_path):
+    """A study's child in its own session (the real-LM studies' vLLM sampler) is stopped by its handle when the study
+    gets SIGTERM: the handler unwinds the `finally` that the default SIGTERM skips."""
+    code = f"""
+import os, signal, subprocess, sys, time
+from openrlhf_geo.local import study
+from openrlhf_geo.local.studies import REGISTRY
+
+def run(args, out, workers):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        print(child.pid, flush=True)
+        time.sleep(600)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+REGISTRY["regime"].run = run
+sys.exit(study.main(["regime", "--out", {str(tmp_path / "out")!r}]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(child, signal.SIGKILL)
+    pytest.fail("the study's child outlived its SIGTERM")

@@ -18,6 +18,7 @@ command line: it checks the options, claims --out for the command (`demo.claim_o
 """
 
 import os
+import signal
 import sys
 
 from openrlhf_geo.local import demo
@@ -68,6 +69,9 @@ def main(argv=None):
     # what the runs depend on (not --seeds: each run records its own command, `runner.finished`)
     given = "".join(f" --{key} {value}" for key, value in options.items() if value != OPTIONS[key])
     command = f"openrlhf-geo study {args.name}{given}" + (" --quick" if args.quick else "")
+    # SIGTERM unwinds like Ctrl-C, so what a study started (the real-LM studies' vLLM sampler, its own process
+    # group) is stopped by its handle; the default SIGTERM exits without running a `finally`
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with demo.claim_output(
             args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""), command
@@ -76,3 +80,5 @@ def main(argv=None):
     except demo.OutputClaimed as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
