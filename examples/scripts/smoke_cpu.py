@@ -1,7 +1,9 @@
 """The fork end to end on a CPU-only machine: `openrlhf-geo train-ppo-ray --fork.device cpu` through upstream's real
 Ray actors, one vLLM CPU engine and DeepSpeed (CPU accelerator, gloo), on a tiny Qwen2 built from a config.
 
-    python examples/scripts/smoke_cpu.py OUT_DIR [--conditions a,b,...]
+    python examples/scripts/smoke_cpu.py OUT_DIR [--model tiny|smollm2] [--conditions a,b,...]
+
+`--model smollm2` runs the same checks on the real pretrained LM (SMOLLM2_CONDITIONS below).
 
 It checks the wiring (flags -> actor forward -> experience maker -> loss -> logged metrics -> weight sync ->
 checkpoint/resume), not learning. Each run is its own process group: `train-ppo-ray` starts a local Ray head on
@@ -107,7 +109,36 @@ CONDITIONS = {
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
     "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
 }  # fmt: skip
+# One run's limit: a hung run fails its condition instead of the whole smoke (a tiny-model condition takes 1.5-3 min
+# on an idle 2-core VM, the SmolLM2 one about 20)
+RUN_TIMEOUT_S = int(os.environ.get("SMOKE_CPU_RUN_TIMEOUT_S", "900"))
+SMOLLM2_RUN_TIMEOUT_S = 3 * RUN_TIMEOUT_S
 SYNC_TOLERANCE = 0.1  # max |vLLM - actor| log-prob of a sampled token after a sync (both bf16; measured < 0.03)
+
+# --model smollm2: the same fork on a real pretrained LM (SmolLM2-135M-Instruct, a 4-bit Q4_1 quantization of the
+# release, dequantized; openrlhf_geo.real_lm), what users' Llama models bring and the tiny Qwen2 cannot: a Llama with
+# tied embeddings through the actor -> vLLM weight sync, a 49k vocabulary in SALT's features, a real chat template.
+# The real task: word problems in the model's chat template (openrlhf_geo.local.word_task), math-verify's reward
+# (openrlhf_geo/rewards/math_verify.py). These flags follow COMMON (argparse keeps the last value). Sized for a CPU
+# without bf16 instructions (each Ray actor one thread): 4 prompts x 4 samples of at most 64 tokens per step, 2 steps;
+# 32 x 128 tokens took 3.6 min to sample and 4.3 min for the experience forward of one step on an AVX2 2-core VM.
+SMOLLM2_FLAGS = [
+    "--data.input_key", "prompt", "--data.label_key", "answer", "--data.max_samples", "8",
+    "--data.max_len", "320", "--rollout.max_new_tokens", "64", "--rollout.temperature", "0.6",
+    "--rollout.batch_size", "4", "--rollout.micro_batch_size", "4",
+    "--train.batch_size", "16", "--train.micro_batch_size", "4", "--actor.adam.lr", "1e-5",
+]  # fmt: skip
+SMOLLM2_CONDITIONS = {
+    # GRPO's loss with SALT's advantages and GeoAlign's curation under flipped rewards: every geometry path at once
+    "smollm2_salt_geoalign_flip": {
+        "flags": ["--advantage_estimator", "salt", *GEOALIGN, *FLIPS],
+        "finite": [*SALT, "salt/n_eff_out", *GEO, *NOISE],
+        # per rollout max |vLLM - actor| log-prob with the same weights (step 1): 0.27 mean, 0.49 max over 16
+        # rollouts (vllm_kl -9e-5). At lr 1e-5 one update moves the log-probs less than that, so this check only
+        # catches a sync that corrupts weights, not a stale engine: the tiny model's runs (lr 5e-3) test staleness.
+        "sync_baseline": 1.5,
+    },
+}
 
 
 def build_assets(out: Path) -> None:
@@ -177,20 +208,46 @@ def build_assets(out: Path) -> None:
     (out / "done").write_text("")
 
 
+def build_smollm2_assets(out: Path) -> None:
+    """A link to the converted SmolLM2 (converted once into the cache, as `openrlhf-geo model smollm2` does) and
+    PROMPTS word problems rendered in its chat template, with their answers."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_geo.local import word_task
+    from openrlhf_geo.real_lm import convert
+
+    if (out / "done").is_file():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    model = convert()
+    rows = word_task.dataset_rows(AutoTokenizer.from_pretrained(model), word_task.word_problems(PROMPTS, seed=1))
+    with open(out / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    (out / "model").unlink(missing_ok=True)
+    (out / "model").symlink_to(model)
+    (out / "done").write_text("")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def run_group(command, log_path: Path, env, cwd: Path) -> tuple[int, list[str]]:
-    """Run `command` in a new process group; (exit code, what of the group was left running and then stopped)."""
+def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S) -> tuple[int, list[str]]:
+    """Run `command` in a new process group for at most `timeout` s; (exit code, what of the group was left running
+    and then stopped). A run past the limit is stopped and reported as exit code 124."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
         try:
-            code = proc.wait()
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hung run fails its condition; the next conditions still run
+            os.killpg(proc.pid, signal.SIGTERM)
+            left = stop_group(proc.pid, grace=10)
+            log.write(f"\nsmoke_cpu: stopped after {timeout} s (SMOKE_CPU_RUN_TIMEOUT_S)\n")
+            return 124, left
         except BaseException:  # Ctrl-C or SIGTERM of this script: the run (its own session) is stopped now
             os.killpg(proc.pid, signal.SIGTERM)
             stop_group(proc.pid, grace=10)
@@ -270,7 +327,9 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
         if code == 0 or len(lines) != 1 or spec["fails"] not in result["error"]:
             problems.append(f"expected a one-line error with {spec['fails']!r}, got exit {code}: {result['error']}")
         return {"ok": not problems, "problems": problems, **result}
-    if code != 0:
+    if code == 124:
+        problems.append(f"timed out, stopped (see {run / 'train.log'})")
+    elif code != 0:
         problems.append(f"exit code {code} (see {run / 'train.log'})")
     if not steps:
         problems.append("no step logged")
@@ -293,7 +352,13 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
     synced = {s: g for s, g in result["sync_gap"].items() if s > min(result["sync_gap"], default=0)}
     if code == 0 and not synced and spec.get("sync", True):
         problems.append("no step after a weight sync has vLLM log-probs to compare")
-    bad_sync = {s: g for s, g in synced.items() if not g <= SYNC_TOLERANCE}
+    tolerance = SYNC_TOLERANCE
+    if "sync_baseline" in spec and result["sync_gap"]:
+        # a real LM in bf16: vLLM's CPU kernels and the actor's eager forward already differ by more than
+        # SYNC_TOLERANCE with the same weights (the first step, before any sync); a sync must not widen that gap
+        tolerance = spec["sync_baseline"] * result["sync_gap"][min(result["sync_gap"])]
+        result["sync_tolerance"] = tolerance
+    bad_sync = {s: g for s, g in synced.items() if not g <= tolerance}
     if bad_sync:
         problems.append(f"vLLM's log-probs differ from the actor's after a weight sync: {bad_sync}")
     result["last_step"] = {t: v[max(v)] for t, v in scalars.items() if v and t.startswith("train/")}
@@ -337,7 +402,7 @@ def serve_rm(assets: Path, run: Path, env):
     return proc, f"http://127.0.0.1:{port}/get_reward"
 
 
-def run_condition(name, spec, out: Path, assets: Path) -> dict:
+def run_condition(name, spec, out: Path, assets: Path, model_flags=()) -> dict:
     run = out / name
     run.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OPENRLHF_GEO_DUMP_DIR=str(run / "dump"))
@@ -349,6 +414,9 @@ def run_condition(name, spec, out: Path, assets: Path) -> dict:
         env.pop(key, None)
     start = time.time()
     model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
+    if model_flags:  # the real task's reward; the actors' torch on every core (Ray gives each actor 1 thread)
+        reward = str(REPO / "openrlhf_geo/rewards/math_verify.py")
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     extra = ["--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard")]
     try:
         if spec.get("hh"):
@@ -361,13 +429,14 @@ def run_condition(name, spec, out: Path, assets: Path) -> dict:
         if "after" in spec:
             extra += ["--ckpt.load_enable", "--train.num_episodes", "2"]
         command = [
-            sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON,
+            sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON, *model_flags,
             "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(prompts),
             "--reward.remote_url", reward or str(assets / "reward_func.py"), *extra, *spec["flags"],
             *(SYNC if spec.get("sync", True) else []),
         ]  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
-        code, more = run_group(command, run / "train.log", env, run)
+        timeout = SMOLLM2_RUN_TIMEOUT_S if model_flags else RUN_TIMEOUT_S
+        code, more = run_group(command, run / "train.log", env, run, timeout)
         left += more
     finally:
         if server is not None:
@@ -382,18 +451,24 @@ def run_condition(name, spec, out: Path, assets: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated subset, run in order")
+    parser.add_argument(
+        "--model", choices=("tiny", "smollm2"), default="tiny",
+        help="tiny: a 2-layer Qwen2 built from a config (the conditions below); smollm2: the real pretrained LM "
+        f"(needs bash scripts/setup_cpu.sh real-lm), conditions {', '.join(SMOLLM2_CONDITIONS)}",
+    )  # fmt: skip
+    parser.add_argument("--conditions", help=f"comma-separated subset, run in order (tiny: {', '.join(CONDITIONS)})")
     parser.add_argument("--assets-only", action="store_true", help="write OUT/assets (model, data) and stop")
     args = parser.parse_args(argv)
     if args.assets_only:  # also the one-GPU smoke's assets (smoke_salt_geoalign_1gpu.sh)
         build_assets(args.out.resolve() / "assets")
         return 0
-    names = [c for c in args.conditions.split(",") if c]
-    unknown = [c for c in names if c not in CONDITIONS]
+    table = SMOLLM2_CONDITIONS if args.model == "smollm2" else CONDITIONS
+    names = [c for c in (args.conditions or ",".join(table)).split(",") if c]
+    unknown = [c for c in names if c not in table]
     if unknown:
-        parser.error(f"unknown --conditions {unknown}; known: {', '.join(CONDITIONS)}")
+        parser.error(f"unknown --conditions {unknown} for --model {args.model}; known: {', '.join(table)}")
     for name in names:
-        after = CONDITIONS[name].get("after")
+        after = table[name].get("after")
         if after and after not in names[: names.index(name)]:
             parser.error(f"condition {name} resumes {after}: list {after} before it")
     from openrlhf_geo.fork import ForkError, check_cpu_engines
@@ -408,12 +483,23 @@ def main(argv=None) -> int:
         return 1
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    assets = out / "assets"
-    build_assets(assets)
+    if args.model == "smollm2":
+        from openrlhf_geo.real_lm import AssetError
+
+        assets = out / "assets_smollm2"
+        try:
+            build_smollm2_assets(assets)
+        except AssetError as e:
+            print(f"smoke_cpu: {e}", file=sys.stderr)
+            return 1
+    else:
+        assets = out / "assets"
+        build_assets(assets)
+    model_flags = SMOLLM2_FLAGS if args.model == "smollm2" else []
     summary = {}
     for name in names:
         try:
-            summary[name] = run_condition(name, CONDITIONS[name], out, assets)
+            summary[name] = run_condition(name, table[name], out, assets, model_flags)
         except Exception as e:  # the smoke's own failure: report it for this condition and go on
             summary[name] = {"ok": False, "problems": [f"smoke_cpu.py: {type(e).__name__}: {e}"]}
         status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])

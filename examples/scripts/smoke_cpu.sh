@@ -8,10 +8,14 @@
 #             checkpointed at step 2, resumed to step 4 in a new process, and refused when a flag changed; Clip-Cov;
 #             PF-PPO; DAPO dynamic filtering + SALT; HH: upstream SFT, then GeoAlign with swap noise and an
 #             ArmoRM-style reward model served by `openrlhf-geo serve-rm`. It checks the wiring, not learning.
-# Hardware    any CPU machine (2 cores, 8 GB are enough); needs `bash scripts/setup_cpu.sh engines` (or test).
-# Wall time   about 8 min on 2 cores (README, "Check the fork on any machine").
-# Model       a tiny Qwen2 and an ArmoRM stand-in built from configs (no download).
-# Usage       bash examples/scripts/smoke_cpu.sh [OUT_DIR] [--conditions a,b,...]
+#             --model smollm2: GRPO's loss with SALT's advantages and GeoAlign under flipped rewards on the real
+#             pretrained LM (SmolLM2-135M-Instruct, a 4-bit quantization of the release) and the word-problem task.
+# Hardware    any CPU machine (2 cores, 8 GB are enough); needs `bash scripts/setup_cpu.sh engines` (or test; for
+#             --model smollm2 also real-lm).
+# Wall time   20 min on an idle 2-core VM for the ten conditions; --model smollm2 40 min (README, "Check the fork
+#             on any machine"). 2-3x slower on some VMs.
+# Model       a tiny Qwen2 and an ArmoRM stand-in built from configs (no download), or the converted SmolLM2.
+# Usage       bash examples/scripts/smoke_cpu.sh [OUT_DIR] [--model tiny|smollm2] [--conditions a,b,...]
 #             Writes OUT_DIR/summary.json (default runs/smoke_cpu); exit 0 only if every condition passed.
 # Edit        nothing: the conditions and their flags are the table in smoke_cpu.py.
 set -euo pipefail
