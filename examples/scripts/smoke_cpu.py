@@ -215,15 +215,15 @@ def build_smollm2_assets(out: Path) -> None:
     from transformers import AutoTokenizer
 
     from openrlhf_geo.local import word_task
+    from openrlhf_geo.local.task import write_jsonl
     from openrlhf_geo.real_lm import convert
 
     if (out / "done").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
     model = convert()
-    rows = word_task.dataset_rows(AutoTokenizer.from_pretrained(model), word_task.word_problems(PROMPTS, seed=1))
-    with open(out / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    problems = word_task.word_problems(PROMPTS, seed=1)
+    write_jsonl(out / "prompts.jsonl", word_task.dataset_rows(AutoTokenizer.from_pretrained(model), problems))
     (out / "model").unlink(missing_ok=True)
     (out / "model").symlink_to(model)
     (out / "done").write_text("")
@@ -403,7 +403,7 @@ def serve_rm(assets: Path, run: Path, env):
     return proc, f"http://127.0.0.1:{port}/get_reward"
 
 
-def run_condition(name, spec, out: Path, assets: Path, model_flags=()) -> dict:
+def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dict:
     run = out / name
     run.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OPENRLHF_GEO_DUMP_DIR=str(run / "dump"))
@@ -415,7 +415,9 @@ def run_condition(name, spec, out: Path, assets: Path, model_flags=()) -> dict:
         env.pop(key, None)
     start = time.time()
     model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
-    if model_flags:  # the real task's reward; the actors' torch on every core (Ray gives each actor 1 thread)
+    model_flags, timeout = [], RUN_TIMEOUT_S
+    if model_name == "smollm2":  # the real task's reward; the actors' torch on every core (Ray gives each 1 thread)
+        model_flags, timeout = SMOLLM2_FLAGS, SMOLLM2_RUN_TIMEOUT_S
         reward = str(REPO / "openrlhf_geo/rewards/math_verify.py")
         env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     extra = ["--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard")]
@@ -436,7 +438,6 @@ def run_condition(name, spec, out: Path, assets: Path, model_flags=()) -> dict:
             *(SYNC if spec.get("sync", True) else []),
         ]  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
-        timeout = SMOLLM2_RUN_TIMEOUT_S if model_flags else RUN_TIMEOUT_S
         code, more = run_group(command, run / "train.log", env, run, timeout)
         left += more
     finally:
@@ -496,11 +497,10 @@ def main(argv=None) -> int:
     else:
         assets = out / "assets"
         build_assets(assets)
-    model_flags = SMOLLM2_FLAGS if args.model == "smollm2" else []
     summary = {}
     for name in names:
         try:
-            summary[name] = run_condition(name, table[name], out, assets, model_flags)
+            summary[name] = run_condition(name, table[name], out, assets, args.model)
         except Exception as e:  # the smoke's own failure: report it for this condition and go on
             summary[name] = {"ok": False, "problems": [f"smoke_cpu.py: {type(e).__name__}: {e}"]}
         status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])
