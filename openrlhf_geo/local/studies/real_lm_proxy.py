@@ -2,7 +2,8 @@
 full per-sample gradients? SALT (arXiv 2606.05800) §3.2 Table 1 and App. E (E.1 protocol, E.2 metrics, Table 5) on
 SmolLM2-135M-Instruct (a 4-bit quantization of the release). Protocol: docs/studies/real-lm-proxy.md.
 
-The rollouts are real-lm-geometry's T = 0.6 collection (shared cache), full responses. Two blocks of 32 prompts x 8
+The rollouts are the study's own T = 0.6 collection (64 of real-lm-geometry's problems x 8, up to 256 tokens, geometry
+at the one cap; the protocol's second amendment), full responses. Two blocks of 32 prompts x 8
 samples (m = 256, Table 4's mini-batch), each split into 4 mini-batches of 8 prompts x 8 (m = 64). Per rollout: the
 full gradient of ℓ_i = mean log softmax(z_t/τ)[y_t] over its response tokens, for all 134.5 M parameters, CountSketch-
 ed to REF_DIM coordinates (a seeded random projection; error stated and checked on exactly computed pairs), and its
@@ -23,7 +24,7 @@ import torch
 from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.local.studies import real_lm
 from openrlhf_geo.local.studies.base import Study
-from openrlhf_geo.local.studies.real_lm_geometry import FULL, QUICK, gram_factor, interval
+from openrlhf_geo.local.studies.real_lm_geometry import QUICK, gram_factor, interval
 from openrlhf_geo.local.studies.salt_proxy import METRICS, NULLS, PAPER_NAMES, PAPER_TABLE5, fidelity, geometry
 
 TEMPERATURE = 0.6
@@ -38,9 +39,12 @@ SIZES = {"full": {"blocks": 2, "prompts": 32, "samples": 8, "small": 8},  # m = 
 REFERENCES = ("full", "last_block", "first_block")
 PROXIES = ("exact", "default", "kronecker")
 TINY_DEMO = {"rho": 0.587, "sign": 0.825, "pr_err": 0.332, "k_match": 0.2, "subspace": 0.2, "a_cos": 0.312}
-# unit costs for the estimate (protocol, "Cost"): a per-sample gradient and its sketches took 13-15 s on an idle
-# 2-core VM in the first full run, not the 1.6 s measured before it
-PER_GRADIENT_S, EXACT_GRAM_S_PER_MTOKEN2 = 14.0, 25.0
+# the study's own collection (second amendment): 64 problems x 8 at T = 0.6, geometry only at the full-length cap
+COLLECTION = {"prompts": 64, "samples": 8, "max_tokens": 256, "caps": (256,)}
+BUDGET_S = 60 * 60  # the budget stop after block 0 (second amendment): projected on time alone, no metric read
+# unit costs for the estimate: a per-sample gradient with its sketches profiled at ~3 s on an idle 2-core VM (the
+# first full run's progress bar showed 13-15 s; the estimate prints both)
+PER_GRADIENT_S, FIRST_RUN_GRADIENT_S, EXACT_GRAM_S_PER_MTOKEN2 = 3.5, 14.0, 25.0
 
 
 def countsketch_tables(model, dim, seed):
@@ -238,13 +242,14 @@ def render(summary) -> str:
     lines = [
         "# SALT's LM-head proxy on a real pretrained LM (`openrlhf-geo study real-lm-proxy`)",
         "",
-        f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Rollouts: real-lm-geometry's "
-        f"T = {setup['temperature']} collection, full responses. {setup['blocks']} block(s) of "
+        f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Rollouts: the study's own "
+        f"T = {setup['temperature']} collection, full responses. {setup['blocks_run']} block(s) of "
         f"{setup['prompts']} prompts x {setup['samples']} (m = {setup['prompts'] * setup['samples']}), each split "
         f"into {setup['small']} mini-batches of m = {setup['prompts'] * setup['samples'] // setup['small']}. "
         f"Reference Grams: CountSketch of the full per-sample gradients to {setup['ref_dim']:,} coordinates. "
         f"Protocol: docs/studies/real-lm-proxy.md. Wall time {setup['wall_s'] / 60:.1f} min (estimate "
         f"{setup['estimate_s'] / 60:.0f} min).",
+        *(["", f"**{setup['stopped']}.**"] if setup.get("stopped") else []),
         "",
         "Mean over mini-batches [95 % percentile-bootstrap CI] (App. E.2; `salt_proxy.fidelity`).",
         "",
@@ -286,27 +291,45 @@ def run(args, out, workers, cache=None):
 
     quick = args.quick
     sizes = SIZES["quick" if quick else "full"]
-    base = QUICK if quick else FULL
+    base = QUICK if quick else COLLECTION
     collection = real_lm.Collection(prompts=base["prompts"], samples=base["samples"], temperature=TEMPERATURE,
                                     max_tokens=base["max_tokens"], caps=base["caps"],
                                     generator=args.generator or "vllm")  # fmt: skip
     n_grad = sizes["blocks"] * sizes["prompts"] * sizes["samples"]
-    estimate = n_grad * PER_GRADIENT_S + sizes["blocks"] * EXACT_GRAM_S_PER_MTOKEN2 * (256 * 60 / 1e3) ** 2 / 1e3
+    grams = sizes["blocks"] * EXACT_GRAM_S_PER_MTOKEN2 * (256 * 60 / 1e3) ** 2 / 1e3
+    estimate = n_grad * PER_GRADIENT_S + grams
     print(f"study real-lm-proxy: {n_grad} per-sample gradients of 134.5 M parameters; about {estimate / 60:.0f} min "
-          "after the collection (docs/studies/real-lm-proxy.md)")  # fmt: skip
+          f"after the collection ({(n_grad * FIRST_RUN_GRADIENT_S + grams) / 60:.0f} min at the first run's "
+          f"{FIRST_RUN_GRADIENT_S:.0f} s per gradient; docs/studies/real-lm-proxy.md)")  # fmt: skip
     start = time.perf_counter()
     data = real_lm.collect(collection, cache)
     model = AutoModelForCausalLM.from_pretrained(real_lm.model_dir(), dtype=torch.float32).eval()
     tables = countsketch_tables(model, REF_DIM, SKETCH_SEED)
     from tqdm.auto import tqdm
 
-    blocks = []
+    blocks, stopped = [], None
     with tqdm(total=n_grad, desc="real-lm-proxy", unit="gradient") as bar:
         for block in range(sizes["blocks"]):
-            blocks.append(analyse_block(data, model, block, sizes, tables, progress=bar.update))
-            (Path(out) / f"block{block}.json").write_text(json.dumps(strict_json(blocks[-1]), indent=1) + "\n")
+            path = Path(out) / f"block{block}.json"
+            kept = json.loads(path.read_text()) if path.exists() else None
+            if kept is not None and kept.get("collection") == data["key"]:
+                blocks.append(kept)  # resumed: this block of this collection is finished
+                bar.update(kept["rollouts"])
+            else:
+                t0 = time.perf_counter()
+                blocks.append({**analyse_block(data, model, block, sizes, tables, progress=bar.update),
+                               "collection": data["key"], "block_s": time.perf_counter() - t0})  # fmt: skip
+                path.write_text(json.dumps(strict_json(blocks[-1]), indent=1) + "\n")
+            projected = time.perf_counter() - start + blocks[0].get("block_s", 0.0)
+            if not quick and block == 0 and sizes["blocks"] > 1 and projected > BUDGET_S:
+                stopped = (f"stopped after block 0 by the 60-min budget stop (projected {projected / 60:.0f} min; "
+                           "protocol, second amendment)")  # fmt: skip
+                print(f"study real-lm-proxy: {stopped}")
+                break
     setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, **sizes, "ref_dim": REF_DIM,
-             "wall_s": time.perf_counter() - start, "estimate_s": estimate, "collection": data["key"]}  # fmt: skip
+             "blocks_run": len(blocks), "stopped": stopped, "wall_s": time.perf_counter() - start,
+             "estimate_s": estimate, "collection": data["key"],
+             "collection_seconds": data["seconds"]}  # fmt: skip
     summary = strict_json(summarize(blocks, setup))
     (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (Path(out) / "report.md").write_text(render(summary))
