@@ -26,13 +26,14 @@ CONDITIONS = {
     "geoalign_flip": ["--advantage_estimator", "group_norm", *FLIPS, "--geoalign.enable"],
 }
 COMPARISONS = (("salt", "grpo"), ("geoalign_flip", "grpo_flip"))
-FULL = {"steps": 8, "prompts": 8, "samples": 8, "max_new_tokens": 128, "train_problems": 256, "eval_problems": 32,
+# the protocol's amendment (before any run): 3 steps of 4 prompts x 8, up to 96 new tokens, 16 held-out problems x 2
+FULL = {"steps": 3, "prompts": 4, "samples": 8, "max_new_tokens": 96, "train_problems": 256, "eval_problems": 16,
         "eval_samples": 2}  # fmt: skip
 QUICK = {"steps": 1, "prompts": 2, "samples": 4, "max_new_tokens": 16, "train_problems": 8, "eval_problems": 2,
          "eval_samples": 1}  # fmt: skip
 LR = 1e-5  # SALT Table 4's 1e-6 is for 1.5B-7B models over hundreds of steps; fixed here before any run
 TRAIN_SEED, EVAL_SEED = 1, 2  # word_task.word_problems seeds (the geometry studies' problems use PROBLEM_SEED)
-STEP_S = 180.0  # measured cost of one step at FULL sizes on the 2-core VM (protocol, "Cost"), for the estimate
+STEP_S = 150.0  # estimated cost of one step at FULL sizes on an idle 2-core VM (protocol, amendment)
 SHOWN = ("accuracy", "salt/n_eff_in", "salt/pr", "salt/k", "salt/alpha", "salt/n_eff_out", "salt/D_a",
          "geo/val_acc", "geo/cos_gt_0.8", "geo/auroc", "geo/precision", "geo/recall", "geo/flag_frac",
          "response_length")  # fmt: skip
