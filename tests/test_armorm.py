@@ -1,11 +1,13 @@
 """ArmoRM reward on a tiny local stand-in with the same remote-code interface: scoring, batching, HTTP, parsing."""
 
+import copy
 import importlib.util
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -363,7 +365,9 @@ def test_a_long_conversation_is_truncated_while_it_is_tokenized(standin):
         for c in (CONVERSATIONS[3], CONVERSATIONS[5])
     )
     assert ids == [full[:1] + full[-29:], whole] and short.truncated == 1 and len(whole) < 30
-    assert calls and all(c.get("truncation") is True and c.get("max_length", 10**9) <= 31 for c in calls)
+    assert calls and all(
+        c.get("truncation") is True and c.get("max_length", 10**9) <= 30 + armorm.TAIL_MARGIN for c in calls
+    )
 
 
 def test_oversized_body_and_batch_get_413(serve):
@@ -454,3 +458,162 @@ def test_slow_or_lying_clients_are_cut_off_at_the_read_deadline(serve):
     assert sent < len(request)  # cut off well before the 40 s this client would take
     # Meanwhile the server still answers others.
     assert _post_raw(url, GOOD)[0] == 200
+
+
+def test_tokenizing_a_window_of_the_end_equals_tokenizing_the_whole_text(standin):
+    """tokenize encodes only a text's end (widening the window when its tokens are long); the ids are those of
+    the whole text: BOS plus its last max_length - 1."""
+    short = armorm.ArmoRMScorer(str(standin[0]), device="cpu", max_length=30)
+    words = " ".join(f"word{i}" for i in range(400))  # ~3000 characters: the first window (240) is cut
+    specials = "<|eot_id|>" * 300 + "end"  # ten characters per token: the window must widen to hold 94 tokens
+    conversations = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": c}] for c in (words, specials)
+    ]
+    for conversation, ids in zip(conversations, short.tokenize(conversations)):
+        full = short.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+        assert ids == full[:1] + full[-29:]
+    assert short.truncated == 2
+
+
+# Llama-3's pre-tokenizer split (its tokenizer.json); digits go in groups of up to three from a run's start.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_tokenizing_a_window_equals_the_whole_text_with_a_byte_level_bpe(standin):
+    """The window starts where Llama-3-style pre-tokenizers split, so a cut through a digit run (regrouped by
+    three from the cut) or a word does not change the kept ids. A small BPE trained here, Llama-3's layout."""
+    import random
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    pieces = ["the", "rain", "falls", ",", ".", "12345678", "7" * 200, "\n\n", "  ", "don't", "x" * 40, "(a+b)"]
+    texts = ["".join(rng.choice(pieces) + rng.choice([" ", "", "\n"]) for _ in range(600)) for _ in range(12)]
+    texts += ["the rain " * 40 + "7" * (1000 + k) + " end" for k in range(3)]  # every cut lands in the digits
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, special_tokens=_builder.SPECIALS, initial_alphabet=alphabet)
+    )
+    bpe = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="[PAD]"
+    )
+    bpe.chat_template = _builder.LLAMA3_TEMPLATE
+    short = armorm.ArmoRMScorer(str(standin[0]), device="cpu", max_length=30)
+    short.tokenizer, short._tail_tokenizer = bpe, copy.deepcopy(bpe)
+    short._tail_tokenizer.truncation_side = "left"
+    conversations = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": t}] for t in texts]
+    for conversation, ids in zip(conversations, short.tokenize(conversations)):
+        full = bpe.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+        assert ids == full[:1] + full[-29:]
+
+
+def test_a_query_at_the_character_cap_is_scored_in_bounded_time(scorer):
+    """One query of exactly MAX_QUERY_CHARS took 10-23 s and 1-1.5 GB: the tokenizer encoded all of it (the first
+    token's encoding, truncated to 1 token, kept one overflow encoding per token). Now only the end is encoded."""
+    seen = []
+    real = scorer.tokenizer.__class__.__call__
+
+    def spy(self, text, **kwargs):
+        seen.append(max(map(len, [text] if isinstance(text, str) else text)))
+        return real(self, text, **kwargs)
+
+    server = armorm.make_server(armorm.BatchingScorer(scorer, max_wait_s=0.0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    query = (prompt + "lorem ipsum " * (armorm.MAX_QUERY_CHARS // 12 + 1))[: armorm.MAX_QUERY_CHARS]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(scorer.tokenizer.__class__, "__call__", spy)
+            start = time.monotonic()
+            status, reply = _post_raw(
+                f"http://127.0.0.1:{server.server_address[1]}",
+                json.dumps({"query": [query], "prompts": [prompt]}).encode(),
+            )
+            elapsed = time.monotonic() - start
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 200 and len(reply["rewards"]) == 1
+    assert max(seen) <= scorer.max_length * armorm.TAIL_CHARS_PER_TOKEN  # not the 2^20 characters
+    assert elapsed < 8  # 0.5 s on a 2-core VM; before, 10 s there and 23 s on a slower one
+
+
+def test_a_full_server_answers_503_with_retry_after_and_never_hangs():
+    """max_pending requests held in scoring: every other client gets 503 + Retry-After at once, without its body
+    being read; when scoring resumes the held ones get their scores and the server admits again."""
+    release = threading.Event()
+
+    def held_scorer(conversations):
+        assert release.wait(30)
+        return torch.zeros(len(conversations))
+
+    server = armorm.make_server(
+        armorm.BatchingScorer(held_scorer, max_batch=1, max_wait_s=0.0), "127.0.0.1", 0, max_pending=4
+    )
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def client(_):
+        request = urllib.request.Request(url + "/get_reward", GOOD, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, None
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers.get("Retry-After")
+
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(client, i) for i in range(32)]
+            deadline = time.monotonic() + 30
+            while server.busy_refusals < 28 and time.monotonic() < deadline:  # 4 admitted, held by the scorer
+                time.sleep(0.01)
+            release.set()
+            replies = Counter(f.result(30) for f in futures)  # a hang fails here, after 30 s
+        assert replies == {(200, None): 4, (503, "1"): 28} and server.busy_refusals == 28
+        assert _post_raw(url, GOOD)[0] == 200  # every admitted request's slot was released
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_pending_bytes_budget_refuses_with_503_and_must_hold_one_body():
+    entered, release = threading.Event(), threading.Event()
+
+    def held_scorer(conversations):
+        entered.set()
+        assert release.wait(30)
+        return torch.zeros(len(conversations))
+
+    server = armorm.make_server(
+        armorm.BatchingScorer(held_scorer, max_wait_s=0.0),
+        "127.0.0.1",
+        0,
+        max_body_bytes=len(GOOD),
+        max_pending_bytes=len(GOOD) + 10,
+    )
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_post_raw, url, GOOD)
+            assert entered.wait(30)
+            status, reply = _post_raw(url, GOOD)  # one request under max_pending, but its bytes do not fit
+            assert status == 503 and "body bytes in flight" in reply["error"]
+            release.set()
+            assert held.result(30)[0] == 200
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        armorm.make_server(None, "127.0.0.1", 0, max_body_bytes=100, max_pending_bytes=99)

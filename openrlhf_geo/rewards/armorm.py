@@ -17,7 +17,8 @@ Two ways to use it with upstream OpenRLHF 0.11.2 (``--reward.remote_url``):
   ``--reward.remote_url http://HOST:5000/get_reward``. Concurrent requests are merged into batches. The server
   listens on 127.0.0.1 unless ``--host`` says otherwise (``--host 0.0.0.0`` for trainers on other nodes; then
   also set ``--auth-token``, which upstream's client sends when the URL carries it:
-  ``http://:TOKEN@HOST:5000/get_reward``; without one, such a host needs ``--allow-unauthenticated``).
+  ``http://:TOKEN@HOST:5000/get_reward``; without one, such a host needs ``--allow-unauthenticated``). Past
+  ``--max-pending`` requests (or ``--max-pending-bytes`` of bodies) in flight it answers 503 with Retry-After.
 * reward-function file, loaded inside every vLLM engine actor (budget its GPU memory next to vLLM's):
   ``--reward.remote_url $(python -c "import openrlhf_geo.rewards.armorm as m; print(m.__file__)")`` with
   OPENRLHF_GEO_ARMORM_MODEL (path or hub id, required), OPENRLHF_GEO_ARMORM_DEVICE (default cuda if available),
@@ -59,10 +60,23 @@ ENV_AUTH_TOKEN = "OPENRLHF_GEO_RM_AUTH_TOKEN"
 # ~0.3 MB of JSON, so these leave room for batch clients while bounding what one request can make the server hold.
 MAX_BODY_BYTES = 64 * 2**20  # larger request bodies get 413 before being read
 MAX_QUERIES = 4096  # more conversations in one request get 413
-# Longest query (or prompt) in characters; longer ones get 413 before tokenizing. Tokenizing is what costs memory (a
-# 60 MiB query took the server to 21 GB); ArmoRM keeps --max-length (8192) tokens, ~32k characters, so this leaves
-# 30x room for text whose head is cut off anyway.
+# Longest query (or prompt) in characters; longer ones get 413 before tokenizing (a 60 MiB query took the server to
+# 21 GB). ArmoRM keeps --max-length (8192) tokens, ~32k characters, so this leaves 30x room for text whose head is
+# cut off anyway; tokenizing encodes only the end (TAIL_*), so a query at the cap costs what an 8192-token one does
+# (0.5 s on a 2-core CPU with the test stand-in) and the cap bounds only the linear parsing before it.
 MAX_QUERY_CHARS = 2**20
+# Backpressure: requests admitted at once (reading their body, parsed, queued or being scored) and the total of
+# their Content-Lengths; a request past either gets 503 with Retry-After before its body is read, rather than
+# more threads and memory. Upstream keeps one request per rollout sample in flight (thousands) and retries a
+# failed one 5 times, 1 s apart, ignoring Retry-After, then drops that sample's reward: the count leaves room for
+# that; the bytes bound what bodies and their parsed text (a few times the bytes) hold, about 1 GB.
+MAX_PENDING = 4096
+MAX_PENDING_BYTES = 256 * 2**20
+RETRY_AFTER_S = 1
+# ArmoRMScorer.tokenize encodes only a text's end: this many characters per kept token first (Llama-3 averages ~4
+# on English), this many tokens beyond max_length (against a cut through a word), and the first HEAD_CHARS
+# characters for the first token (ArmoRM's template starts with the BOS special token).
+TAIL_CHARS_PER_TOKEN, TAIL_MARGIN, HEAD_CHARS = 8, 64, 1024
 READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this, or the connection is dropped
 LINGER_S = 1.0  # after an early refusal, how long unread body bytes are drained so the client sees the reply
 # End-of-turn markers a policy's decoded response may end with (skip_special_tokens=False upstream).
@@ -72,6 +86,7 @@ _LLAMA3 = re.compile(
     r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?=<\|eot_id\|>|<\|start_header_id\|>|\Z)", re.S
 )
 _HH = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
+_WORD_START = re.compile(r"(?<=\S) ")  # where a tokenizing window may start (ArmoRMScorer.tokenize)
 
 
 def parse_chat(text):
@@ -144,8 +159,10 @@ class ArmoRMScorer:
         dtype: ``bf16`` | ``fp16`` | ``fp32`` (default bf16 on GPU, fp32 on CPU).
         batch_size: sequences per forward.
         max_length: longer conversations keep their first token (BOS) and their last ``max_length - 1`` tokens,
-            so the response end that is scored survives; counted in ``self.truncated``. The tokenizer truncates
-            as it encodes, so no conversation becomes a Python list of more than ``max_length + 1`` tokens.
+            so the response end that is scored survives; counted in ``self.truncated``. Only a window of the
+            text's end is encoded (``tokenize``), so time and memory per conversation follow ``max_length``, not
+            the text's length, and no conversation becomes a Python list of more than ``max_length + TAIL_MARGIN``
+            tokens.
     """
 
     def __init__(self, model_path, device=None, dtype=None, batch_size=8, max_length=8192):
@@ -175,16 +192,42 @@ class ArmoRMScorer:
 
     def tokenize(self, conversations):
         """Token ids (lists) of each conversation rendered with the RM's chat template (as the model card does),
-        truncated to the first token and the last ``max_length - 1`` (see the class docstring)."""
+        truncated to the first token and the last ``max_length - 1`` (see the class docstring).
+
+        Only a window of each text's end is encoded: a fast tokenizer encodes its whole input before truncating
+        and keeps the cut-off tokens as overflow encodings (one per ``max_length`` tokens), so a 2^20-character
+        query took 10 s and 1.5 GB here (8 s and 1 GB of it the first token's encoding, ``max_length=1``: one
+        overflow per token). The window starts at TAIL_CHARS_PER_TOKEN characters per kept token and widens 4x
+        while it holds fewer than ``max_length + TAIL_MARGIN`` tokens. It starts at a space after a non-space,
+        where the pre-tokenizers of byte-level BPE (Llama-3's regex) and SentencePiece (Metaspace) always split,
+        so its tokens are the whole text's from there on (a cut through a run of digits, which Llama-3 groups by
+        three from the run's start, would regroup all of it); in a text without such a space the margin keeps the
+        tokens next to the cut out of the kept ones. The first token comes from the text's first HEAD_CHARS.
+        """
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
-        # the template already has BOS; one token more than max_length tells a truncated text from a full one
-        tails = self._tail_tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_length + 1)
+        # the template already has BOS; more than max_length tokens tells a truncated text from a full one
+        keep = self.max_length + TAIL_MARGIN
+        tails, todo, width = [None] * len(texts), list(range(len(texts))), self.max_length * TAIL_CHARS_PER_TOKEN
+        while todo:
+            windows = []
+            for i in todo:
+                cut = max(0, len(texts[i]) - width)
+                start = _WORD_START.search(texts[i], cut) if cut else None
+                windows.append(texts[i][start.start() if start else cut :])
+            encoded = self._tail_tokenizer(windows, add_special_tokens=False, truncation=True, max_length=keep)
+            widen = []
+            for i, seq in zip(todo, encoded["input_ids"]):
+                if len(seq) < keep and len(texts[i]) > width:  # too few tokens in a cut window: widen it
+                    widen.append(i)
+                else:
+                    tails[i] = seq
+            todo, width = widen, 4 * width
         out = []
-        for text, seq in zip(texts, tails["input_ids"]):
+        for text, seq in zip(texts, tails):
             if len(seq) > self.max_length:
                 self.truncated += 1
-                head = self.tokenizer(text, add_special_tokens=False, truncation=True, max_length=1)["input_ids"]
-                seq = head + seq[len(seq) - self.max_length + 1 :]
+                head = self.tokenizer(text[:HEAD_CHARS], add_special_tokens=False, truncation=True, max_length=1)
+                seq = head["input_ids"] + seq[len(seq) - self.max_length + 1 :]
             out.append(seq)
         return out
 
@@ -325,6 +368,8 @@ def make_server(
     max_query_chars=MAX_QUERY_CHARS,
     read_timeout=READ_TIMEOUT_S,
     auth_token=None,
+    max_pending=MAX_PENDING,
+    max_pending_bytes=MAX_PENDING_BYTES,
 ):
     """HTTP server speaking upstream's remote-RM protocol (``openrlhf.utils.agent``'s HTTP client).
 
@@ -333,25 +378,35 @@ def make_server(
     Errors are JSON ``{"error": ...}``: 400 malformed request (bad JSON, empty or ill-typed ``query``), 401 missing
     or wrong token (when ``auth_token`` is set), 408 headers/body not received within ``read_timeout`` seconds
     (or fewer body bytes than Content-Length), 411 no Content-Length, 413 body over ``max_body_bytes``, more
-    than ``max_queries`` queries or a query or prompt over ``max_query_chars`` characters, 500 scoring failed.
+    than ``max_queries`` queries or a query or prompt over ``max_query_chars`` characters, 500 scoring failed,
+    503 with ``Retry-After`` when ``max_pending`` requests (or ``max_pending_bytes`` of their bodies) are already
+    admitted (``server.busy_refusals`` counts them).
     Port 0 picks a free port (``server.server_address[1]``). Run with ``server.serve_forever()``.
 
     Why the standard library rather than upstream's FastAPI/uvicorn: neither is a dependency of this package's
-    base install, and the hardening needed here (a hard per-request read deadline, body/batch caps, a token)
-    is a few lines on ``ThreadingHTTPServer``; one thread per connection suits a server whose work happens in
-    the batcher thread anyway.
+    base install (they come with vllm), the hardening needed here (a hard per-request read deadline, body/batch
+    caps, a token, backpressure) is a few lines on ``ThreadingHTTPServer``, and one thread per connection suits
+    a server whose work happens in the batcher thread anyway. Measured side by side over the same batcher
+    (benchmarks/serve_rm_load.py, benchmarks/README.md): the scoring sets the pace, and with it removed this
+    server answered as many requests per second at 8-64 connections, on about twice the CPU per request.
     """
     for name, value in (
         ("max_body_bytes", max_body_bytes),
         ("max_queries", max_queries),
         ("max_query_chars", max_query_chars),
+        ("max_pending", max_pending),
+        ("max_pending_bytes", max_pending_bytes),
     ):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+    if max_pending_bytes < max_body_bytes:
+        raise ValueError(f"max_pending_bytes ({max_pending_bytes}) must be >= max_body_bytes ({max_body_bytes})")
     if not read_timeout > 0:
         raise ValueError(f"read_timeout must be > 0 seconds (got {read_timeout!r})")
     if auth_token is not None and not auth_token:
         raise ValueError("auth_token must be a non-empty string or None")
+    pending = {"requests": 0, "bytes": 0, "warned": 0.0}
+    pending_lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         # Per socket operation (bounds writes to a client that stops reading); longer than the read deadline
@@ -423,34 +478,59 @@ def make_server(
             if int(length) > max_body_bytes:
                 self._refuse(413, f"request body of {length} bytes exceeds this server's {max_body_bytes}")
                 return
-            length, body = int(length), bytearray()
-            with contextlib.suppress(TimeoutError):  # a stalled read; the deadline ends a trickling one
-                while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
-                    body += chunk
-            self.deadline.cancel()
-            if len(body) < length:
-                self._refuse(408, f"got {len(body)} of {length} body bytes within {read_timeout:g} s")
+            length = int(length)
+            with pending_lock:
+                admitted = pending["requests"] < max_pending and pending["bytes"] + length <= max_pending_bytes
+                if admitted:
+                    pending["requests"], pending["bytes"] = pending["requests"] + 1, pending["bytes"] + length
+                else:
+                    self.server.busy_refusals += 1
+                    warn = time.monotonic() - pending["warned"] > 10  # at most one log line per 10 s of refusals
+                    pending["warned"] = time.monotonic() if warn else pending["warned"]
+            if not admitted:
+                if warn:
+                    logger.warning("busy: refusing requests with 503 (%d so far)", self.server.busy_refusals)
+                self._refuse(
+                    503,
+                    f"server busy ({max_pending} requests or {max_pending_bytes} body bytes in flight); retry",
+                    [("Retry-After", str(RETRY_AFTER_S))],
+                )
                 return
-            try:
-                conversations = _conversations_from_payload(json.loads(body), max_queries, max_query_chars)
-            except OverflowError as error:
-                self._reply(413, {"error": str(error)})
-                return
-            except ValueError as error:  # bad JSON or UTF-8, or a malformed request
-                self._reply(400, {"error": str(error)})
-                return
-            try:
-                scores = batcher.submit(conversations).result().tolist()
-            except Exception as error:
-                logger.exception("scoring failed")
-                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
-                return
-            self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": {}})
+            try:  # every admitted request is released, whichever way it ends
+                body = bytearray()
+                with contextlib.suppress(TimeoutError):  # a stalled read; the deadline ends a trickling one
+                    while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
+                        body += chunk
+                self.deadline.cancel()
+                if len(body) < length:
+                    self._refuse(408, f"got {len(body)} of {length} body bytes within {read_timeout:g} s")
+                    return
+                try:
+                    conversations = _conversations_from_payload(json.loads(body), max_queries, max_query_chars)
+                except OverflowError as error:
+                    self._reply(413, {"error": str(error)})
+                    return
+                except ValueError as error:  # bad JSON or UTF-8, or a malformed request
+                    self._reply(400, {"error": str(error)})
+                    return
+                del body  # only the conversations wait for scoring
+                try:
+                    scores = batcher.submit(conversations).result().tolist()
+                except Exception as error:
+                    logger.exception("scoring failed")
+                    self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+                    return
+                self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": {}})
+            finally:
+                with pending_lock:
+                    pending["requests"], pending["bytes"] = pending["requests"] - 1, pending["bytes"] - length
 
         def log_message(self, format, *args):
             logger.debug("%s " + format, self.address_string(), *args)
 
-    return _Server((host, port), Handler)
+    server = _Server((host, port), Handler)
+    server.busy_refusals = 0
+    return server
 
 
 _default = None
@@ -513,6 +593,12 @@ def main(argv=None):
     )
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, help="seconds to receive a request")
     parser.add_argument(
+        "--max-pending", type=int, default=MAX_PENDING, help="more requests in flight get 503 + Retry-After"
+    )
+    parser.add_argument(
+        "--max-pending-bytes", type=int, default=MAX_PENDING_BYTES, help="more body bytes in flight get 503"
+    )
+    parser.add_argument(
         "--auth-token",
         "--auth_token",
         default=os.environ.get(ENV_AUTH_TOKEN) or None,
@@ -530,9 +616,15 @@ def main(argv=None):
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-queries", args.max_queries),
         ("--max-query-chars", args.max_query_chars),
+        ("--max-pending", args.max_pending),
+        ("--max-pending-bytes", args.max_pending_bytes),
     ):
         if value < 1:
             parser.error(f"{flag} must be >= 1 (got {value})")
+    if args.max_pending_bytes < args.max_body_bytes:
+        parser.error(
+            f"--max-pending-bytes ({args.max_pending_bytes}) must be >= --max-body-bytes ({args.max_body_bytes})"
+        )
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
     if not (args.auth_token or args.allow_unauthenticated or _is_loopback(args.host)):
@@ -554,6 +646,8 @@ def main(argv=None):
         max_query_chars=args.max_query_chars,
         read_timeout=args.read_timeout,
         auth_token=args.auth_token,
+        max_pending=args.max_pending,
+        max_pending_bytes=args.max_pending_bytes,
     )
     logger.info(
         "serving %s on http://%s:%d/get_reward (%s)",
