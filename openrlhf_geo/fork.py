@@ -1,9 +1,10 @@
 """The fork: upstream openrlhf==0.11.2 plus the diffs in patches/, imported by the driver and by every Ray worker.
 
-    materialize()         check the installed openrlhf (version; sha256 of every file a diff touches), copy the
-                          distribution's openrlhf/ and tests/ into <cache>/fork/openrlhf-<version>-<key>, apply the
-                          diffs with `git apply` (GNU `patch` when git is missing); built in a temp dir, renamed
-                          into place (atomic). The key hashes the upstream hashes and the diffs.
+    materialize()         check the installed openrlhf (version; sha256 of every file a diff touches, of the others
+                          against the wheel's RECORD), copy the distribution's openrlhf/ and tests/ into
+                          <cache>/fork/openrlhf-<version>-<key>, apply the diffs with `git apply` (GNU `patch` when
+                          git is missing); built in a temp dir, renamed into place (atomic). The key hashes the
+                          upstream hashes and the diffs. Each use checks every file of the copy (RECORD + diffs).
     activate(root)        put that copy first on sys.path, before anything imports openrlhf.
     worker_runtime_env()  the Ray runtime_env fields (py_modules + a start-up check) that make every worker, on
                           every node, import the driver's copy; the patched train_ppo_ray passes them to ray.init.
@@ -16,6 +17,8 @@ Every problem found before Ray starts is reported in ONE ForkError listing all o
 """
 
 import argparse
+import base64
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.resources
@@ -126,8 +129,21 @@ def upstream_distribution(site_packages=None):
     )
 
 
+def _own_files(dist) -> list:
+    """The distribution's own files under openrlhf/ and tests/ (its RECORD), without bytecode: what the copy holds."""
+    return [f for f in dist.files or () if f.parts[0] in ("openrlhf", "tests") and "__pycache__" not in f.parts]
+
+
+def _record_sha256(file) -> str | None:
+    """A RECORD entry's sha256 as hex (RECORD writes it urlsafe-base64 without padding); None if it has none."""
+    if file.hash is None or file.hash.mode != "sha256":
+        return None
+    return base64.urlsafe_b64decode(file.hash.value + "=" * (-len(file.hash.value) % 4)).hex()
+
+
 def check_upstream(patches, dist) -> tuple[list[str], list[str]]:
-    """(report lines, problems) for the upstream version and the sha256 of every file a diff touches."""
+    """(report lines, problems) for the upstream version, the sha256 of every file a diff touches (the diffs'
+    headers) and of every other file the copy takes (the wheel's RECORD)."""
     lines, problems = [], []
     root = Path(dist.locate_file(""))
     ok = dist.version == PINNED_VERSION
@@ -151,6 +167,17 @@ def check_upstream(patches, dist) -> tuple[list[str], list[str]]:
                 f"{patch.upstream_sha256}): the installed package was modified; {REINSTALL}"
             )
         lines.append(f"{patch.target:<48} {patch.path.name:<48} {status}")
+    targets = {p.target for p in patches}
+    others = [f for f in _own_files(dist) if str(f) not in targets]
+    changed = []
+    for f in others:
+        path = Path(dist.locate_file(f))
+        if not path.is_file() or sha256_file(path) != _record_sha256(f):
+            changed.append(str(f))
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        problems.append(f"{shown} of {root} differ from the openrlhf=={PINNED_VERSION} wheel's RECORD: {REINSTALL}")
+    lines.append(f"{len(others)} unpatched files against the wheel's RECORD: {'ok' if not changed else 'MODIFIED'}")
     return lines, problems
 
 
@@ -169,8 +196,8 @@ def cache_root(cache_dir=None) -> Path:
 
 
 def _copy_distribution(dist, dest: Path) -> None:
-    """Copy the distribution's own files under openrlhf/ and tests/ (its RECORD), without bytecode."""
-    files = [f for f in dist.files or () if f.parts[0] in ("openrlhf", "tests") and "__pycache__" not in f.parts]
+    """Copy the distribution's own files (`_own_files`) into `dest`."""
+    files = _own_files(dist)
     if not any(f.parts[0] == "openrlhf" for f in files):
         raise ForkError(f"the openrlhf distribution lists no files (RECORD); reinstall it: {REINSTALL}")
     for f in files:
@@ -200,13 +227,77 @@ def _apply(patches, root: Path) -> None:
             raise ForkError(f"`{' '.join(command[:2])}` failed in {root}:\n{done.stderr or done.stdout}")
 
 
-def _check_materialized(root: Path, key: str, patches) -> None:
-    stamp = json.loads((root / STAMP).read_text())
+def _patched_sha256(patches, dist) -> dict[str, str]:
+    """{target: sha256} of each patched file as the diffs make it, applied to the pristine files in a scratch folder
+    (not read back from FORK.json, which an edit could change along with the file)."""
+    with tempfile.TemporaryDirectory(prefix="openrlhf-geo-fork-check-") as scratch:
+        scratch = Path(scratch)
+        for target in {p.target for p in patches}:
+            (scratch / target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(dist.locate_file(target), scratch / target)
+        _apply(patches, scratch)
+        return {p.target: sha256_file(scratch / p.target) for p in patches}
+
+
+def _files_under(root: Path) -> list[str]:
+    """Paths of the files under `root`, relative, without bytecode (Python writes __pycache__ into the copy)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found += [str((Path(folder) / f).relative_to(root)) for f in files]
+    return found
+
+
+def _check_materialized(root: Path, key: str, patches, dist) -> None:
+    """One-line ForkError unless `root` is the copy `materialize` builds: its FORK.json for this key, every file of the
+    wheel's RECORD at its RECORD sha256 (patched files at the diffs' result), nothing else."""
+    stamp_path = root / STAMP
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) else f"not JSON ({error})"
+        raise ForkError(f"{stamp_path}: {reason}; delete {root} (it is rebuilt on next use)") from None
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("patched"), dict):
+        raise ForkError(f"{stamp_path} has no 'patched' table; delete {root} (it is rebuilt on next use)")
     if stamp.get("key") != key:
-        raise ForkError(f"{root / STAMP} belongs to another patch set; delete {root}")
-    changed = [t for t, digest in stamp["patched"].items() if sha256_file(root / t) != digest]
+        raise ForkError(f"{stamp_path} belongs to another patch set; delete {root}")
+    expected = {str(f): _record_sha256(f) for f in _own_files(dist)}
+    expected.update(_patched_sha256(patches, dist))
+    changed = []
+    for path, digest in expected.items():
+        if not (root / path).is_file():
+            changed.append(f"{path} missing")
+        elif sha256_file(root / path) != digest:
+            changed.append(f"{path} changed")
+    changed += [f"{path} added" for path in _files_under(root) if path not in expected and path != STAMP]
     if changed:
-        raise ForkError(f"the materialized fork at {root} was modified ({', '.join(changed)}); delete {root}")
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise ForkError(f"the materialized fork at {root} was modified ({shown}); delete {root}")
+
+
+def _replace_unstamped(root: Path, built: Path, dist) -> None:
+    """Put the finished build `built` in place of `root`, a copy without FORK.json (builds are renamed in with it, so
+    one without is damaged), only if the fork wrote it: its marker (the fork id the __init__ diff writes) in
+    openrlhf/__init__.py and no file the copy does not hold. The old copy is renamed aside, then deleted."""
+    init = root / "openrlhf" / "__init__.py"
+    marked = init.is_file() and f'__openrlhf_geo_fork__ = "{FORK_ID}"' in init.read_text(errors="replace")
+    own = {str(f) for f in _own_files(dist)}
+    foreign = [path for path in _files_under(root) if path not in own]
+    if not marked or foreign:
+        why = f"holds {foreign[0]}" if foreign else f"{init} lacks the fork's marker"
+        raise ForkError(f"{root} has no {STAMP} and is not a copy the fork wrote ({why}); move it away")
+    # Under a lock: two processes repairing one copy must not move aside the fresh copy the other put in place.
+    with open(root.parent / ".replace.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / STAMP).is_file():
+            return
+        stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=root.parent))
+        try:
+            root.rename(stale / root.name)
+            built.rename(root)
+        finally:
+            shutil.rmtree(stale, ignore_errors=True)
+    print(f"openrlhf-geo: {root} had no {STAMP} (damaged); rebuilt it", file=sys.stderr)
 
 
 def materialize(site_packages=None, cache_dir=None, patches_from=None, device="cuda") -> Path:
@@ -224,8 +315,11 @@ def materialize(site_packages=None, cache_dir=None, patches_from=None, device="c
     parent = cache_root(cache_dir) / "fork"
     root = parent / f"openrlhf-{dist.version}-{'cpu-' if device == 'cpu' else ''}{key[:16]}"
     if not (root / STAMP).is_file():
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+        except OSError as error:
+            raise ForkError(f"cannot build the fork copy in {parent}: {error.strerror}") from None
         try:
             _copy_distribution(dist, tmp)
             _apply(patches, tmp)
@@ -234,12 +328,18 @@ def materialize(site_packages=None, cache_dir=None, patches_from=None, device="c
             (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
             try:
                 tmp.rename(root)
-            except OSError:
-                if not (root / STAMP).is_file():  # not a concurrent build that won the race
-                    raise
+            except OSError as error:
+                if (root / STAMP).is_file():  # a concurrent build won the race
+                    pass
+                elif root.is_dir():
+                    _replace_unstamped(root, tmp, dist)
+                else:
+                    raise ForkError(f"cannot create {root}: {error.strerror}") from None
+        except OSError as error:
+            raise ForkError(f"cannot build the fork copy in {parent}: {error}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    _check_materialized(root, key, patches)
+    _check_materialized(root, key, patches, dist)
     return root
 
 
@@ -314,7 +414,7 @@ def verify(site_packages=None, cache_dir=None, device="cuda") -> tuple[bool, lis
         lines += check_lines
         if not problems:
             root = materialize(site_packages, cache_dir, device=device)
-            lines.append(f"patched copy: {root} (diffs applied exactly)")
+            lines.append(f"patched copy: {root} (every file as the wheel's RECORD and the diffs make it)")
     except ForkError as e:
         problems = [*problems, str(e)]
     if problems:

@@ -147,6 +147,83 @@ def test_a_tampered_materialized_copy_is_refused(fork_root, tmp_path):
         fork.materialize(cache_dir=copy)
 
 
+@pytest.fixture(params=["cuda", "cpu"])
+def cache_copy(request, tmp_path):
+    """(device, copy root, cache dir): a scratch copy of that device's materialized cache, free to damage."""
+    built = request.getfixturevalue("fork_root" if request.param == "cuda" else "cpu_root")
+    shutil.copytree(built.parents[1], tmp_path / "cache")
+    return request.param, tmp_path / "cache" / "fork" / built.name, tmp_path / "cache"
+
+
+def _fork_cli(command, device, cache, capsys):
+    """(exit code, output lines) of `openrlhf-geo fork COMMAND` on `cache`."""
+    code = fork.main_fork([command, "--cache-dir", str(cache), "--device", device])
+    captured = capsys.readouterr()
+    return code, (captured.out + captured.err).strip().splitlines()
+
+
+def test_verify_checks_every_file_of_the_copy_not_only_the_patched_ones(cache_copy, capsys):
+    """An edit to an unpatched file of the copy passed `fork verify` (only the patched files were hashed)."""
+    device, root, cache = cache_copy
+    utils = root / "openrlhf/utils/utils.py"
+    pristine = utils.read_text()
+    utils.write_text(pristine + "raise SystemExit(1)\n")
+    code, lines = _fork_cli("verify", device, cache, capsys)
+    assert code == 1 and "FAILED:" in lines and lines[-1].endswith(f"(openrlhf/utils/utils.py changed); delete {root}")
+    utils.write_text(pristine)
+    (root / "openrlhf/utils/extra.py").write_text("")
+    code, lines = _fork_cli("path", device, cache, capsys)
+    assert code == 1 and len(lines) == 1 and "(openrlhf/utils/extra.py added)" in lines[0]
+
+
+def test_an_unpatched_file_modified_in_the_installed_package_is_named(site_copy, tmp_path, capsys):
+    (site_copy / "openrlhf/utils/utils.py").write_text("# edited\n")
+    assert fork.main_fork(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "openrlhf/utils/utils.py of" in out and "differ from the openrlhf==0.11.2 wheel's RECORD" in out
+    assert not (tmp_path / "fork").exists()
+
+
+DAMAGE = {
+    "truncated stamp": (lambda root: (root / fork.STAMP).write_text('{"fork_id": "op'), "FORK.json: not JSON"),
+    "stamp without patched": (lambda root: (root / fork.STAMP).write_text('{"key": "x"}'), "no 'patched' table"),
+    "stamp not a table": (lambda root: (root / fork.STAMP).write_text("[1]"), "no 'patched' table"),
+    "patched file deleted": (lambda root: (root / "openrlhf/models/actor.py").unlink(), "actor.py missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_copy_is_one_line_from_verify_and_path(cache_copy, capsys, damage):
+    """These were JSONDecodeError / KeyError / FileNotFoundError tracebacks."""
+    device, root, cache = cache_copy
+    apply, message = DAMAGE[damage]
+    apply(root)
+    code, lines = _fork_cli("path", device, cache, capsys)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("openrlhf-geo: ") and message in lines[0], lines
+    code, lines = _fork_cli("verify", device, cache, capsys)
+    assert code == 1 and lines[-2] == "FAILED:" and message in lines[-1] and f"delete {root}" in lines[-1], lines
+
+
+def test_a_copy_without_its_stamp_is_rebuilt_in_place_only_if_the_fork_wrote_it(cache_copy, capsys):
+    """It rebuilt, then failed renaming the build onto the non-empty copy (OSError: Directory not empty)."""
+    device, root, cache = cache_copy
+    (root / fork.STAMP).unlink()
+    (root / "openrlhf/utils/utils.py").write_text("raise SystemExit(1)\n")
+    code, lines = _fork_cli("verify", device, cache, capsys)
+    assert code == 0 and "ok" in lines and f"openrlhf-geo: {root} had no FORK.json (damaged); rebuilt it" in lines
+    assert "SystemExit" not in (root / "openrlhf/utils/utils.py").read_text()
+    assert [p.name for p in root.parent.iterdir() if p.is_dir()] == [root.name]  # no build or stale copy left
+    (root / fork.STAMP).unlink()
+    (root / "notes.txt").write_text("mine\n")  # not the fork's: never deleted
+    code, lines = _fork_cli("path", device, cache, capsys)
+    assert code == 1 and len(lines) == 1 and "is not a copy the fork wrote (holds notes.txt); move it away" in lines[0]
+    assert (root / "notes.txt").read_text() == "mine\n" and (root / "openrlhf/__init__.py").is_file()
+    (root / "notes.txt").unlink()
+    (root / "openrlhf/__init__.py").write_text("")  # without the fork's marker
+    code, lines = _fork_cli("path", device, cache, capsys)
+    assert code == 1 and "openrlhf/__init__.py lacks the fork's marker" in lines[0]
+
+
 def test_activation_after_an_unpatched_import_is_refused(fork_root):
     done = run_python(
         "import openrlhf\nfrom openrlhf_geo import fork\n"
