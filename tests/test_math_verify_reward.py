@@ -122,6 +122,26 @@ def test_an_unparseable_gold_is_a_bad_gold_verdict_with_a_reason(scorer, caplog)
     assert rewards.tolist() == [0.0, 1.0] and stats["bad_gold"] == 1
 
 
+def test_a_gold_with_python_powers_scores_and_a_pathological_power_is_refused_at_once():
+    """`2**3` was bad_gold (math-verify's LaTeX grammar has no `**`), so a correct response scored 0."""
+    cases = [
+        ("\\boxed{8}", "2**3", True, "correct"),
+        ("\\boxed{2**3}", "2**3", True, "correct"),
+        ("\\boxed{2^3}", "2**3", True, "correct"),
+        ("\\boxed{9}", "2**3", False, "wrong"),
+        ("\\boxed{8}", "10^{1000000}", False, "wrong"),  # large, not refused
+        ("\\boxed{8}", "9**9**9**9", False, "bad_gold"),
+        ("\\boxed{8}", "0**(9**9**9)", False, "bad_gold"),  # the exponent alone is the tower
+    ]
+    responses, golds, correct, statuses = zip(*cases)
+    start = time.perf_counter()
+    with mv.MathVerifyReward(timeout=20.0, workers=1) as reward:  # an evaluated tower would run into this
+        verdicts = reward.verdicts(responses, golds)
+    assert [(v.correct, v.status) for v in verdicts] == list(zip(correct, statuses))
+    assert f"'9**9**9**9' holds a power of more than {mv.MAX_POWER_DIGITS} digits" in verdicts[-2].reason
+    assert time.perf_counter() - start < 15  # worker start-up included: nothing waited for the timeout
+
+
 def test_pathological_answer_times_out_and_pool_recovers():
     with mv.MathVerifyReward(timeout=1.0, workers=1) as reward:
         verdicts = reward.verdicts([PATHOLOGICAL, "\\boxed{2}"], ["1", "2"])

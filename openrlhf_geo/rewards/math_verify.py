@@ -17,8 +17,9 @@ killed and replaced in the background (about a second to restart), and the item 
 
 Bad input is a per-item verdict with a ``reason`` (and a logged warning), never an exception for the batch: a
 response that is not a string or is longer than MAX_RESPONSE_CHARS is ``error``; a gold answer that is NaN/inf,
-neither string nor number, longer than MAX_RESPONSE_CHARS, or that math-verify cannot parse into any expression
-(``\\frac{``) is ``bad_gold``, never a silent ``wrong``. A missing gold (None) still raises:
+neither string nor number, longer than MAX_RESPONSE_CHARS, that math-verify cannot parse into any expression
+(``\\frac{``; plain ``2**3`` is read by its expression grammar) or that holds a power of more than
+MAX_POWER_DIGITS digits (``9**9**9**9``) is ``bad_gold``, never a silent ``wrong``. A missing gold (None) still raises:
 that is a configuration error (``--data.label_key``), not a bad item.
 
 Use with upstream OpenRLHF 0.11.2 (``openrlhf.utils.agent.SingleTurnAgentExecutor`` loads
@@ -63,6 +64,9 @@ WORKER_START_TIMEOUT = 120.0
 # token. Longer input scores 0 with status error/bad_gold before any parsing; extracting the box of a response this
 # long takes milliseconds in the caller.
 MAX_RESPONSE_CHARS = 1_000_000
+# Largest power a gold answer may hold, in decimal digits: 10^1000000 compares in 0.4 s; 9**9**9**9 (about
+# 10^(3.7e8) digits in its exponent alone) would exhaust the memory long before a timeout stops it.
+MAX_POWER_DIGITS = 1_000_000
 _BOX_START = re.compile("(?:" + "|".join(re.escape(cmd) for cmd in BOX_COMMANDS) + r")[ \t]*\{")
 _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.S)  # an escape pair (``\{``, ``\\``, ``\frac``...) or a brace
 
@@ -134,14 +138,52 @@ def prepare(response, gold):
     return answer, gold_latex
 
 
+def _power_digits(expr) -> float:
+    """An upper bound on the decimal digits of the largest power in sympy `expr` (0 without one), from the tree
+    alone: math-verify leaves powers unevaluated, and `verify` evaluating 9**(9**(9**9)) would fill the memory."""
+    largest = 0.0
+
+    def log10_bound(node):  # of |value|, counting numbers and powers; any other node: the sum of its arguments + 1
+        nonlocal largest
+        if node.is_Rational:
+            return math.log10(max(abs(node.p), node.q))
+        if node.is_Number:
+            value = abs(float(node))
+            return math.log10(value) if value > 1 else 0.0
+        if node.is_Pow:
+            base, exponent = log10_bound(node.base), log10_bound(node.exp)
+            bound = 0.0 if base == 0 else base * 10**exponent if exponent < 300 else math.inf
+            largest = max(largest, bound)
+            return bound
+        return sum(log10_bound(arg) for arg in node.args) + 1.0
+
+    log10_bound(expr)
+    return largest
+
+
 def verify_answer(answer, gold_latex):
     """math-verify's verdict on an extracted answer, no timeout of its own (callers bound it). Both sides are
     parsed as ``\\boxed{x}``."""
-    from math_verify import parse, verify  # here: only the worker processes need sympy/antlr (~0.5 s to import)
+    from math_verify import ExprExtractionConfig, parse, verify  # only the workers need sympy/antlr (~0.5 s)
 
     gold_parsed = parse("\\boxed{" + gold_latex + "}", parsing_timeout=None)
+    if all(isinstance(item, str) for item in gold_parsed):
+        # math-verify's LaTeX grammar has no `**`; its plain-expression one reads `2**3` (unevaluated). Only when
+        # it reads the whole gold: it also picks a number out of text (`10^{` gives 10).
+        expression = parse(gold_latex, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+        if expression and expression[-1] == gold_latex:
+            gold_parsed = expression
     if all(isinstance(item, str) for item in gold_parsed):  # only the raw text came back: the gold holds no math
         return Verdict(False, "bad_gold", answer, f"math-verify cannot parse the gold answer {gold_latex[:200]!r}")
+    digits = max(_power_digits(item) for item in gold_parsed if not isinstance(item, str))
+    if digits > MAX_POWER_DIGITS:
+        return Verdict(
+            False,
+            "bad_gold",
+            answer,
+            f"gold answer {gold_latex[:200]!r} holds a power of more than {MAX_POWER_DIGITS} digits "
+            f"(bound {digits:.3g})",
+        )
     pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     correct = bool(pred_parsed) and verify(gold_parsed, pred_parsed, timeout_seconds=None)
     return Verdict(correct, "correct" if correct else "wrong", answer)
