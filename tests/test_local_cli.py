@@ -260,6 +260,10 @@ BAD_REWARDS = {
     "syntax": ("def reward_func(queries, prompts, labels)\n    return []\n",
                "cannot load it: SyntaxError: expected ':' (syntax.py, line 1)"),
     "import": ("import no_such_module_here\n", "cannot load it: ModuleNotFoundError: No module named"),
+    # a SystemExit was the run's exit status (3), with nothing said
+    "exits": ("def reward_func(queries, prompts, labels):\n    raise SystemExit(3)\n",
+              "reward_func raised SystemExit: 3"),
+    "exits on load": ("import sys\nsys.exit(3)\n", "cannot load it: SystemExit: 3"),
 }  # fmt: skip
 
 
@@ -274,6 +278,15 @@ def test_a_broken_reward_file_is_one_line_naming_flag_file_function_and_what_it_
     line = err.strip().splitlines()[-1]  # after the progress bar of a run the error stopped
     assert "Traceback" not in err and line.startswith(f"openrlhf-geo train: --reward.func {setup / name}.py: ")
     assert message in line, err
+
+
+def test_an_interrupt_inside_the_reward_function_names_it(setup, capsys):
+    (setup / "interrupt.py").write_text("def reward_func(queries, prompts, labels):\n    raise KeyboardInterrupt\n")
+    assert cli.main(train_argv(setup, 1, "--reward.func", str(setup / "interrupt.py"))) == 130
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    assert line.startswith(f"openrlhf-geo train: interrupted in --reward.func {setup / 'interrupt.py'}: reward_func;")
 
 
 def test_zero_steps_names_only_what_it_wrote(setup, capsys):

@@ -17,15 +17,16 @@ def load_python_reward(path):
     """reward_fn from a .py file defining upstream's `reward_func(queries, prompts, labels)`.
 
     Whatever goes wrong in the user's file is a ValueError naming --reward.func, the file and what happened: it
-    cannot be loaded (a syntax error, a failing import), reward_func raises, or it returns something other than one
-    number per response (a list, tensor or upstream's {"rewards": ...})."""
+    cannot be loaded (a syntax error, a failing import, sys.exit()), reward_func raises (SystemExit included), or it
+    returns something other than one number per response (a list, tensor or upstream's {"rewards": ...}). A
+    KeyboardInterrupt inside reward_func stays one, its message naming --reward.func."""
     spec = importlib.util.spec_from_file_location("openrlhf_geo_user_reward", path)
     if spec is None or not Path(path).is_file():
         raise ValueError(f"--reward.func {path!r}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as error:  # the user's code: any exception, SyntaxError included
+    except (Exception, SystemExit) as error:  # the user's code: any exception, SyntaxError and sys.exit() included
         raise ValueError(f"--reward.func {path}: cannot load it: {_first_line(error)}") from None
     if not hasattr(module, "reward_func"):
         raise ValueError(f"--reward.func {path}: defines no reward_func(queries, prompts, labels)")
@@ -33,7 +34,9 @@ def load_python_reward(path):
     def reward_fn(prompts, responses, answers):
         try:
             out = module.reward_func([p + r for p, r in zip(prompts, responses)], list(prompts), list(answers))
-        except Exception as error:
+        except KeyboardInterrupt:  # Ctrl-C or the function's own: still an interrupt, saying where it landed
+            raise KeyboardInterrupt(f"in --reward.func {path}: reward_func") from None
+        except (Exception, SystemExit) as error:  # a sys.exit() in the user's code is not the run's exit status
             raise ValueError(f"--reward.func {path}: reward_func raised {_first_line(error)}") from None
         value = out.get("rewards") if isinstance(out, dict) else out
         try:

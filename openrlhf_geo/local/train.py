@@ -339,9 +339,10 @@ def main(argv=None):
     except ValueError as error:  # bad input found while setting up, or a run that must stop (e.g. NaN weights)
         print(f"openrlhf-geo train: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
+        where = f" {error}" if str(error) else ""  # e.g. "in --reward.func PATH: reward_func"
         print(
-            f"openrlhf-geo train: interrupted; --ckpt.load_enable resumes from the last checkpoint in "
+            f"openrlhf-geo train: interrupted{where}; --ckpt.load_enable resumes from the last checkpoint in "
             f"{args.ckpt.output_dir}",
             file=sys.stderr,
         )
