@@ -114,6 +114,28 @@ def test_report_writes_markdown_table_json_and_plots(runs_dir):
         assert f"]({name})" in text
 
 
+def test_seeds_a_method_or_the_baseline_lacks_are_warned_about_by_name(tmp_path, capsys):
+    """With salt at seeds 10-14 and grpo at 0-4 the salt rows were silently absent (exit 0)."""
+    root = tmp_path / "runs"
+    for seed in range(5):
+        _write_run(root, "grpo", seed, 0.4, [0.1, 0.2])
+        _write_run(root, "salt", 10 + seed, 0.5, [0.1, 0.3])
+    for seed in (0, 1, 2, 7):
+        _write_run(root, "dapo", seed, 0.45, [0.1, 0.25])
+    assert report.main([str(root), "--baseline", "grpo", "--n-resamples", "200"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "warning: method 'salt' lacks every seed of --baseline 'grpo' ([0, 1, 2, 3, 4]; it has [10, 11, 12, 13, 14]):"
+        " it is not compared" in err
+    )
+    assert "warning: method 'dapo' lacks seeds [3, 4] of --baseline 'grpo': compared on seeds [0, 1, 2]" in err
+    assert "warning: --baseline 'grpo' lacks seeds [7] of method 'dapo': compared on seeds [0, 1, 2]" in err
+    text = (root / "report" / "report.md").read_text()
+    assert "> warning: method 'salt' lacks every seed of --baseline 'grpo'" in text
+    rows = json.loads((root / "report" / "comparison.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"dapo"}
+
+
 def test_report_reads_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from torch.utils.tensorboard import SummaryWriter

@@ -8,8 +8,8 @@ Input layout (one directory per method, one per seed; any file may be absent)::
 
 Every method is compared with ``--baseline`` on each scalar metric (summary.json's ``metrics`` and, for curve
 metrics named with ``--final-metrics``, the ``--final`` aggregate of the curve): mean paired gain over the seeds both
-have, with a bootstrap CI of the mean per-seed difference. Writes ``report.md``, ``comparison.json`` and one PNG per
-curve metric.
+have, with a bootstrap CI of the mean per-seed difference (seeds only one of the two has are a warning naming the
+method and those seeds). Writes ``report.md``, ``comparison.json`` and one PNG per curve metric.
 
 ``--final`` aggregates a curve over its last logged steps, the same steps for every run: ``last`` (the final step),
 ``last-n 5`` (GeoAlign, arXiv 2606.26917 §5.1 and App. B.2: the mean of the last five evaluations, run every 10 steps)
@@ -334,6 +334,28 @@ def compare(runs, baseline, confidence=0.95, n_resamples=9999, seed=0, ci_method
     return rows
 
 
+def unpaired_seeds(runs, baseline):
+    """Warnings for the seeds ``compare`` leaves out: a method's seeds the baseline lacks and the baseline's seeds
+    a method lacks, each naming the method and those seeds (a method sharing none is not compared at all)."""
+    if baseline not in runs:
+        return []  # compare says so
+    base, notes = set(runs[baseline]), []
+    for method in sorted(m for m in runs if m != baseline):
+        own = set(runs[method])
+        if not base & own:
+            notes.append(
+                f"method {method!r} lacks every seed of --baseline {baseline!r} ({sorted(base)}; it has "
+                f"{sorted(own)}): it is not compared"
+            )
+            continue
+        compared = f"compared on seeds {sorted(base & own)}"
+        if base - own:
+            notes.append(f"method {method!r} lacks seeds {sorted(base - own)} of --baseline {baseline!r}: {compared}")
+        if own - base:
+            notes.append(f"--baseline {baseline!r} lacks seeds {sorted(own - base)} of method {method!r}: {compared}")
+    return notes
+
+
 def _fmt(x, signed=False):
     return "n/a" if math.isnan(x) else (f"{x:+.4f}" if signed else f"{x:.4f}")
 
@@ -424,14 +446,15 @@ def write_report(args):
     out = Path(args.out or Path(args.runs) / "report")
     runs, sources, notes = scan_runs(args.runs)
     windows = final_scalars(runs, args.final_metrics, final, sources)
-    for note in notes:
-        print(f"warning: {note}", file=sys.stderr)
+    notes = [*notes, *unpaired_seeds(runs, args.baseline)]
     rows = compare(runs, args.baseline, args.confidence, args.n_resamples, args.seed, args.ci_method)
     out.mkdir(parents=True, exist_ok=True)
     available = sorted({k for seeds in runs.values() for run in seeds.values() for k in run.curves})
     missing = sorted(set(args.curves or []) - set(available))
     if missing:
         raise ValueError(f"--curves: no run logs {missing}; available: {available}")
+    for note in notes:  # after the last check: an error stays the one line main prints
+        print(f"warning: {note}", file=sys.stderr)
     plots = []
     for metric in args.curves if args.curves is not None else available:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", metric) + ".png"
