@@ -957,3 +957,53 @@ def test_hh_cli_writes_disjoint_sets_from_the_hub(tmp_path, monkeypatch, capsys)
     assert "the SFT set has 30 < 100" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         prepare_hh.main(["--out", str(tmp_path), "--rl-size", "0"])
+
+
+def _smoke_script():
+    """examples/scripts/smoke_cpu.py as a module (it lives outside the package)."""
+    spec = importlib.util.spec_from_file_location("smoke_cpu", SCRIPTS / "smoke_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_smoke_writes_only_into_an_output_directory_it_wrote(tmp_path, monkeypatch, capsys):
+    """An existing directory of other files had its summary.json and <condition>/train.log overwritten (exit 0); a
+    file or a path under one was a FileExistsError / NotADirectoryError traceback. No condition runs here."""
+    import openrlhf_geo.fork
+
+    smoke = _smoke_script()
+    monkeypatch.setattr(openrlhf_geo.fork, "check_cpu_engines", lambda: None)
+    monkeypatch.setattr(smoke.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handling
+    ran = []
+    monkeypatch.setattr(smoke, "build_assets", lambda assets: ran.append(assets))
+    monkeypatch.setattr(smoke, "run_condition", lambda name, *args: ran.append(name) or {"ok": True, "wall_s": 0})
+
+    def refused(argv):
+        assert smoke.main([str(a) for a in argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("smoke_cpu: OUT_DIR "), err
+        return err[0]
+
+    other = tmp_path / "other"
+    (other / "salt").mkdir(parents=True)
+    (other / "summary.json").write_text("mine\n")
+    (other / "salt" / "train.log").write_text("mine\n")
+    line = refused([other, "--conditions", "salt"])
+    assert line == (
+        f"smoke_cpu: OUT_DIR {other} holds files not written by `examples/scripts/smoke_cpu.py --model tiny` "
+        "(salt, summary.json); choose another OUT_DIR (an empty or new directory)"
+    )
+    refused(["--assets-only", other])
+    assert (other / "summary.json").read_text() == (other / "salt" / "train.log").read_text() == "mine\n"
+    assert not ran and not (other / "command.json").exists()
+    file = tmp_path / "file"
+    file.write_text("")
+    assert refused([file]) == f"smoke_cpu: OUT_DIR {file}: File exists"
+    assert refused([file / "sub"]) == f"smoke_cpu: OUT_DIR {file / 'sub'}: Not a directory"
+
+    own = tmp_path / "own"  # its own directory: a rerun proceeds; another smoke command's is refused
+    for _ in range(2):
+        assert smoke.main([str(own), "--conditions", "salt"]) == 0
+    assert ran == [own / "assets", "salt"] * 2 and json.loads((own / "summary.json").read_text())["salt"]["ok"]
+    assert "holds the output of `examples/scripts/smoke_cpu.py --model tiny`" in refused(["--assets-only", own])

@@ -15,7 +15,9 @@ ArmoRM with `openrlhf-geo serve-rm` on 127.0.0.1.
 Writes OUT_DIR/summary.json: per condition the steps completed, the last step's logged metrics (upstream's train/*,
 the fork's salt/*, geo/*, noise/*), the checks below and the wall time. Exit 0 only if every condition passed.
 Per run, OUT_DIR/<run>/ holds train.log, tensorboard/, final/ (the trained model) and dump/step<N>.pt (what the
-geometry pipeline received and returned each step, OPENRLHF_GEO_DUMP_DIR).
+geometry pipeline received and returned each step, OPENRLHF_GEO_DUMP_DIR). OUT_DIR belongs to the smoke command that
+first wrote it (OUT_DIR/command.json, `demo.claim_output`): a directory of other files, another command's output
+or a busy one is one line, before anything in it changes.
 
 Checks per run: exit code; the required metrics finite at every step, no metric infinite; the policy's weights
 changed; vLLM's log-probs of the sampled tokens equal the actor's at every step after the first (the weight sync
@@ -461,8 +463,18 @@ def main(argv=None) -> int:
     parser.add_argument("--conditions", help=f"comma-separated subset, run in order (tiny: {', '.join(CONDITIONS)})")
     parser.add_argument("--assets-only", action="store_true", help="write OUT/assets (model, data) and stop")
     args = parser.parse_args(argv)
+    from openrlhf_geo.local.demo import OutputClaimed, claim_output
+
+    # OUT_DIR belongs to the smoke command that first wrote it (the demo's and the studies' protection): a rerun
+    # proceeds there; a directory of other files, another command's or a busy one is one line, nothing changed
+    command = "examples/scripts/smoke_cpu.py " + ("--assets-only" if args.assets_only else f"--model {args.model}")
     if args.assets_only:  # also the one-GPU smoke's assets (smoke_salt_geoalign_1gpu.sh)
-        build_assets(args.out.resolve() / "assets")
+        try:
+            with claim_output(args.out.resolve(), command, "OUT_DIR") as out:
+                build_assets(out / "assets")
+        except OutputClaimed as e:
+            print(f"smoke_cpu: {e}", file=sys.stderr)
+            return 1
         return 0
     table = SMOLLM2_CONDITIONS if args.model == "smollm2" else CONDITIONS
     names = [c for c in (args.conditions or ",".join(table)).split(",") if c]
@@ -483,29 +495,32 @@ def main(argv=None) -> int:
     except ForkError as e:
         print(f"smoke_cpu: {e}", file=sys.stderr)
         return 1
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model == "smollm2":
-        from openrlhf_geo.real_lm import AssetError
+    try:
+        with claim_output(args.out.resolve(), command, "OUT_DIR") as out:
+            if args.model == "smollm2":
+                from openrlhf_geo.real_lm import AssetError
 
-        assets = out / "assets_smollm2"
-        try:
-            build_smollm2_assets(assets)
-        except AssetError as e:
-            print(f"smoke_cpu: {e}", file=sys.stderr)
-            return 1
-    else:
-        assets = out / "assets"
-        build_assets(assets)
-    summary = {}
-    for name in names:
-        try:
-            summary[name] = run_condition(name, table[name], out, assets, args.model)
-        except Exception as e:  # the smoke's own failure: report it for this condition and go on
-            summary[name] = {"ok": False, "problems": [f"smoke_cpu.py: {type(e).__name__}: {e}"]}
-        status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])
-        print(f"smoke_cpu {name}: {status} ({summary[name].get('wall_s')} s)", flush=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+                assets = out / "assets_smollm2"
+                try:
+                    build_smollm2_assets(assets)
+                except AssetError as e:
+                    print(f"smoke_cpu: {e}", file=sys.stderr)
+                    return 1
+            else:
+                assets = out / "assets"
+                build_assets(assets)
+            summary = {}
+            for name in names:
+                try:
+                    summary[name] = run_condition(name, table[name], out, assets, args.model)
+                except Exception as e:  # the smoke's own failure: report it for this condition and go on
+                    summary[name] = {"ok": False, "problems": [f"smoke_cpu.py: {type(e).__name__}: {e}"]}
+                status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])
+                print(f"smoke_cpu {name}: {status} ({summary[name].get('wall_s')} s)", flush=True)
+                (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    except OutputClaimed as e:
+        print(f"smoke_cpu: {e}", file=sys.stderr)
+        return 1
     failed = [n for n, s in summary.items() if not s["ok"]]
     print(f"smoke_cpu: {len(names) - len(failed)}/{len(names)} conditions passed; summary in {out / 'summary.json'}")
     return 1 if failed else 0

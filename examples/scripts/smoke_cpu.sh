@@ -17,6 +17,8 @@
 # Model       a tiny Qwen2 and an ArmoRM stand-in built from configs (no download), or the converted SmolLM2.
 # Usage       bash examples/scripts/smoke_cpu.sh [OUT_DIR] [--model tiny|smollm2] [--conditions a,b,...]
 #             Writes OUT_DIR/summary.json (default runs/smoke_cpu); exit 0 only if every condition passed.
+#             OUT_DIR is new, empty or this command's earlier output (OUT_DIR/command.json): anything else is
+#             refused before it is written to.
 # Edit        nothing: the conditions and their flags are the table in smoke_cpu.py.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

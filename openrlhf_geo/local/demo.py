@@ -289,28 +289,29 @@ class OutputClaimed(ValueError):
 
 
 @contextmanager
-def claim_output(path, command):
-    """Create and lock `--out` of the demo or a study for `command` -> yields it as a Path.
+def claim_output(path, command, name="--out"):
+    """Create and lock `--out` of the demo or a study (or another command's output directory, `name` in messages)
+    for `command` -> yields it as a Path.
 
     `command` is what the outputs depend on, as a command line (e.g. "openrlhf-geo demo --quick --seeds 1 --steps 4";
     not --workers). The protection `openrlhf-geo train` gives its output directory (`rundir.claim`): the first use
     records `command` in <out>/command.json; the same command later proceeds (the demo reruns its runs, a study
     resumes the unfinished ones), while a directory recorded for another command, holding files but no record (a
     train run, an older version's output, anything else) or being written by another process is refused with an
-    OutputClaimed naming --out, before anything in it changes. The lock is held until the block ends.
+    OutputClaimed naming `name` and the path, before anything in it changes. The lock is held until the block ends.
     """
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         handle = open(out / LOCK, "a+")
     except OSError as error:
-        raise OutputClaimed(f"--out {out}: {error.strerror}") from None
+        raise OutputClaimed(f"{name} {out}: {error.strerror}") from None
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OutputClaimed(
-                f"--out {out}: another run is writing it; wait for it or choose another --out"
+                f"{name} {out}: another run is writing it; wait for it or choose another {name}"
             ) from None
         try:
             record = out / COMMAND_FILE
@@ -321,15 +322,15 @@ def claim_output(path, command):
                     owner = f"unreadable {record}"
                 if owner != command:
                     raise OutputClaimed(
-                        f"--out {out} holds the output of `{owner}`; `{command}` would replace it: choose another "
-                        "--out (or delete that directory)"
+                        f"{name} {out} holds the output of `{owner}`; `{command}` would replace it: choose another "
+                        f"{name} (or delete that directory)"
                     )
             else:
                 held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
                 if held:
                     shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
                     raise OutputClaimed(
-                        f"--out {out} holds files not written by `{command}` ({shown}); choose another --out "
+                        f"{name} {out} holds files not written by `{command}` ({shown}); choose another {name} "
                         "(an empty or new directory)"
                     )
                 record.write_text(json.dumps({"command": command}) + "\n")
