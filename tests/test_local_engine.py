@@ -675,11 +675,12 @@ def test_a_run_without_learning_signal_warns_with_its_numbers(tokenizer):
     assert found[1].startswith(f"steps 1-{pipeline.SIGNAL_FLAT_STEPS}: every prompt's rollouts got the same reward")
 
 
-def _optimizer_step_rows(tokenizer, *flags):
-    """Run one learn() step; -> the set of batch rows each AdamW step trained on, and the batch's group ids."""
-    prompts = [p for p in ("1+2=", "4+4=", "2+5=", "3+3=") for _ in range(3)]
-    responses = ["\\boxed{3}", "1", "\\boxed{12}", "\\boxed{8}", "8", "\\boxed{9}"] * 2
-    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0] * 2
+def _optimizer_step_rows(tokenizer, *flags, n_prompts=4):
+    """Run one learn() step on `n_prompts` prompts x 3 rollouts; -> the set of batch rows each AdamW step trained on,
+    and the batch's group ids."""
+    prompts = [p for p in ("1+2=", "4+4=", "2+5=", "3+3=")[:n_prompts] for _ in range(3)]
+    responses = (["\\boxed{3}", "1", "\\boxed{12}", "\\boxed{8}", "8", "\\boxed{9}"] * 2)[: len(prompts)]
+    rewards = ([1.0, 0.0, 0.0, 1.0, 1.0, 0.0] * 2)[: len(prompts)]
     args = make_args("--rollout.n_samples_per_prompt", "3", "--train.micro_batch_size", "2", *flags)
     trainer = Trainer(args, tiny_model(tokenizer), tokenizer, [], None)
     steps, rows = [], []
@@ -710,6 +711,16 @@ def test_each_adamw_step_trains_on_exactly_one_salt_partition(tokenizer, flags):
     _, prompt = torch.unique(group_ids, return_inverse=True)
     partitions = {frozenset(torch.nonzero(prompt // 2 == p)[:, 0].tolist()) for p in range(2)}
     assert len(steps) == 4 and set(steps) == partitions
+
+
+def test_a_short_last_salt_partition_is_its_own_adamw_step(tokenizer):
+    """3 prompts x G = 3 with 2 prompts per partition (a rollout batch of 3 prompts, or DAPO's filter leaving 3): the
+    partitions are 6 and 3 rollouts, and every AdamW step still trains on exactly one of them, whatever their order."""
+    flags = ["--advantage_estimator", "salt", "--salt.features", "exact", "--train.batch_size", "6"]
+    steps, group_ids = _optimizer_step_rows(tokenizer, *flags, "--train.max_epochs", "4", n_prompts=3)
+    _, prompt = torch.unique(group_ids, return_inverse=True)
+    partitions = {frozenset(torch.nonzero(prompt // 2 == p)[:, 0].tolist()) for p in range(2)}
+    assert len(steps) == 8 and set(steps) == partitions
 
 
 def test_shuffle_minibatches_mixes_partitions_as_before(tokenizer):

@@ -595,7 +595,8 @@ class Trainer:
     def _update(self, batch, advantages):
         """`--train.max_epochs` passes over shuffled mini-batches of `--train.batch_size` rollouts, one AdamW step
         each, with gradient accumulation over `--train.micro_batch_size` rows -> metrics. With SALT's partitions as
-        mini-batches (pipeline.minibatch_partitions), each mini-batch is one partition's rows."""
+        mini-batches (pipeline.minibatch_partitions), each mini-batch is one partition's rows, a short partition (a
+        rollout batch that is not whole partitions, e.g. after DAPO's filter) included: its own, smaller step."""
         args = self.args
         n = len(batch)
         mini = args.train.batch_size or n
@@ -605,14 +606,17 @@ class Trainer:
         self.model.train()
         for _ in range(args.train.max_epochs):
             if mini >= n:
-                order = torch.arange(n)
+                minibatches = [torch.arange(n)]
             elif self.minibatch_prompts:
                 _, prompt = torch.unique(batch.group_ids.cpu(), return_inverse=True)
-                order = minibatch_order(prompt // self.minibatch_prompts, self.minibatch_generator)
+                partition = prompt // self.minibatch_prompts
+                order = minibatch_order(partition, self.minibatch_generator)
+                # one step per partition: slicing `mini` rows after a short partition splits the next one in two
+                sizes = torch.unique_consecutive(partition[order], return_counts=True)[1]
+                minibatches = order.split(sizes.tolist())
             else:
-                order = torch.randperm(n, generator=self.minibatch_generator)
-            for start in range(0, n, mini):
-                rows = order[start : start + mini]
+                minibatches = torch.randperm(n, generator=self.minibatch_generator).split(mini)
+            for rows in minibatches:
                 tokens = batch.mask[rows.to(self.device)].sum()
                 normalizer = tokens if args.actor.loss_agg_mode == "token-mean" else len(rows)
                 self.optimizer.zero_grad(set_to_none=True)
