@@ -9,4 +9,23 @@ Geometry modules (stateless tensor functions, no OpenRLHF import):
 Engines: ``openrlhf_geo.fork`` (patched OpenRLHF 0.11.2 on Ray) and ``openrlhf_geo.local`` (single process).
 """
 
+import warnings
+
 __version__ = "0.1.0.dev0"
+
+
+class GeoWarning(UserWarning):
+    """Base of the warnings openrlhf-geo gives a user (each names the flag or file to look at); shown as
+    `warning: <message>`, without Python's location and source line, whichever process (Ray actors too) warns."""
+
+
+_format_warning = warnings.formatwarning
+
+
+def _format_geo_warning(message, category, filename, lineno, line=None):
+    if issubclass(category, GeoWarning):
+        return f"warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _format_geo_warning

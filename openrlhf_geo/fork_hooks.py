@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_geo import baselines, features, options
+from openrlhf_geo import GeoWarning, baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.pipeline import (
     GeometryPipeline,
@@ -459,6 +459,7 @@ def rank_batches(trainer, experiences):
         warnings.warn(
             f"{len(items)} rollouts do not split into SALT partitions of --train.batch_size {size} shared by {ranks} "
             "ranks: this step's optimizer mini-batches mix partitions",
+            GeoWarning,
             stacklevel=2,
         )
         return None

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openrlhf_geo import diagnostics
+from openrlhf_geo import GeoWarning, diagnostics
 from openrlhf_geo.baselines import BaselineConfig, math_answer_clusters, seed_grpo_advantages
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector, curate
@@ -68,7 +68,7 @@ REGIME_MAX_SIGN_FLIP = 0.25
 REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_regime is logged every step)
 
 
-class SaltRegimeWarning(UserWarning):
+class SaltRegimeWarning(GeoWarning):
     """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
 
 
@@ -81,7 +81,7 @@ SIGNAL_FLAT_STEPS = 3
 SIGNAL_WARN_EVERY = 50  # steps between two warnings of one kind (the metrics are logged every step)
 
 
-class LearningSignalWarning(UserWarning):
+class LearningSignalWarning(GeoWarning):
     """The rollouts give the policy little or nothing to learn from (cut responses, or all rewards tied per prompt)."""
 
 

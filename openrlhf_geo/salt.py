@@ -20,7 +20,7 @@ import scipy.linalg.blas
 import scipy.sparse.linalg
 import torch
 
-from openrlhf_geo import diagnostics, sketch_gram
+from openrlhf_geo import GeoWarning, diagnostics, sketch_gram
 from openrlhf_geo.config_flags import setting
 from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.features import METHODS as FEATURE_METHODS
@@ -217,6 +217,10 @@ def entropy_alpha(h_t: float, h_min: float, h_max: float) -> float:
 LANCZOS_MAX_FRACTION = 1 / 8
 
 
+class SaltSolverWarning(GeoWarning, RuntimeWarning):
+    """The top-k eigensolver fell back to another method (the result is the same eigenspace, slower)."""
+
+
 def _subspace_dim(pr: float, m: int) -> int:
     """SALT Eq. 14: k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up.
 
@@ -250,7 +254,7 @@ def _top_eigenspace(K: torch.Tensor, k: int, method: str | None = None) -> tuple
             lam, vecs = scipy.sparse.linalg.eigsh(matvec, k + 1, which="LA", v0=start)
         except scipy.sparse.linalg.ArpackNoConvergence:
             warnings.warn(
-                f"SALT: ARPACK did not converge (m={m}, k={k}); using dense eigh", RuntimeWarning, stacklevel=3
+                f"SALT: ARPACK did not converge (m={m}, k={k}); using dense eigh", SaltSolverWarning, stacklevel=3
             )
             return _top_eigenspace(K, k, "dense-top" if 2 * k <= m else "dense-bottom")
         order = np.argsort(lam)[::-1]

@@ -5,6 +5,8 @@ The fork-vs-local-engine equivalence on real patched upstream modules is in test
 
 import dataclasses
 import math
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -311,6 +313,26 @@ def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
         salt_regime_step(resumed, inside=False)
     regime = [str(w.message) for w in caught if issubclass(w.category, pipeline.SaltRegimeWarning)]
     assert len(regime) == 3 and regime[1].startswith("step 51: ") and regime[2].startswith("step 51: ")
+
+
+def test_a_users_warnings_show_only_their_message(tmp_path):
+    """What a run prints: `warning: <message>` for the project's warnings, without Python's file:line and the source
+    line under it (`advantages = step.reweight(` after the regime warning); other warnings keep Python's format."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import warnings\n"
+        "from openrlhf_geo import pipeline, salt\n"
+        "warnings.warn('step 1: far outside', pipeline.SaltRegimeWarning)\n"
+        "warnings.warn('ARPACK did not converge', salt.SaltSolverWarning)\n"
+        "warnings.warn('not ours', DeprecationWarning)\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True, check=True)
+    lines = done.stderr.splitlines()
+    assert lines[:2] == ["warning: step 1: far outside", "warning: ARPACK did not converge"]
+    assert lines[2:] == [
+        f"{script}:5: DeprecationWarning: not ours",
+        "  warnings.warn('not ours', DeprecationWarning)",
+    ]
 
 
 def test_salt_diagnostics_have_no_regime_guard():

@@ -36,6 +36,7 @@ import numpy as np
 from scipy import stats
 from scipy.signal import lfilter
 
+from openrlhf_geo import GeoWarning
 from openrlhf_geo.eval.metrics import CI_METHODS, paired_gain
 
 SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
@@ -70,7 +71,9 @@ def read_metrics_jsonl(path):
             row = json.loads(line)
         except json.JSONDecodeError as error:
             if number == len(lines) and not text.endswith("\n"):
-                warnings.warn(f"{path}:{number}: dropped a truncated last line (a crash mid-write?)", stacklevel=2)
+                warnings.warn(
+                    f"{path}:{number}: dropped a truncated last line (a crash mid-write?)", GeoWarning, stacklevel=2
+                )
                 continue
             raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         if not isinstance(row, dict):

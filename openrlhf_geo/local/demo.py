@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_geo import GeoWarning
 from openrlhf_geo.local.rundir import LOCK
 
 NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
@@ -349,6 +350,7 @@ def check_kernels(prog):
         warnings.warn(
             f"{prog}: CPU kernels not pinned ({used['aten']}; `openrlhf-geo` runs local.kernels.pin before torch "
             "computes): per-seed results may differ from other machines'",
+            GeoWarning,
             stacklevel=2,
         )
     return used
