@@ -58,11 +58,30 @@ def validate_args(args) -> None:
     """`options.validate` for the fork (which also asks the registries what the fork cannot run), then the fork's
     own limits; raises ValueError naming the flag (shown by parser.error)."""
     options.validate(args, engine="fork")
+    for flag in ("--actor.model_name_or_path", "--critic.model_name_or_path", "--reward.model_name_or_path"):
+        section, name = flag[2:].split(".", 1)
+        value = getattr(getattr(args, section), name)
+        for part in value.split(",") if value else ():  # upstream takes several reward models, comma-separated
+            options.check_local_path(flag, part)
     salt, geo = args.salt, args.geoalign
-    if (salt.enable or geo.enable) and args.ds.ring_attn_size > 1:
+    if (salt.enable or salt.diagnostics or geo.enable) and args.ds.ring_attn_size > 1:
         raise ValueError(
-            f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT and GeoAlign "
-            "read every response's features and last hidden state from one forward: use --ds.ring_attn_size 1"
+            f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT (its "
+            "--salt.diagnostics too) and GeoAlign read every response's features and last hidden state from one "
+            "forward: use --ds.ring_attn_size 1"
+        )
+    # a warning, not a refusal: async training hands the rollouts to upstream's own trainer (aligned_partitions), and
+    # SALT's a' per partition stays the same, only no longer one optimizer step's rollouts (--salt.shuffle_minibatches)
+    config = options.geometry_config(args).salt
+    if args.train.async_enable and minibatch_partitions(
+        config, args.train.batch_size, args.rollout.n_samples_per_prompt
+    ):
+        warnings.warn(
+            f"--train.async_enable: SALT's partitions (--train.batch_size {args.train.batch_size} rollouts) no longer "
+            "align with optimizer steps (the async trainer takes upstream's mini-batches), so each partition's "
+            "geometry describes rollouts spread over several steps",
+            GeoWarning,
+            stacklevel=2,
         )
     estimator = args.algo.advantage.estimator
     baseline = options.baseline_config(args)

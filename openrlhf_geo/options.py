@@ -13,6 +13,7 @@ silently ignored (e.g. `--salt.variant` without `--advantage_estimator salt`).
 import argparse
 import dataclasses
 from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
 from openrlhf_geo import registry
@@ -135,6 +136,18 @@ def validate(args, engine="local") -> None:
     refused = registry.refusals(config, engine)
     if refused:
         raise ValueError(refused[0])
+    # SALT's default partition is the optimizer mini-batch's prompts (pipeline.salt_partition_prompts): a mini-batch
+    # of part of a prompt's rollouts is no partition, and cuts partitions across optimizer steps in both engines
+    batch = getattr(getattr(args, "train", None), "batch_size", None)
+    n = getattr(getattr(args, "rollout", None), "n_samples_per_prompt", None)
+    if config.salt is not None and config.salt.group_prompts is None and batch and n and batch % n:
+        flag = "--advantage_estimator salt" if salt.enable else "--salt.diagnostics"
+        raise ValueError(
+            f"--train.batch_size {batch} is not a multiple of --rollout.n_samples_per_prompt {n}: {flag} partitions "
+            "rollouts by whole prompts, one partition per optimizer step, so a partition cannot be one step's "
+            f"rollouts; use --train.batch_size {' or '.join(str(k * n) for k in (batch // n, batch // n + 1) if k)}, "
+            "or set --salt.group_prompts"
+        )
     actor = getattr(args, "actor", None)
     if actor is not None:
         eps_low = (actor.eps_clip_low_high or (actor.eps_clip,))[0]
@@ -146,6 +159,25 @@ def validate(args, engine="local") -> None:
         # fork's --actor.entropy_coef is upstream's own term, with upstream's range
         if engine == "local" and actor.entropy_coef is not None and not actor.entropy_coef >= 0:
             raise ValueError(f"--actor.entropy_coef must be >= 0 (got {actor.entropy_coef})")
+
+
+def check_local_path(flag, value):
+    """ValueError when a model flag's `value` reads as a local path and does not exist: both engines, before anything
+    loads (never a hub download of a typo, nor, in the fork, an error from a Ray actor minutes later).
+
+    Hub ids are `name` or `org/name` (huggingface_hub refuses anything else), so `Qwen/Qwen2.5-0.5B` passes. A value
+    starting with `.`, `/` or `~` (as given: transformers does not expand `~`), with a backslash or more than one `/`,
+    ending in .json, or whose parent directory exists here is a local path.
+    """
+    if value is None or Path(value).exists():
+        return
+    if value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1 or value.endswith(".json"):
+        raise ValueError(f"{flag} {value}: no such file or directory")
+    if "/" in value and Path(value).parent.is_dir():
+        raise ValueError(
+            f"{flag} {value}: no such file or directory (read as a local path, not a hub id: "
+            f"{Path(value).parent}/ exists here)"
+        )
 
 
 def salt_config(args) -> SaltConfig | None:

@@ -15,6 +15,7 @@ import math
 import re
 import runpy
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -250,6 +251,17 @@ def test_every_baseline_flag_reaches_the_nested_args(up, monkeypatch):
         ("--salt.diagnostics --salt.variant only-main", "--salt.variant only applies with --advantage_estimator"),
         ("--advantage_estimator group_norm --geoalign.enable --geoalign.device cuda", "starts without a GPU"),
         ("--advantage_estimator salt --ds.ring_attn_size 2 --vllm.num_engines 1", "--ds.ring_attn_size 2 splits"),
+        ("--salt.diagnostics --ds.ring_attn_size 2 --vllm.num_engines 1", "(its --salt.diagnostics too)"),
+        (
+            "--advantage_estimator salt --train.batch_size 30",
+            "--train.batch_size 30 is not a multiple of --rollout.n_samples_per_prompt 4: --advantage_estimator salt "
+            "partitions rollouts by whole prompts",
+        ),
+        ("--salt.diagnostics --train.batch_size 2", "use --train.batch_size 4, or set --salt.group_prompts"),
+        ("--actor.model_name_or_path /nonexistent/model", "--actor.model_name_or_path /nonexistent/model: no such"),
+        ("--actor.model_name_or_path ./no/model", "--actor.model_name_or_path ./no/model: no such file or directory"),
+        ("--actor.model_name_or_path ~/no/model", "--actor.model_name_or_path ~/no/model: no such file or directory"),
+        ("--reward.model_name_or_path org/rm,../no/rm", "--reward.model_name_or_path ../no/rm: no such file or"),
         ("--advantage_estimator bogus", "invalid choice: 'bogus'"),
         ("--baseline.par_references 2", "PAR needs, every step, reward-model scores of M reference responses"),
         ("--baseline.curation pods --baseline.pods_m 2", "--baseline.curation pods drops rollouts"),
@@ -267,6 +279,26 @@ def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, 
         parse(up, monkeypatch, argv.split())
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_hub_ids_and_existing_model_paths_pass_parsing(up, tiny_path, monkeypatch):
+    """Only a value that reads as a local path must exist; `name` and `org/name` are hub ids, loaded later."""
+    argv = ["--advantage_estimator", "group_norm", "--reward.model_name_or_path", f"org/rm,{tiny_path}"]
+    args = parse(up, monkeypatch, [*argv, "--actor.model_name_or_path", "Qwen/Qwen2.5-0.5B"])
+    assert args.actor.model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    local = parse(up, monkeypatch, [*argv, "--actor.model_name_or_path", tiny_path])
+    assert local.actor.model_name_or_path == tiny_path
+
+
+def test_async_training_warns_that_salt_partitions_leave_the_optimizer_steps(up, monkeypatch):
+    from openrlhf_geo import GeoWarning
+
+    argv = ["--advantage_estimator", "salt", "--train.batch_size", "8", "--train.async_enable"]
+    with pytest.warns(GeoWarning, match=r"--train.async_enable: SALT's partitions \(--train.batch_size 8 rollouts\)"):
+        parse(up, monkeypatch, argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GeoWarning)
+        parse(up, monkeypatch, argv[:-1])  # synchronous: partitions are optimizer steps, nothing to warn about
 
 
 def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
@@ -921,7 +953,7 @@ def local_rollouts(samples):
 
 @pytest.mark.parametrize(
     "batch_size, n_samples, group_prompts, prompts",
-    [(16, 4, None, 4), (2, 4, None, 1), (32, 4, 2, 2), (16, 4, 0, 0), (12, 4, None, 3)],
+    [(16, 4, None, 4), (4, 4, None, 1), (2, 4, 1, 1), (32, 4, 2, 2), (16, 4, 0, 0), (12, 4, None, 3)],
 )
 def test_both_engines_size_salt_partitions_by_one_rule(up, monkeypatch, batch_size, n_samples, group_prompts, prompts):
     """Prompts per SALT partition: --salt.group_prompts, else the optimizer mini-batch's prompts (--train.batch_size

@@ -723,6 +723,19 @@ def test_a_short_last_salt_partition_is_its_own_adamw_step(tokenizer):
     assert len(steps) == 8 and set(steps) == partitions
 
 
+def test_salt_refuses_a_train_batch_size_that_cuts_a_prompts_rollouts():
+    """A SALT partition is whole prompts, by default one optimizer step's: --train.batch_size must be a multiple of G
+    (both engines: options.validate), unless --salt.group_prompts sizes the partitions itself."""
+    flags = ["--rollout.n_samples_per_prompt", "4", "--train.batch_size", "6"]
+    for method in (["--advantage_estimator", "salt"], ["--salt.diagnostics"]):
+        with pytest.raises(
+            ValueError, match=r"--train.batch_size 6 is not a multiple of .* use --train.batch_size 4 or 8"
+        ):
+            make_args(*method, *flags)
+    make_args("--advantage_estimator", "salt", "--salt.group_prompts", "1", *flags)
+    make_args(*flags)  # without SALT nothing is partitioned
+
+
 def test_shuffle_minibatches_mixes_partitions_as_before(tokenizer):
     flags = ["--advantage_estimator", "salt", "--salt.features", "exact", "--salt.shuffle_minibatches"]
     steps, group_ids = _optimizer_step_rows(tokenizer, *flags, "--train.batch_size", "6", "--train.max_epochs", "2")

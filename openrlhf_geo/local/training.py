@@ -17,6 +17,7 @@ from openrlhf_geo.jsonl import read_jsonl, strict_json
 from openrlhf_geo.local import rundir
 from openrlhf_geo.local.reward import CachedMathVerify, make_reward_fn
 from openrlhf_geo.local.train import build_parser, check_resume_config, run_config
+from openrlhf_geo.options import check_local_path
 
 
 def read_dataset(path, input_key, label_key, flag):
@@ -35,25 +36,6 @@ def read_dataset(path, input_key, label_key, flag):
     if not rows:
         raise ValueError(f"{flag} {path}: no rows")
     return rows
-
-
-def check_local_path(flag, value):
-    """ValueError when `value` reads as a local path and does not exist, so that it never becomes a hub download.
-
-    Hub ids are `name` or `org/name`; a value starting with `.`, `/` or `~`, with a backslash or more than one `/`,
-    ending in .json, or whose parent directory exists here is a local path.
-    """
-    if value is None or Path(value).exists():
-        return
-    local = (
-        value.startswith((".", "/", "~"))
-        or "\\" in value
-        or value.count("/") > 1
-        or value.endswith(".json")
-        or ("/" in value and Path(value).parent.is_dir())
-    )
-    if local:
-        raise ValueError(f"{flag} {value}: no such file or directory")
 
 
 @contextlib.contextmanager
