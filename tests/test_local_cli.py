@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -294,6 +296,21 @@ def test_zero_steps_names_only_what_it_wrote(setup, capsys):
     out = setup / "out"
     assert not (out / "metrics.jsonl").exists()
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {out / 'checkpoint.pt'} and {out / 'model'}"
+
+
+def test_train_never_imports_deepspeed(setup):
+    """A local run (here 0 steps: build, checkpoint, save the model) in a fresh process leaves DeepSpeed unimported:
+    transformers' save_pretrained unwraps through accelerate, which imports it when installed, and its import prints
+    "Setting accelerator to CPU" after the run."""
+    code = (
+        "import sys\n"
+        "from openrlhf_geo import cli\n"
+        f"assert cli.main({train_argv(setup, 0, '--eval.steps', '-1')!r}) == 0\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'deepspeed'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]" and "Setting accelerator" not in done.stderr
 
 
 def test_misspecified_noise_is_not_offered_by_train_and_refused_before_anything_is_written(setup, capsys):

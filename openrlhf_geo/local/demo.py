@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import GeoWarning
-from openrlhf_geo.local.rundir import LOCK
+from openrlhf_geo.local.rundir import LOCK, save_model
 
 NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
 # fmt: off
@@ -191,7 +191,7 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
         final_lr_ratio=sft_config["final_lr_ratio"],
     )
     bar.close()
-    model.save_pretrained(out / "sft")
+    save_model(model, out / "sft")
     tokenizer.save_pretrained(out / "sft")
     info = {
         "key": key,

@@ -89,6 +89,7 @@ def prepare_sft(out, recipe: SftRecipe, log=print, bar=True, eval_ks=None):
     the recipe's ks)."""
     from openrlhf_geo.local import kernels
     from openrlhf_geo.local.reward import make_reward_fn
+    from openrlhf_geo.local.rundir import save_model
     from openrlhf_geo.local.task import build_model, build_tokenizer, chain_sft_rows, sft
 
     out = Path(out)
@@ -128,7 +129,7 @@ def prepare_sft(out, recipe: SftRecipe, log=print, bar=True, eval_ks=None):
     for k in eval_ks:
         accuracy[k], shortcut[k] = evaluate_length(model, tokenizer, problems(k)[1], reward_fn, k)
     out.joinpath("sft").mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out / "sft")
+    save_model(model, out / "sft")
     tokenizer.save_pretrained(out / "sft")
     info = {
         "key": key,

@@ -24,6 +24,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -71,6 +72,16 @@ class CheckpointError(ValueError):
 
 def warn(message):
     print(f"warning: {message}", file=sys.stderr)
+
+
+def save_model(model, path):
+    """`model.save_pretrained(path)` without importing DeepSpeed: transformers unwraps the model through accelerate,
+    which imports DeepSpeed whenever it is installed (printing "Setting accelerator to CPU") only to test for its
+    engine's wrapper, and this package's single-process models are never wrapped."""
+    from transformers import modeling_utils
+
+    with mock.patch.object(modeling_utils, "unwrap_model", lambda model, recursive=False: model):
+        model.save_pretrained(path)
 
 
 # ---------------------------------------------------------------- the directory

@@ -262,6 +262,6 @@ def run(
                 f"step {trainer.global_step}: {bad} holds NaN/inf; not writing {out / 'model'}"
             )
         with _quiet_transformers():
-            model.save_pretrained(out / "model")
+            rundir.save_model(model, out / "model")
         tokenizer.save_pretrained(out / "model")
     return trainer
