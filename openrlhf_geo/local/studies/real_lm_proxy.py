@@ -15,6 +15,7 @@ exact-proxy rows and Gaussian rows of the exact proxy's dimension (a Wishart Gra
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -289,6 +290,9 @@ def render(summary) -> str:
 def run(args, out, workers, cache=None):
     from transformers import AutoModelForCausalLM
 
+    # `openrlhf-geo study` pins one thread (local.kernels, for the toy studies' bit-reproducible training); nothing
+    # here trains, and one thread made each gradient 14 s instead of ~3 s
+    torch.set_num_threads(os.cpu_count() or 1)
     quick = args.quick
     sizes = SIZES["quick" if quick else "full"]
     base = QUICK if quick else COLLECTION
