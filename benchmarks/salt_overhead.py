@@ -21,6 +21,7 @@ Usage: python benchmarks/salt_overhead.py [--part features|salt|all] [--reps N] 
 """
 
 import argparse
+import ast
 import importlib.util
 import math
 import os
@@ -65,16 +66,20 @@ def with_tile(tile, fn):
 
 
 def upstream_log_probs():
-    """openrlhf 0.11.2's `models/utils.py::log_probs_from_logits`, loaded from its file (importing openrlhf.models
-    would import flash-attn, absent on a CPU), or None when openrlhf is not installed."""
-    spec = importlib.util.find_spec("openrlhf")
+    """openrlhf 0.11.2's `models/utils.py::log_probs_from_logits` (with its `_logsumexp_by_chunk`), compiled from
+    that file's source without importing it (the module imports deepspeed, and openrlhf.models flash-attn), or None
+    when openrlhf is not installed. On a GPU with flash-attn it runs flash-attn's Triton cross-entropy, as upstream."""
+    spec = importlib.util.find_spec("openrlhf")  # locates the package without running it
     if spec is None:
         return None
     path = os.path.join(spec.submodule_search_locations[0], "models", "utils.py")
-    module_spec = importlib.util.spec_from_file_location("openrlhf_models_utils", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.log_probs_from_logits
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    wanted = ("_logsumexp_by_chunk", "log_probs_from_logits")
+    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    namespace = {"torch": torch, "F": torch.nn.functional}
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), namespace)
+    return namespace["log_probs_from_logits"]
 
 
 def feature_cases(T, weight, gen, sweep, log_probs_from_logits):

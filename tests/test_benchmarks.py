@@ -1,0 +1,78 @@
+"""benchmarks/gpu_step_overhead.py: its CPU functional check (tiny shape) runs without vLLM, Ray or DeepSpeed and
+writes every JSON field; its transcribed log-prob pass equals openrlhf 0.11.2's. Nothing here times anything."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from openrlhf_geo.features import DEFAULT_DIM
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_step_overhead.py"
+BLOCKED = ("vllm", "ray", "deepspeed")
+
+# None in sys.modules: `import deepspeed` raises ImportError and find_spec probes report it absent; at the end no
+# entry may have been replaced and no submodule loaded, and openrlhf itself must not have been imported.
+RUNNER = """
+import runpy, sys
+blocked = {blocked!r}
+for name in blocked:
+    sys.modules[name] = None
+sys.argv = [{script!r}, *{argv!r}]
+runpy.run_path({script!r}, run_name="__main__")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in (*blocked, "openrlhf") and sys.modules[m] is not None)
+print("LOADED", loaded)
+"""
+
+
+def load_script(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends the repository and benchmarks/
+    spec = importlib.util.spec_from_file_location("gpu_step_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_tiny_run_writes_the_json_without_vllm_ray_or_deepspeed(tmp_path):
+    out = tmp_path / "cpu.json"
+    argv = ["--device", "cpu", "--shape", "tiny", "--quick", "--out", str(out)]
+    code = RUNNER.format(blocked=BLOCKED, script=str(SCRIPT), argv=argv)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "LOADED []"
+    assert "NOT a measurement" in done.stdout and "salt / grpo" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["measured"] is False and result["label"] == "functional check, not a measurement"
+    assert result["device"] == "cpu" and result["shape"] == "tiny"
+    assert result["settings"]["reps"] == 2 and result["settings"]["salt_dim"] == DEFAULT_DIM
+    for name in ("grpo", "salt", "geoalign", "curate", "salt_solve"):
+        assert len(result["seconds"][name]["values"]) == 2 and result["seconds"][name]["median"] > 0
+    for name in ("salt_forward", "geoalign_forward", "salt_batch", "geoalign_batch"):
+        ratio = result["ratios"][name]
+        assert ratio["q25"] <= ratio["median"] <= ratio["q75"] and ratio["min"] > 0
+        assert ratio["ci95"] is None  # 2 repeats: no bootstrap interval
+    checks = result["checks"]
+    assert checks["log_prob_max_abs_diff_salt_vs_grpo"] < 1e-4  # the sketch's log-probs are upstream's
+    assert checks["features_shape"] == [2, DEFAULT_DIM] and checks["features_finite"]
+    assert checks["hidden_shape"] == [2, 64]
+    assert result["geoalign"]["pairs"] == 8 * 8 * 8 and min(result["geoalign"]["proj_steps"]) == 50
+    assert abs(result["anchors"]["salt_table11_total"] - 0.077) < 0.0005  # SALT §4.2's "about 7.7 %"
+
+
+def test_transcribed_log_probs_equal_openrlhfs(monkeypatch):
+    module = load_script(monkeypatch)
+    upstream = module.upstream_log_probs()
+    if upstream is None:
+        pytest.skip("openrlhf is not installed")
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(3, 700, 50, generator=gen)  # 2100 rows: the 1024-row chunks and a remainder
+    labels = torch.randint(0, 50, (3, 700), generator=gen)
+    expected = upstream(logits.clone(), labels, temperature=0.6)
+    torch.testing.assert_close(module.transcribed_log_probs(logits.clone(), labels, 0.6), expected)
