@@ -35,7 +35,7 @@ NULL_SEED = 20260605
 EXACT_PAIRS = (
     4  # per block, the first EXACT_PAIRS rollouts' gradients are also kept whole: their pairs check the sketch
 )
-SIZES = {"full": {"blocks": 2, "prompts": 32, "samples": 8, "small": 8},  # m = 256 blocks, m = 64 mini-batches
+SIZES = {"full": {"blocks": 2, "prompts": 32, "samples": 8, "small": 4},  # m = 256 blocks, 4 m = 64 mini-batches each
          "quick": {"blocks": 1, "prompts": 2, "samples": 4, "small": 1}}  # fmt: skip
 REFERENCES = ("full", "last_block", "first_block")
 PROXIES = ("exact", "default", "kronecker")
