@@ -316,13 +316,14 @@ def run(args, out, workers, cache=None):
         for block in range(sizes["blocks"]):
             path = Path(out) / f"block{block}.json"
             kept = json.loads(path.read_text()) if path.exists() else None
-            if kept is not None and kept.get("collection") == data["key"]:
-                blocks.append(kept)  # resumed: this block of this collection is finished
+            if kept is not None and kept.get("collection") == data["key"] and kept.get("sizes") == sizes:
+                blocks.append(kept)  # resumed: this block of this collection and split is finished
                 bar.update(kept["rollouts"])
             else:
                 t0 = time.perf_counter()
                 blocks.append({**analyse_block(data, model, block, sizes, tables, progress=bar.update),
-                               "collection": data["key"], "block_s": time.perf_counter() - t0})  # fmt: skip
+                               "collection": data["key"], "sizes": sizes,
+                               "block_s": time.perf_counter() - t0})  # fmt: skip
                 path.write_text(json.dumps(strict_json(blocks[-1]), indent=1) + "\n")
             projected = time.perf_counter() - start + blocks[0].get("block_s", 0.0)
             if not quick and block == 0 and sizes["blocks"] > 1 and projected > BUDGET_S:
