@@ -22,7 +22,10 @@ tests/test_fork_pipeline.py checks the replacement semantics against an explicit
 fork and the local engine produce identical advantages and metrics on the same rollouts.
 """
 
+import errno
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -63,6 +66,24 @@ def validate_args(args) -> None:
         value = getattr(getattr(args, section), name)
         for part in value.split(",") if value else ():  # upstream takes several reward models, comma-separated
             options.check_local_path(flag, part)
+    # a folder the policy actor cannot write fails only at the first checkpoint or the final save, hours in: probe it
+    # here (a file created and removed in the folder, or in its nearest existing parent; root ignores permission
+    # bits, so os.access cannot tell). The driver's view: on several nodes the folder must be the same shared one.
+    saving = {"--ckpt.output_dir": args.ckpt.output_dir}
+    if args.ckpt.save_steps > 0:
+        saving["--ckpt.path"] = args.ckpt.path
+    for flag, value in saving.items():
+        folder = Path(value).expanduser().absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            if not folder.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise ValueError(
+                f"{flag} {value}: cannot write there ({e.strerror}: {folder}); the run would fail at its first save"
+            ) from None
     salt, geo = args.salt, args.geoalign
     if (salt.enable or salt.diagnostics or geo.enable) and args.ds.ring_attn_size > 1:
         raise ValueError(
@@ -569,3 +590,57 @@ def load_geometry_state(trainer, checkpoint_states) -> None:
         geometry.pipeline.load_state_dict(checkpoint_states[STATE_KEY])
     if geometry is not None and geometry.n_samples is not None and SIGNAL_KEY in checkpoint_states:
         geometry.signal.load_state_dict(checkpoint_states[SIGNAL_KEY])
+
+
+def latest_tag(save_dir) -> str | None:
+    """The tag DeepSpeed's `latest` file in `save_dir` names (None without one): the last complete checkpoint, which
+    the patched rotation never deletes before the checkpoint replacing it is written (with --ckpt.max_num 1 or the
+    --ckpt.max_mem limit reached, the folder holds one checkpoint more while a save runs)."""
+    try:
+        return Path(save_dir, "latest").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+# Below this much free space on the checkpoint's filesystem, a failed save is reported as a full disk: torch.save's
+# zip writer says "[enforce fail at inline_container.cc] unexpected pos" instead of ENOSPC
+DISK_FULL_BYTES = 16 * 2**20
+
+
+def save_checkpoint(strategy, model, save_dir, tag, client_state, save_latest) -> None:
+    """upstream's `model.save_checkpoint` call in `DeepspeedStrategy.save_ckpt`, with `latest` pointed at `tag` only
+    after every rank wrote its files (commit_latest), and a save that failed on a full disk raised as ENOSPC, naming
+    the folder, the free space and the checkpoint kept."""
+    from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+    try:
+        model.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest and tag is None)
+    except (OSError, RuntimeError) as e:
+        free = shutil.disk_usage(save_dir).free
+        if getattr(e, "errno", None) != errno.ENOSPC and free >= DISK_FULL_BYTES:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: checkpoint {tag} in {save_dir} not written ({free / 2**20:.1f} MiB free; "
+            f"--ckpt.load_enable resumes from {latest_tag(save_dir) or 'no earlier checkpoint'}): {e}",
+        ) from e
+    if save_latest and tag is not None:
+        torch_dist_barrier_and_cuda_sync()
+        if strategy.is_rank_0():
+            commit_latest(save_dir, tag)
+
+
+def commit_latest(save_dir, tag) -> None:
+    """Point `latest` at `tag` atomically, after every rank wrote its files: a temp file written and fsynced, then
+    renamed over `latest`, so a kill at any moment leaves the old name or the new one (DeepSpeed truncates and
+    rewrites it in place, before the ranks' closing barrier)."""
+    fd, tmp = tempfile.mkstemp(dir=save_dir, prefix=".latest.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, Path(save_dir, "latest"))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -263,9 +263,9 @@ def cpu_root(tmp_path_factory):
     return fork.materialize(cache_dir=tmp_path_factory.mktemp("cache"), device="cpu")
 
 
-# The GPU fork's six diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
+# The GPU fork's seven diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "cb65628a31dcce5224450d96761cebe2563c820ff283d85f6d45b17ef686f9f1",
+    "openrlhf.__init__.diff": "fa4737368f2630b22cf6c533eb6de555be7f84074649bbbf57082bd1c319fd2e",
     "openrlhf.cli.train_ppo_ray.diff": "38cf53896074d741bdcd3d87c9aa065cad4f0d61473eabf1d5e77c6724f7ff09",
     "openrlhf.models.actor.diff": "9e7341139ea1b5c6b296eb5a4dd3bc658d35ac8d3f4e206e0cc5ecaa97148437",
     "openrlhf.trainer.ppo_trainer.diff": "5c82a5705eb133fbf64864d3d6ca8d6715b4d39d4c638f8f3b014761357c0a61",
@@ -273,17 +273,18 @@ GPU_DIFFS_SHA256 = {
         "17b272ad7f84f5926114c97a2af58edce46cc01e178ae521ad53d5810d1e55b0"
     ),
     "openrlhf.trainer.ray.ppo_actor.diff": "085710550680a6babc8f50784d89a7376807c1ee62e1ce1cce0d704c17000d7f",
+    "openrlhf.utils.deepspeed.deepspeed.diff": "4456487a19851929fdec30e587dbf5d553a5b1e42c9edd38f67c5edff6ff835b",
 }
 
 
-def test_the_gpu_fork_is_the_six_diffs_unchanged(fork_root):
+def test_the_gpu_fork_is_the_seven_diffs_unchanged(fork_root):
     assert {p.path.name: p.sha256 for p in fork.fork_patches("cuda")} == GPU_DIFFS_SHA256
     stamp = json.loads((fork_root / fork.STAMP).read_text())
     assert stamp["device"] == "cuda" and "openrlhf/utils/distributed_util.py" not in stamp["patched"]
     assert "/cpu/" not in "".join(str(p.path) for p in fork.load_patches())
 
 
-def test_the_cpu_overlay_applies_on_top_of_the_six_in_its_own_cache_entry(fork_root, cpu_root):
+def test_the_cpu_overlay_applies_on_top_of_the_seven_in_its_own_cache_entry(fork_root, cpu_root):
     overlay = fork.load_patches(fork.patch_dir() / "cpu")
     assert [p.path.name for p in fork.fork_patches("cpu")] == [*GPU_DIFFS_SHA256, *(p.path.name for p in overlay)]
     assert cpu_root.name.startswith("openrlhf-0.11.2-cpu-")
@@ -364,6 +365,77 @@ def test_an_error_inside_a_ray_actor_becomes_one_line_naming_the_actor_and_the_c
     assert fork.ray_failure(ValueError("not ray")) is None
 
 
+def test_a_dead_actor_error_becomes_one_line_with_its_class_pid_and_ray_s_reason():
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    context = ActorDiedErrorContext(class_name="RolloutRayActor", pid=42, actor_id=b"\x01" * 16)
+    context.error_message = (
+        "The actor is dead because its worker process has died. Worker exit type: UNEXPECTED_SYSTEM_EXIT "
+        "There are some potential root causes. (1) The process is killed by SIGKILL by OOM killer"
+    )
+    line = "Ray actor RolloutRayActor (pid 42) died: The actor is dead because its worker process has died. "
+    line += "Worker exit type: UNEXPECTED_SYSTEM_EXIT"
+    assert fork.ray_failure(ActorDiedError(context)) == line
+    text = f"ray::PPOTrainer.fit() (pid=1)\nTraceback ...\nray.exceptions.ActorDiedError: {ActorDiedError(context)}"
+    via = RayTaskError("ray::PPOTrainer.fit()", text, ActorDiedError(context))  # its cause becomes a RayError
+    assert fork.ray_failure(via) == f"ray::PPOTrainer.fit() failed: {line}"
+
+
+def _dead(kind, **fields):
+    from ray.core.generated.common_pb2 import ActorDeathCause
+
+    cause = ActorDeathCause()
+    getattr(cause, kind).MergeFrom(type(getattr(cause, kind))(**fields))
+    return {"ActorClassName": "PolicyModelActor", "Pid": 7, "DeathCause": cause}
+
+
+def test_the_watchdog_reports_actors_that_died_unasked_and_not_those_killed_on_purpose(monkeypatch):
+    import ray
+    from ray._private import state
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    tables = {}
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "01000000"})())
+    monkeypatch.setattr(state, "actors", lambda job_id, actor_state_name: tables)
+    assert fork.dead_actor(ray) is None
+    values = ActorDiedErrorContext.DESCRIPTOR.fields_by_name["reason"].enum_type.values_by_name
+    kill, died = values["RAY_KILL"].number, values["WORKER_DIED"].number
+    tables["a"] = _dead("actor_died_error_context", reason=kill, error_message="ray.kill")
+    tables["b"] = {**_dead("actor_died_error_context"), "DeathCause": type(tables["a"]["DeathCause"])()}
+    assert fork.dead_actor(ray) is None  # ray.kill, or no cause recorded
+    tables["c"] = _dead("actor_died_error_context", reason=died, error_message="its worker process has died.")
+    assert (
+        fork.dead_actor(ray) == "Ray actor PolicyModelActor (pid 7) died (WORKER_DIED): its worker process has died."
+    )
+    tables.pop("c")
+    tables["d"] = _dead("creation_task_failure_context")
+    assert fork.dead_actor(ray).startswith("Ray actor PolicyModelActor (pid 7) died (creation_task_failure): ")
+
+
+def test_a_driver_blocked_after_an_actor_died_ends_in_one_line(monkeypatch, capsys):
+    """The hang the watchdog bounds: upstream's driver waiting on a live actor stuck with a dead one."""
+    import time
+    from types import SimpleNamespace
+
+    line = "Ray actor RolloutRayActor (pid 9) died (WORKER_DIED): gone"
+    monkeypatch.setattr(fork, "dead_actor", lambda ray: line)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
+    for name, value in (("POLL_S", 0.05), ("GRACE_S", 0.05), ("EXIT_S", 60.0)):
+        monkeypatch.setattr(fork.ActorWatchdog, name, value)
+    monkeypatch.setattr(fork, "activate", lambda root: None)
+    monkeypatch.setattr(fork, "materialize", lambda device: None)
+    monkeypatch.setattr(fork.runpy, "run_module", lambda *a, **k: time.sleep(30))  # blocked, as in ray.get
+    monkeypatch.setenv("RAY_process_group_cleanup_enabled", "")  # restored (unset) after the test
+    monkeypatch.delenv("RAY_process_group_cleanup_enabled")
+    start = time.time()
+    assert fork.main([]) == 1
+    assert time.time() - start < 10
+    assert capsys.readouterr().err.strip().splitlines() == [f"openrlhf-geo: {line}"]
+    # a head this driver starts gives each worker its own process group, killed with it (vLLM's EngineCore too)
+    assert os.environ["RAY_process_group_cleanup_enabled"] == "true"
+
+
 def test_cpu_local_cluster_declares_gpu_slots_on_loopback_unless_a_cluster_is_named(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     kwargs = fork.cpu_local_cluster()
@@ -434,3 +506,83 @@ def test_ray_workers_import_the_drivers_patched_copy(fork_root, tmp_path):
     # shipped as py_modules (Ray's package cache), not imported from the venv or the source tree
     assert "py_modules_files" in openrlhf_file and "site-packages" not in openrlhf_file
     assert "py_modules_files" in geo_file
+
+
+def test_a_ray_address_where_no_ray_answers_is_one_line_in_seconds(monkeypatch, capsys):
+    """A plain listener (not Ray's GCS): ray.init would retry it every 30 s forever, ignoring SIGTERM."""
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        monkeypatch.setattr(fork, "GCS_PROBE_S", 2.0)
+        start = time.time()
+        assert fork.main(["--help"]) == 1
+        assert time.time() - start < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"openrlhf-geo: RAY_ADDRESS {address}: no Ray cluster answered there within 2 s (start one with "
+        "`ray start --head`, or unset RAY_ADDRESS to have the run start its own)"
+    ]
+
+
+def test_a_grpc_server_passes_the_ray_address_probe(monkeypatch):
+    """What the probe asks of a running cluster's GCS: a gRPC handshake."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        fork.check_ray_start()
+        monkeypatch.setenv("RAY_ADDRESS", "auto")  # Ray resolves these itself
+        fork.check_ray_start()
+    finally:
+        server.stop(None)
+
+
+def test_a_busy_gcs_port_is_one_line_before_ray_starts(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setenv("RAY_GCS_SERVER_PORT", str(port))
+        assert fork.main(["--help"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"openrlhf-geo: RAY_GCS_SERVER_PORT {port}: the run's Ray head cannot listen there (Address already in use)"
+    ]
+
+
+def test_a_failure_caused_by_a_death_the_watchdog_had_not_read_names_the_dead_actor_first(monkeypatch, capsys):
+    """A killed vLLM engine during a weight sync: the policy's gloo broadcast fails before the next poll."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayTaskError
+
+    died = "Ray actor RolloutRayActor (pid 9) died (WORKER_DIED): its worker process has died."
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:17070.")
+    error = RayTaskError("ray::PPOTrainer.fit()", "ray::PPOTrainer.fit() (pid=1)\nTraceback ...", gloo)
+    monkeypatch.setattr(fork, "dead_actor", lambda ray: died)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setattr(fork.ActorWatchdog, "POLL_S", 60.0)
+    monkeypatch.setattr(fork, "activate", lambda root: None)
+    monkeypatch.setattr(fork, "materialize", lambda device: None)
+
+    def run_module(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(fork.runpy, "run_module", run_module)
+    assert fork.main([]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"openrlhf-geo: {died}; then ray::PPOTrainer.fit() failed: RuntimeError: {gloo}"
+    ]

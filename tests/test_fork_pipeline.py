@@ -281,6 +281,35 @@ def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, 
     assert message in capsys.readouterr().err
 
 
+def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monkeypatch, capsys, tmp_path):
+    """Found before Ray starts, not at the first save hours in (a real read-only mount: tests/test_fork_faults.py)."""
+    blocker, GRPO = tmp_path / "a_file", ["--advantage_estimator", "group_norm"]
+    blocker.write_text("")
+    for argv, flag in (
+        (["--ckpt.save_steps", "1", "--ckpt.path", str(blocker / "ckpt")], "--ckpt.path"),
+        (["--ckpt.output_dir", str(blocker / "out")], "--ckpt.output_dir"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out"), *argv])
+        assert caught.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {blocker}/" in err and "cannot write there (Not a directory" in err, err
+    # --ckpt.path is only written with periodic saves; a folder that does not exist yet is created by upstream
+    args = parse(
+        up, monkeypatch, [*GRPO, "--ckpt.path", str(blocker / "ckpt"), "--ckpt.output_dir", str(tmp_path / "new")]
+    )
+    assert args.ckpt.path == str(blocker / "ckpt") and not (tmp_path / "new").exists()
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", kwargs.get("dir"))
+
+    monkeypatch.setattr(fork_hooks.tempfile, "TemporaryFile", read_only)  # as root, permission bits do not stop it
+    with pytest.raises(SystemExit):
+        parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"--ckpt.output_dir {tmp_path / 'out'}: cannot write there (Read-only file system" in err
+
+
 def test_hub_ids_and_existing_model_paths_pass_parsing(up, tiny_path, monkeypatch):
     """Only a value that reads as a local path must exist; `name` and `org/name` are hub ids, loaded later."""
     argv = ["--advantage_estimator", "group_norm", "--reward.model_name_or_path", f"org/rm,{tiny_path}"]
@@ -1103,3 +1132,90 @@ def test_shuffle_minibatches_keeps_upstreams_distribution(up, monkeypatch):
     trainer = NS(args=args, experience_maker=NS(geometry=NS(pipeline=NS(steps=1))))
     assert fork_hooks.rank_batches(trainer, rollouts(up, 2, seed=3)) is None
     assert fork_hooks.minibatch_sampling(NS(args=args), True) == {"shuffle": True}
+
+
+# ── checkpoints: rotation, `latest`, a full disk (patches/openrlhf.utils.deepspeed.deepspeed.diff) ──
+
+
+class FakeEngine:
+    """DeepSpeedEngine.save_checkpoint's effect on disk: the tag's files, then (save_latest) `latest`."""
+
+    def __init__(self, fail=None):
+        self.fail, self.calls = fail, []
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        self.calls.append((tag, save_latest))
+        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial" if self.fail else b"model")
+        if self.fail:
+            raise self.fail
+        if save_latest:
+            (Path(save_dir) / "latest").write_text(tag)
+
+
+@pytest.fixture
+def save_ckpt(up, monkeypatch):
+    """The patched DeepspeedStrategy.save_ckpt on a one-rank strategy, with FakeEngine as DeepSpeed's engine."""
+    import openrlhf.utils.deepspeed.deepspeed as ds
+    import openrlhf.utils.distributed_util as distributed_util
+
+    events = []
+    monkeypatch.setattr(ds.deepspeed, "DeepSpeedEngine", FakeEngine)
+    monkeypatch.setattr(ds, "torch_dist_barrier_and_cuda_sync", lambda: events.append("barrier"))
+    monkeypatch.setattr(distributed_util, "torch_dist_barrier_and_cuda_sync", lambda: events.append("barrier"))
+    strategy = object.__new__(ds.DeepspeedStrategy)
+    strategy.is_rank_0, strategy.print = lambda: True, lambda *a: None
+
+    def save(model, save_dir, tag, max_num=3):
+        strategy.save_ckpt(model, str(save_dir), tag, max_num=max_num, max_mem=1000, client_state={})
+        return events
+
+    return save
+
+
+def test_a_save_never_deletes_the_last_complete_checkpoint_before_its_replacement_is_written(save_ckpt, tmp_path):
+    save_ckpt(FakeEngine(), tmp_path, "global_step1", max_num=1)
+    assert fork_hooks.latest_tag(tmp_path) == "global_step1"
+    # a save killed or failing half-way (upstream's rotation deleted global_step1 first: --ckpt.max_num 1 lost all)
+    with pytest.raises(RuntimeError):
+        save_ckpt(FakeEngine(fail=RuntimeError("killed")), tmp_path, "global_step2", max_num=1)
+    assert fork_hooks.latest_tag(tmp_path) == "global_step1"
+    assert (tmp_path / "global_step1" / "mp_rank_00_model_states.pt").read_bytes() == b"model"
+    # the next complete save commits its tag and rotates back to max_num: the half-written one goes too
+    model = FakeEngine()
+    events = save_ckpt(model, tmp_path, "global_step3", max_num=1)
+    assert model.calls == [("global_step3", False)]  # DeepSpeed does not write `latest`; the barrier, then rank 0
+    assert events[-1] == "barrier" and fork_hooks.latest_tag(tmp_path) == "global_step3"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step1", "global_step3"]
+    save_ckpt(FakeEngine(), tmp_path, "global_step4", max_num=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step3", "global_step4"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == ["latest"]  # no temp file left
+
+
+def test_latest_is_replaced_atomically(tmp_path, monkeypatch):
+    fork_hooks.commit_latest(tmp_path, "global_step1")
+
+    def crash(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fork_hooks.os, "replace", crash)
+    with pytest.raises(OSError):
+        fork_hooks.commit_latest(tmp_path, "global_step2")
+    assert fork_hooks.latest_tag(tmp_path) == "global_step1" and [p.name for p in tmp_path.iterdir()] == ["latest"]
+    assert fork_hooks.latest_tag(tmp_path / "none") is None
+
+
+def test_a_save_on_a_full_disk_is_reported_as_no_space_left(save_ckpt, tmp_path, monkeypatch):
+    save_ckpt(FakeEngine(), tmp_path, "global_step1")
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4672 vs 4566")
+    monkeypatch.setattr(fork_hooks.shutil, "disk_usage", lambda path: NS(free=2**20))
+    with pytest.raises(OSError) as caught:
+        save_ckpt(FakeEngine(fail=torch_error), tmp_path, "global_step2")
+    assert caught.value.errno == 28 and caught.value.__cause__ is torch_error
+    assert str(caught.value).startswith(f"[Errno 28] No space left on device: checkpoint global_step2 in {tmp_path}")
+    assert "(1.0 MiB free; --ckpt.load_enable resumes from global_step1)" in str(caught.value)
+    # with space left the error is the save's own
+    monkeypatch.setattr(fork_hooks.shutil, "disk_usage", lambda path: NS(free=2**40))
+    with pytest.raises(RuntimeError) as caught:
+        save_ckpt(FakeEngine(fail=torch_error), tmp_path, "global_step2")
+    assert caught.value is torch_error

@@ -6,9 +6,9 @@ Ray actors, one vLLM CPU engine and DeepSpeed (CPU accelerator, gloo), on a tiny
 `--model smollm2` runs the same checks on the real pretrained LM (SMOLLM2_CONDITIONS below).
 
 It checks the wiring (flags -> actor forward -> experience maker -> loss -> logged metrics -> weight sync ->
-checkpoint/resume), not learning. Each run is its own process group: `train-ppo-ray` starts a local Ray head on
+checkpoint/resume), not learning. Each run is its own session: `train-ppo-ray` starts a local Ray head on
 127.0.0.1 (the CPU overlay declares GPU slots so upstream's placement groups schedule) and stops it when it exits;
-this script then checks that nothing of the group is left, and stops what is (its own handle), also on failure or
+this script then checks that nothing of the session is left, and stops what is (its own handle), also on failure or
 Ctrl-C. The HH condition runs upstream's SFT (`deepspeed --module openrlhf.cli.train_sft`) and serves a stand-in
 ArmoRM with `openrlhf-geo serve-rm` on 127.0.0.1.
 
@@ -238,7 +238,7 @@ def free_port() -> int:
 
 
 def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S) -> tuple[int, list[str]]:
-    """Run `command` in a new process group for at most `timeout` s; (exit code, what of the group was left running
+    """Run `command` in a new session for at most `timeout` s; (exit code, what of the session was left running
     and then stopped). A run past the limit is stopped and reported as exit code 124."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -248,40 +248,42 @@ def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S) ->
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hung run fails its condition; the next conditions still run
             os.killpg(proc.pid, signal.SIGTERM)
-            left = stop_group(proc.pid, grace=10)
+            left = stop_session(proc.pid, grace=10)
             log.write(f"\nsmoke_cpu: stopped after {timeout} s (SMOKE_CPU_RUN_TIMEOUT_S)\n")
             return 124, left
         except BaseException:  # Ctrl-C or SIGTERM of this script: the run (its own session) is stopped now
             os.killpg(proc.pid, signal.SIGTERM)
-            stop_group(proc.pid, grace=10)
+            stop_session(proc.pid, grace=10)
             raise
-    return code, stop_group(proc.pid)
+    return code, stop_session(proc.pid)
 
 
-def stop_group(pgid: int, grace: float = 60) -> list[str]:
-    """Stop what is left of process group `pgid` (ours: started with start_new_session) after `grace` seconds;
-    -> the command lines that were left."""
+def stop_session(sid: int, grace: float = 60) -> list[str]:
+    """Stop what is left of session `sid` (ours: started with start_new_session, so sid is the run's pid) after
+    `grace` seconds; -> the command lines that were left. A session, not a process group: the fork has Ray put
+    each worker in its own process group (RAY_process_group_cleanup_enabled), all of them in this session."""
     import psutil
 
     left = []
     deadline = time.time() + grace  # Ray's and vLLM's processes exit on their own, in seconds on an idle machine
     while time.time() < deadline:
-        left = [p for p in psutil.process_iter(["cmdline"]) if _pgid(p.pid) == pgid]
+        left = [p for p in psutil.process_iter(["cmdline"]) if _sid(p.pid) == sid]
         if not left:
             return []
         time.sleep(0.5)
     names = [" ".join(p.info["cmdline"] or []).strip()[:120] or f"pid {p.pid}" for p in left]
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # gone in the meantime
-        pass
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:  # gone in the meantime
+            pass
     return names
 
 
-def _pgid(pid):
+def _sid(pid):
     try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
         return None
 
 
@@ -399,15 +401,14 @@ def serve_rm(assets: Path, run: Path, env):
     deadline = time.time() + 120
     while "serving" not in (run / "serve_rm.log").read_text():
         if proc.poll() is not None or time.time() > deadline:
-            stop_group(proc.pid)
+            stop_session(proc.pid)
             raise RuntimeError(f"serve-rm did not start: {(run / 'serve_rm.log').read_text()[-2000:]}")
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}/get_reward"
 
 
-def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dict:
-    run = out / name
-    run.mkdir(parents=True, exist_ok=True)
+def run_env(run: Path, model_name="tiny") -> dict:
+    """The environment of one `train-ppo-ray` run of the smoke (also the fault-injection tests')."""
     env = dict(os.environ, OPENRLHF_GEO_DUMP_DIR=str(run / "dump"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("RAY_ADDRESS", None)  # each run starts (and stops) its own local head
@@ -415,14 +416,31 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
     # makes its bf16 brgemm abort ("only supported ... when `amx` is supported")
     for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
         env.pop(key, None)
+    if model_name == "smollm2":  # the actors' torch on every core (Ray gives each 1 thread)
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    return env
+
+
+def train_command(run: Path, ckpt: Path, flags, model: Path, prompts: Path, reward: str, model_name="tiny", sync=True):
+    """`openrlhf-geo train-ppo-ray` with the smoke's common flags, then `flags` (argparse keeps the last value)."""
+    return [
+        sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON,
+        *(SMOLLM2_FLAGS if model_name == "smollm2" else []),
+        "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(prompts), "--reward.remote_url", reward,
+        "--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard"),
+        "--ckpt.path", str(ckpt), *flags, *(SYNC if sync else []),
+    ]  # fmt: skip
+
+
+def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dict:
+    run = out / name
+    run.mkdir(parents=True, exist_ok=True)
+    env = run_env(run, model_name)
     start = time.time()
     model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
-    model_flags, timeout = [], RUN_TIMEOUT_S
-    if model_name == "smollm2":  # the real task's reward; the actors' torch on every core (Ray gives each 1 thread)
-        model_flags, timeout = SMOLLM2_FLAGS, SMOLLM2_RUN_TIMEOUT_S
+    timeout = SMOLLM2_RUN_TIMEOUT_S if model_name == "smollm2" else RUN_TIMEOUT_S
+    if model_name == "smollm2":  # the real task's reward
         reward = str(REPO / "openrlhf_geo/rewards/math_verify.py")
-        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-    extra = ["--ckpt.output_dir", str(run / "final"), "--logger.tensorboard_dir", str(run / "tensorboard")]
     try:
         if spec.get("hh"):
             code, left = sft(assets, run, env)
@@ -430,15 +448,11 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
                 return {"ok": False, "problems": [f"SFT failed, exit {code} (see {run / 'sft.log'})"]}
             model, prompts = run / "sft", assets / "hh_prompts.jsonl"
             server, reward = serve_rm(assets, run, env)
-        extra += ["--ckpt.path", str(out / spec.get("after", name) / "ckpt")]
-        if "after" in spec:
-            extra += ["--ckpt.load_enable", "--train.num_episodes", "2"]
-        command = [
-            sys.executable, "-m", "openrlhf_geo.cli", "train-ppo-ray", *COMMON, *model_flags,
-            "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(prompts),
-            "--reward.remote_url", reward or str(assets / "reward_func.py"), *extra, *spec["flags"],
-            *(SYNC if spec.get("sync", True) else []),
-        ]  # fmt: skip
+        resume = ["--ckpt.load_enable", "--train.num_episodes", "2"] if "after" in spec else []
+        command = train_command(
+            run, out / spec.get("after", name) / "ckpt", [*resume, *spec["flags"]], model, prompts,
+            reward or str(assets / "reward_func.py"), model_name, spec.get("sync", True),
+        )  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
         code, more = run_group(command, run / "train.log", env, run, timeout)
         left += more
@@ -446,7 +460,7 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
         if server is not None:
             server.terminate()
             server.wait()
-            left += stop_group(server.pid)
+            left += stop_session(server.pid)
     result = check_run(name, spec, run, code, left, assets, model)
     result["wall_s"] = round(time.time() - start, 1)
     return result
