@@ -33,7 +33,7 @@ QUICK = {"steps": 1, "prompts": 2, "samples": 4, "max_new_tokens": 16, "train_pr
          "eval_samples": 1}  # fmt: skip
 LR = 1e-5  # SALT Table 4's 1e-6 is for 1.5B-7B models over hundreds of steps; fixed here before any run
 TRAIN_SEED, EVAL_SEED = 1, 2  # word_task.word_problems seeds (the geometry studies' problems use PROBLEM_SEED)
-STEP_S = 150.0  # estimated cost of one step at FULL sizes on an idle 2-core VM (protocol, amendment)
+STEP_S = 250.0  # one step at FULL sizes, eval and checkpoints included: 253 s measured on an idle 2-core VM
 SHOWN = ("accuracy", "salt/n_eff_in", "salt/pr", "salt/k", "salt/alpha", "salt/n_eff_out", "salt/D_a",
          "geo/val_acc", "geo/cos_gt_0.8", "geo/auroc", "geo/precision", "geo/recall", "geo/flag_frac",
          "response_length")  # fmt: skip
