@@ -18,10 +18,15 @@ setup(
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"]) + ["openrlhf_geo.patches"],
-    # The fork's diffs live at the repository root (patches/) and ship inside the package.
-    package_dir={"openrlhf_geo.patches": "patches"},
-    package_data={"openrlhf_geo.patches": ["*.diff", "*.md", "cpu/*.diff"], "openrlhf_geo": ["assets/**/*"]},
+    packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"])
+    + ["openrlhf_geo.fork.patches", "openrlhf_geo.fork.patches.cpu"],
+    # The fork's diffs live at the repository root (patches/) and ship inside the fork's package.
+    package_dir={"openrlhf_geo.fork.patches": "patches", "openrlhf_geo.fork.patches.cpu": "patches/cpu"},
+    package_data={
+        "openrlhf_geo.fork.patches": ["*.diff", "*.md"],
+        "openrlhf_geo.fork.patches.cpu": ["*.diff"],
+        "openrlhf_geo": ["assets/**/*"],
+    },
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
     extras_require={

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_geo.lab.demo import METHODS
+from openrlhf_geo.lab.recipe import METHOD_FLAGS, ROLLOUT_FLAGS, SFT
+from openrlhf_geo.lab.task import addition_problems, build_model, build_tokenizer, sft, sft_rows
 from openrlhf_geo.local import kernels
-from openrlhf_geo.local.demo import METHOD_FLAGS, METHODS, ROLLOUT_FLAGS, SFT
 from openrlhf_geo.local.engine import Trainer
-from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer, sft, sft_rows
-from openrlhf_geo.local.train import make_reward_fn, parse_args
+from openrlhf_geo.local.flags import parse_args
+from openrlhf_geo.local.reward import make_reward_fn
 
 KEYS = ("time/step_s", "time/rollout_s", "time/forward_s", "geo/time_s", "salt/solve_ms", "time/update_s")
 

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.episodes < 1:
         parser.error("--rounds and --episodes must be at least 1")
     from openrlhf_geo.fork import ForkError, check_cpu_engines
-    from openrlhf_geo.local.demo import OutputClaimed, claim_output
+    from openrlhf_geo.local.rundir import OutputClaimed, claim_output
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: runs stopped by handle
     try:

@@ -61,8 +61,8 @@ sys.path[:0] = [path for path in (os.path.dirname(HERE), HERE) if path not in sy
 
 from salt_overhead import powerlaw_features, upstream_log_probs  # noqa: E402
 
-from openrlhf_geo import fork_hooks  # noqa: E402
 from openrlhf_geo.features import DEFAULT_DIM, lm_head_input  # noqa: E402
+from openrlhf_geo.fork import hooks as fork_hooks  # noqa: E402
 from openrlhf_geo.geoalign import GeoAlignConfig  # noqa: E402
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline  # noqa: E402
 from openrlhf_geo.salt import SaltConfig, salt_advantages  # noqa: E402

@@ -42,6 +42,7 @@ from scipy.stats import spearmanr
 
 from openrlhf_geo import diagnostics, sketch_gram
 from openrlhf_geo.features import DEFAULT_DIM, lm_head_features, lm_head_gram
+from openrlhf_geo.lab import recipe
 from openrlhf_geo.salt import salt_advantages
 
 GROUP = 8
@@ -156,18 +157,15 @@ def demo_model(demo_dir):
     """The demo's SFT-warmed model and tokenizer (trained once into <demo_dir>/sft, then reused) and its train rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from openrlhf_geo.local import demo
-
     out = Path(demo_dir)
-    train, held_out = demo.prepare_data(out)
-    demo.warm_up(out, train, held_out, None, demo.FULL["sft_max_steps"])  # the demo's defaults: same cache key
+    train, held_out = recipe.prepare_data(out)
+    recipe.warm_up(out, train, held_out, None, recipe.FULL["sft_max_steps"])  # the demo's defaults: same cache key
     model = AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(out / "sft"), train
 
 
 def demo_rollouts(model, tokenizer, train, n_prompts, seed):
     """GROUP rollouts for n_prompts train prompts -> (logits, hidden, tokens, mask, rewards (m,)) from ONE forward."""
-    from openrlhf_geo.local import demo
     from openrlhf_geo.local.engine import generate_rollouts, response_forward
     from openrlhf_geo.rewards.math_verify import score_answer
 
@@ -179,7 +177,7 @@ def demo_rollouts(model, tokenizer, train, n_prompts, seed):
         [r["prompt"] for r in rows],
         [r["answer"] for r in rows],
         GROUP,
-        max_new_tokens=demo.MAX_NEW_TOKENS,
+        max_new_tokens=recipe.MAX_NEW_TOKENS,
     )
     with torch.no_grad():
         _, logits, hidden = response_forward(

@@ -1,6 +1,6 @@
 """SALT against its nulls on demo-like rollouts: a Table 9/10-style table (arXiv 2606.05800 App. F.3.2, F.5).
 
-Rollouts: the local demo's task (two-digit additions with a carry, `openrlhf_geo.local.task`) and its tiny Qwen2
+Rollouts: the local demo's task (two-digit additions with a carry, `openrlhf_geo.lab.task`) and its tiny Qwen2
 (2 layers × 64, V = 28), warmed up in-process by the demo's SFT recipe (its 600 steps unless --sft-steps; or loaded
 from --model, e.g. the demo's cached runs/demo/sft); --batches batches of --prompts training prompts × --samples
 sampled responses (the demo's 8 × 16 = 128 rollouts, temperature 1, at most 48 new tokens); reward 1 when the last
@@ -27,11 +27,11 @@ import torch
 
 from openrlhf_geo import diagnostics
 from openrlhf_geo.features import lm_head_features
-from openrlhf_geo.local import task
+from openrlhf_geo.lab import task
 from openrlhf_geo.salt import salt_advantages
 
 MAX_NEW_TOKENS = 48  # the demo's: the longest worked solution is 40 tokens + EOS
-# The demo's SFT recipe (openrlhf_geo.local.demo.SFT; strategies ["digits"], cosine decay to 0.05, seed 0).
+# The demo's SFT recipe (openrlhf_geo.lab.recipe.SFT; strategies ["digits"], cosine decay to 0.05, seed 0).
 SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "per_prompt": 8, "shortcut_rate": 0.5}
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 # arXiv 2606.05800 Table 9 (GRPO rows; DeepSeek-Distill-Qwen-7B / MATH-TRAIN): D_a, D_g, n_eff, U⊥ gain.

@@ -8,11 +8,11 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("openrlhf_geo.local.demo", "tiny SFT->RL on CPU: GRPO vs +SALT vs +GeoAlign, with a report"),
-    "study": ("openrlhf_geo.local.study", "the CPU studies of docs/studies/, resumable, with a report"),
-    "train": ("openrlhf_geo.local.train", "single-process training run (CPU or one GPU)"),
-    "train-ppo-ray": ("openrlhf_geo.fork", "upstream openrlhf.cli.train_ppo_ray with the fork's patches"),
-    "fork": ("openrlhf_geo.fork", "fork maintenance: `fork verify`, `fork path`"),
+    "demo": ("openrlhf_geo.lab.demo", "tiny SFT->RL on CPU: GRPO vs +SALT vs +GeoAlign, with a report"),
+    "study": ("openrlhf_geo.lab.study", "the CPU studies of docs/studies/, resumable, with a report"),
+    "train": ("openrlhf_geo.local.training", "single-process training run (CPU or one GPU)"),
+    "train-ppo-ray": ("openrlhf_geo.fork.launch", "upstream openrlhf.cli.train_ppo_ray with the fork's patches"),
+    "fork": ("openrlhf_geo.fork.install", "fork maintenance: `fork verify`, `fork path`"),
     "eval": ("openrlhf_geo.eval.harness", "avg@n and pass@k on math benchmarks"),
     "report": ("openrlhf_geo.eval.report", "paired multi-seed comparison with bootstrap CIs and plots"),
     "judge": ("openrlhf_geo.eval.judge", "pairwise LLM judge with position swap (GeoAlign HH-RLHF win rate)"),
@@ -43,11 +43,7 @@ def main(argv=None):
         from openrlhf_geo.local import kernels  # imports nothing heavy: before torch computes anything
 
         kernels.pin()
-    module = importlib.import_module(COMMANDS[command][0])
-    # `fork` and `train-ppo-ray` share a module; the sub-command name tells it which entry to run.
-    if command == "fork":
-        return module.main_fork(rest)
-    return module.main(rest)
+    return importlib.import_module(COMMANDS[command][0]).main(rest)
 
 
 if __name__ == "__main__":

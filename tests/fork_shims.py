@@ -10,7 +10,7 @@ import importlib.util
 import sys
 import types
 
-from openrlhf_geo.cpu_fork import all_gather, index_first_axis, pad_input, rearrange, unpad_input
+from openrlhf_geo.fork.cpu import all_gather, index_first_axis, pad_input, rearrange, unpad_input
 
 _INSTALLED = []
 

@@ -975,10 +975,10 @@ def _smoke_script():
 def test_the_smoke_writes_only_into_an_output_directory_it_wrote(tmp_path, monkeypatch, capsys):
     """An existing directory of other files had its summary.json and <condition>/train.log overwritten (exit 0); a
     file or a path under one was a FileExistsError / NotADirectoryError traceback. No condition runs here."""
-    import openrlhf_geo.fork
+    import openrlhf_geo.fork.launch
 
     smoke = _smoke_script()
-    monkeypatch.setattr(openrlhf_geo.fork, "check_cpu_engines", lambda: None)
+    monkeypatch.setattr(openrlhf_geo.fork.launch, "check_cpu_engines", lambda: None)
     monkeypatch.setattr(smoke.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handling
     ran = []
     monkeypatch.setattr(smoke, "build_assets", lambda assets: ran.append(assets))

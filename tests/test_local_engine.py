@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from openrlhf_geo.features import last_token_hidden, lm_head_features
+from openrlhf_geo.lab.task import addition_problems, build_model, build_tokenizer, reference_response
 from openrlhf_geo.local import engine, rundir
 from openrlhf_geo.local.engine import Rollouts, Trainer
-from openrlhf_geo.local.task import addition_problems, build_model, build_tokenizer, reference_response
-from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.local.flags import parse_args
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from openrlhf_geo.eval.report import Run
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import report
+from openrlhf_geo.lab import demo_report as report
 
 
 def brute_auroc(pos, neg):

@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo.local.engine import distinct_fraction
-from openrlhf_geo.local.task import (
+from openrlhf_geo.lab.task import (
     STRATEGIES,
     addition_problems,
     build_model,
@@ -26,6 +25,7 @@ from openrlhf_geo.local.task import (
     uses_shortcut,
     worked_solution,
 )
+from openrlhf_geo.local.engine import distinct_fraction
 from openrlhf_geo.rewards.math_verify import extract_last_boxed
 
 STEP = re.compile(r"(\d+(?:\+\d+)+)=(\d+)")

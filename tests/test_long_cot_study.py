@@ -8,8 +8,8 @@ import math
 import pytest
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local.studies import long_cot as study
-from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.lab.studies import long_cot as study
+from openrlhf_geo.local.flags import parse_args
 
 
 def write_run(path, steps, acc, n_eff, extra=None):

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo.local.long_cot import MAX_POSITIONS, N_TRAIN_PER_K, max_new_tokens, prepare_data, problems
-from openrlhf_geo.local.task import (
+from openrlhf_geo.lab.long_cot_task import MAX_POSITIONS, N_TRAIN_PER_K, max_new_tokens, prepare_data, problems
+from openrlhf_geo.lab.task import (
     build_tokenizer,
     chain_operands,
     chain_problems,

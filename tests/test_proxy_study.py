@@ -17,12 +17,12 @@ import torch
 from openrlhf_geo import salt
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo, studies
+from openrlhf_geo.lab import recipe, studies
+from openrlhf_geo.lab.studies import salt_proxy as proxy_study
+from openrlhf_geo.lab.studies.base import ConditionStudy
+from openrlhf_geo.lab.task import build_model, build_tokenizer
 from openrlhf_geo.local.engine import generate_rollouts, group_advantages, response_forward
-from openrlhf_geo.local.studies import salt_proxy as proxy_study
-from openrlhf_geo.local.studies.base import ConditionStudy
-from openrlhf_geo.local.task import build_model, build_tokenizer
-from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.local.flags import parse_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "studies" / "salt-proxy.md"
 
@@ -312,7 +312,7 @@ def test_the_protocol_states_the_runners_choices():
     assert "seeds 0 1 2 3 4" in text and proxy_study.SEEDS == (0, 1, 2, 3, 4)
     assert "t = 0, 10, 20, 30, 40, 50, 60" in text and proxy_study.CHECKPOINTS == (0, 10, 20, 30, 40, 50, 60)
     assert "75th percentile" in text and proxy_study.SIGN_QUANTILE == 0.75
-    assert shlex.join(demo.METHOD_FLAGS["grpo"]) in text and proxy_study.RUN_STEPS == 60
+    assert shlex.join(recipe.METHOD_FLAGS["grpo"]) in text and proxy_study.RUN_STEPS == 60
     assert "--rollout.batch_size 8 --rollout.n_samples_per_prompt 16" in text
     for reference, row in proxy_study.PAPER_TABLE5.items():
         low = row["rho"][0] - 3 * row["rho"][1]
@@ -321,7 +321,7 @@ def test_the_protocol_states_the_runners_choices():
 
 def test_the_full_study_is_estimated_within_its_30_minute_budget(tmp_path):
     jobs = proxy_study.plan(tmp_path, proxy_study.SEEDS, proxy_study.CHECKPOINTS, proxy_study.default_proxy())
-    estimate = proxy_study.estimate_seconds(jobs, 2, demo.FULL["sft_max_steps"])
+    estimate = proxy_study.estimate_seconds(jobs, 2, recipe.FULL["sft_max_steps"])
     assert estimate <= 1800 and f"estimated {estimate / 60:.0f} min on 2 idle cores" in DOC.read_text()
     assert len(jobs) == 5 and all(parse_args(j["argv"]).train.steps == proxy_study.RUN_STEPS for j in jobs)
 

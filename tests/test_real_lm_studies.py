@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from openrlhf_geo.local import word_task
-from openrlhf_geo.local.studies import real_lm, real_lm_geoalign, real_lm_geometry, real_lm_proxy, real_lm_rl
+from openrlhf_geo.lab import word_task
+from openrlhf_geo.lab.studies import real_lm, real_lm_geoalign, real_lm_geometry, real_lm_proxy, real_lm_rl
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_the_noise_null_is_the_gram_of_gaussian_rows():
 
 
 def test_real_lm_rl_conditions_parse_as_train_commands(tmp_path):
-    from openrlhf_geo.local.train import parse_args
+    from openrlhf_geo.local.flags import parse_args
 
     for name in real_lm_rl.CONDITIONS:
         argv = real_lm_rl.train_argv(tmp_path / "model", tmp_path, tmp_path / name, real_lm_rl.FULL, name)

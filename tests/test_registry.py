@@ -12,9 +12,9 @@ import torch
 from openrlhf_geo import options, registry
 from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.lab.task import build_model, build_tokenizer
 from openrlhf_geo.local.engine import Rollouts, Trainer
-from openrlhf_geo.local.task import build_model, build_tokenizer
-from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.local.flags import parse_args
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
 from openrlhf_geo.salt import VARIANTS, Variant
 

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 from openrlhf_geo import cli
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo, engine, studies
-from openrlhf_geo.local.studies import common as shared
-from openrlhf_geo.local.studies import geoalign_failure, learnable_regime, runner, salt_ablations, salt_scaling
-from openrlhf_geo.local.studies import regime as regime_study
-from openrlhf_geo.local.studies.base import ConditionStudy
-from openrlhf_geo.local.task import (
+from openrlhf_geo.lab import recipe, studies
+from openrlhf_geo.lab.studies import common as shared
+from openrlhf_geo.lab.studies import geoalign_failure, learnable_regime, runner, salt_ablations, salt_scaling
+from openrlhf_geo.lab.studies import regime as regime_study
+from openrlhf_geo.lab.studies.base import ConditionStudy
+from openrlhf_geo.lab.task import (
     ShortcutPayer,
     addition_problems,
     build_model,
@@ -36,7 +36,8 @@ from openrlhf_geo.local.task import (
     shortcut_solution,
     worked_solution,
 )
-from openrlhf_geo.local.train import parse_args
+from openrlhf_geo.local import engine, rundir
+from openrlhf_geo.local.flags import parse_args
 from openrlhf_geo.rewards.math_verify import extract_last_boxed
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt, pay_wrong
 
@@ -125,18 +126,18 @@ def test_regime_study_changes_one_thing_at_a_time_from_the_demo(tmp_path):
             paths = {"--actor.model_name_or_path", "--data.prompt_dataset", "--eval.dataset"}
             assert differs == set(regime.rollout) | (paths if regime.setting != "demo" else set())
     assert shared.SETTINGS["three_digit"].sft_config()["max_operand"] == 999
-    assert shared.SETTINGS["width128"].sft_config() == {**demo.SFT, "hidden_size": 128}
+    assert shared.SETTINGS["width128"].sft_config() == {**recipe.SFT, "hidden_size": 128}
     assert "max_operand" not in shared.SETTINGS["demo"].sft_config()  # the demo's own SFT cache key
 
 
 def test_salt_ablations_are_the_demos_runs_plus_one_variant_each(tmp_path):
     s = ALL["salt-ablations"]
-    assert s.seeds == (0, 1, 2, 3, 4) and (s.steps, s.eval_steps) == (demo.FULL["steps"], demo.FULL["eval_steps"])
+    assert s.seeds == (0, 1, 2, 3, 4) and (s.steps, s.eval_steps) == (recipe.FULL["steps"], recipe.FULL["eval_steps"])
     jobs = {j["condition"]: j for j in runner.plan(s, tmp_path, seeds=[1])}
     # grpo and salt: the demo's own commands for seed 1 (paths aside)
-    demo_common = demo.common_flags(tmp_path / "settings" / "demo", demo.FULL["steps"], demo.FULL["eval_steps"])
+    demo_common = recipe.common_flags(tmp_path / "settings" / "demo", recipe.FULL["steps"], recipe.FULL["eval_steps"])
     for method in ("grpo", "salt"):
-        expected = [*demo_common, *demo.METHOD_FLAGS[method], "--train.seed", "1", "--reward.noise.seed", "1"]
+        expected = [*demo_common, *recipe.METHOD_FLAGS[method], "--train.seed", "1", "--reward.noise.seed", "1"]
         assert jobs[method]["argv"][: len(expected)] == expected
     variants = {c: parse_args(j["argv"]).salt for c, j in jobs.items() if c.startswith("salt_")}
     assert {v.variant for v in variants.values()} == {*salt_ablations.ABLATIONS, "fixed-alpha"}
@@ -164,7 +165,7 @@ def test_geoalign_failure_puts_every_method_under_every_noise(tmp_path):
         for baseline in ("grpo", "pf_ppo", "par", "pods", "seed_grpo"):
             assert (f"geoalign_{noise}", f"{baseline}_{noise}") in s.comparisons
     # GeoAlign as the demo runs it, without the demo's 10 % flips
-    assert demo.METHOD_FLAGS["geoalign_noise"] == [*demo.NOISE, *geoalign_failure.GEOALIGN]
+    assert recipe.METHOD_FLAGS["geoalign_noise"] == [*recipe.NOISE, *geoalign_failure.GEOALIGN]
 
 
 @pytest.mark.parametrize("name", list(ALL))
@@ -262,7 +263,7 @@ def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path
     def refuse(jobs, workers, steps):
         raise AssertionError(f"reran {len(jobs)} finished runs")
 
-    monkeypatch.setattr(demo, "run_all", refuse)
+    monkeypatch.setattr(recipe, "run_all", refuse)
     assert cli.main(["study", "geoalign-failure", "--quick", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["setup"]["skipped"] == 2
 
@@ -273,7 +274,7 @@ def test_quick_study_end_to_end_then_a_second_invocation_reruns_nothing(tmp_path
 def fake_work(monkeypatch, tag):
     """The demo's and the studies' work faked: SFT is skipped, each run leaves a metrics.jsonl and a checkpoint.pt
     holding `tag`, each report a report.md and summary.json holding `tag`."""
-    from openrlhf_geo.local import report
+    from openrlhf_geo.lab import demo_report as report
 
     def run_all(jobs, workers, steps):
         for job in jobs:
@@ -288,10 +289,10 @@ def fake_work(monkeypatch, tag):
         for name in ("report.md", "summary.json"):
             (Path(out) / name).write_text(json.dumps(tag))
 
-    monkeypatch.setattr(demo, "prepare_data", lambda out, max_operand=99: ([], []))
-    monkeypatch.setattr(demo, "warm_up", lambda *args, **kwargs: {})
+    monkeypatch.setattr(recipe, "prepare_data", lambda out, max_operand=99: ([], []))
+    monkeypatch.setattr(recipe, "warm_up", lambda *args, **kwargs: {})
     monkeypatch.setattr(runner, "prepare_settings", lambda out, jobs, steps: {})
-    monkeypatch.setattr(demo, "run_all", run_all)
+    monkeypatch.setattr(recipe, "run_all", run_all)
     monkeypatch.setattr(report, "write_report", write_report)  # (out, runs, comparisons, setup, methods)
     monkeypatch.setattr(runner, "write_report", lambda s, out, *args: write_report(out))
 
@@ -344,7 +345,7 @@ def test_a_study_resumes_only_its_own_out(tmp_path, monkeypatch, capsys):
     (tmp_path / "train" / "metrics.jsonl").write_text("{}\n")
     assert cli.main(["study", "regime", "--quick", "--out", str(tmp_path / "train")]) == 2
     assert "not written by `openrlhf-geo study regime --quick` (metrics.jsonl)" in capsys.readouterr().err
-    with demo.claim_output(out, "openrlhf-geo study salt-scaling --quick"):
+    with rundir.claim_output(out, "openrlhf-geo study salt-scaling --quick"):
         assert cli.main(["study", "salt-scaling", "--quick", "--out", str(out)]) == 2
         assert "another run is writing it" in capsys.readouterr().err
 
@@ -420,14 +421,14 @@ def test_a_failing_run_does_not_stop_the_others_and_every_failure_is_named(tmp_p
         if job["tags"]["seed"] != 1:
             raise RuntimeError(f"boom {job['tags']['seed']}")
 
-    monkeypatch.setattr(demo, "run_one", run_one)
+    monkeypatch.setattr(recipe, "run_one", run_one)
     with pytest.raises(
-        demo.RunsFailed, match=rf"2 run\(s\) failed; the first, {jobs[0]['out']}: RuntimeError: boom 0"
+        recipe.RunsFailed, match=rf"2 run\(s\) failed; the first, {jobs[0]['out']}: RuntimeError: boom 0"
     ):
-        demo.run_all(jobs, 1, 2)
+        recipe.run_all(jobs, 1, 2)
     try:
-        demo.run_all(jobs, 1, 2)
-    except demo.RunsFailed as failed:
+        recipe.run_all(jobs, 1, 2)
+    except recipe.RunsFailed as failed:
         assert [(job["out"], str(error)) for job, error in failed.failures] == [
             (jobs[0]["out"], "boom 0"), (jobs[2]["out"], "boom 2")]  # fmt: skip
     assert ran == [j["out"] for j in jobs] * 2
@@ -448,9 +449,9 @@ def test_a_stopped_run_is_reported_with_its_step_and_its_condition_leaves_the_ta
                 failed.append((job, RuntimeError(message)))
             else:
                 fake_run(out, job["condition"], job["seed"], curves, float(rng.uniform()))
-        raise demo.RunsFailed(failed)
+        raise recipe.RunsFailed(failed)
 
-    monkeypatch.setattr(demo, "run_all", run_all)
+    monkeypatch.setattr(recipe, "run_all", run_all)
     monkeypatch.setattr(runner, "prepare_settings", lambda out, jobs, steps: {})
     assert cli.main(["study", "salt-scaling", "--seeds", "0", "1", "--out", str(out)]) == 1
     assert "1 run(s) stopped by an error" in capsys.readouterr().err
@@ -480,7 +481,7 @@ def test_learnable_regime_runs_only_grpo_and_picks_the_learnable_setting_with_th
         "operands199", "operands499", "no_shortcut", "three_digit_sft4x")  # fmt: skip
     assert shared.SETTINGS["three_digit_sft4x"].sft_config() == shared.SETTINGS["three_digit"].sft_config()
     assert shared.SETTINGS["three_digit_sft4x"].sft_scale == 4
-    assert shared.SETTINGS["no_shortcut"].sft_config() == {**demo.SFT, "shortcut_rate": 0.0}
+    assert shared.SETTINGS["no_shortcut"].sft_config() == {**recipe.SFT, "shortcut_rate": 0.0}
     # setting: (backbone n_eff, step-0 accuracy, final accuracy); no_shortcut's gain is +-0.01 (CI spans 0)
     truth = {"demo": (1.3, 0.5, 0.9), "operands199": (0.8, 0.3, 0.6), "operands499": (0.5, 0.1, 0.2),
              "no_shortcut": (0.7, 0.9, None), "three_digit_sft4x": (0.9, 0.2, 0.4)}  # fmt: skip
@@ -634,8 +635,8 @@ def test_sigterm_of_a_study_stops_the_process_group_it_started(tmp_path):
     gets SIGTERM: the handler unwinds the `finally` that the default SIGTERM skips."""
     code = f"""
 import os, signal, subprocess, sys, time
-from openrlhf_geo.local import study
-from openrlhf_geo.local.studies import REGISTRY
+from openrlhf_geo.lab import study
+from openrlhf_geo.lab.studies import REGISTRY
 
 def run(args, out, workers):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)

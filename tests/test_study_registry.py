@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from openrlhf_geo import cli
-from openrlhf_geo.local import demo, studies
-from openrlhf_geo.local.studies import runner
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import FINAL, GRPO_DIAG
+from openrlhf_geo.lab import recipe, studies
+from openrlhf_geo.lab.studies import runner
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import FINAL, GRPO_DIAG
 
 TOY = """
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import FINAL, GRPO_DIAG, fmt, mean_of
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import FINAL, GRPO_DIAG, fmt, mean_of
 
 
 class Toy(ConditionStudy):
@@ -59,7 +59,7 @@ def registered(tmp_path, monkeypatch):
 
 
 def fake_runs(jobs, workers, steps):
-    """demo.run_all's stand-in: each run's metrics.jsonl, accuracy rising with the seed and the temperature."""
+    """recipe.run_all's stand-in: each run's metrics.jsonl, accuracy rising with the seed and the temperature."""
     for job in jobs:
         run = Path(job["out"])
         run.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def test_a_toy_study_is_one_module_and_runs_through_the_runner_and_the_command_l
     assert studies.REGISTRY["toy"] is toy
     out = tmp_path / "out"
     monkeypatch.setattr(runner, "prepare_settings", lambda out, jobs, steps: {})
-    monkeypatch.setattr(demo, "run_all", fake_runs)
+    monkeypatch.setattr(recipe, "run_all", fake_runs)
     assert cli.main(["study", "toy", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["study"] == "toy" and summary["setup"]["runs"] == 4 and summary["setup"]["skipped"] == 0
@@ -92,7 +92,7 @@ def test_a_toy_study_is_one_module_and_runs_through_the_runner_and_the_command_l
     def refuse(jobs, workers, steps):
         raise AssertionError(f"reran {len(jobs)} finished runs")
 
-    monkeypatch.setattr(demo, "run_all", refuse)  # the same command again: every run is finished
+    monkeypatch.setattr(recipe, "run_all", refuse)  # the same command again: every run is finished
     assert cli.main(["study", "toy", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["setup"]["skipped"] == 4
     assert runner.render(json.loads((out / "summary.json").read_text())) == (out / "report.md").read_text()
@@ -136,7 +136,7 @@ def test_every_shipped_study_is_registered_from_its_own_module():
         "salt-scaling", "regime", "learnable-regime", "salt-ablations", "geoalign-failure", "salt-proxy",
         "long-cot", "real-lm-geometry", "real-lm-geoalign", "real-lm-proxy", "real-lm-rl"]  # fmt: skip
     for module, study in zip(studies.MODULES, studies.REGISTRY.values()):
-        assert type(study).__module__ == f"openrlhf_geo.local.studies.{module}"
+        assert type(study).__module__ == f"openrlhf_geo.lab.studies.{module}"
     designs = {n: s.design() for n, s in studies.REGISTRY.items() if isinstance(s, ConditionStudy)}
     for name, design in designs.items():
         assert isinstance(design, Design) and design.name == name

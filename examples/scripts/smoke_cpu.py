@@ -16,7 +16,7 @@ Writes OUT_DIR/summary.json: per condition the steps completed, the last step's 
 the fork's salt/*, geo/*, noise/*), the checks below and the wall time. Exit 0 only if every condition passed.
 Per run, OUT_DIR/<run>/ holds train.log, tensorboard/, final/ (the trained model) and dump/step<N>.pt (what the
 geometry pipeline received and returned each step, OPENRLHF_GEO_DUMP_DIR). OUT_DIR belongs to the smoke command that
-first wrote it (OUT_DIR/command.json, `demo.claim_output`): a directory of other files, another command's output
+first wrote it (OUT_DIR/command.json, `rundir.claim_output`): a directory of other files, another command's output
 or a busy one is one line, before anything in it changes.
 
 Checks per run: exit code; the required metrics finite at every step, no metric infinite; the policy's weights
@@ -120,7 +120,7 @@ SYNC_TOLERANCE = 0.1  # max |vLLM - actor| log-prob of a sampled token after a s
 # --model smollm2: the same fork on a real pretrained LM (SmolLM2-135M-Instruct, a 4-bit Q4_1 quantization of the
 # release, dequantized; openrlhf_geo.real_lm), what users' Llama models bring and the tiny Qwen2 cannot: a Llama with
 # tied embeddings through the actor -> vLLM weight sync, a 49k vocabulary in SALT's features, a real chat template.
-# The real task: word problems in the model's chat template (openrlhf_geo.local.word_task), math-verify's reward
+# The real task: word problems in the model's chat template (openrlhf_geo.lab.word_task), math-verify's reward
 # (openrlhf_geo/rewards/math_verify.py). These flags follow COMMON (argparse keeps the last value). Sized for a CPU
 # without bf16 instructions: 4 prompts x 4 samples of at most 64 tokens per step, 2 steps (19 min per step on an AVX2
 # 2-core VM, 16 of them DeepSpeed's bf16 update); 8 prompts x 4 of 128 tokens, with one thread per actor, took 3.6 min
@@ -216,8 +216,8 @@ def build_smollm2_assets(out: Path) -> None:
     PROMPTS word problems rendered in its chat template, with their answers."""
     from transformers import AutoTokenizer
 
-    from openrlhf_geo.local import word_task
-    from openrlhf_geo.local.task import write_jsonl
+    from openrlhf_geo.lab import word_task
+    from openrlhf_geo.lab.task import write_jsonl
     from openrlhf_geo.real_lm import convert
 
     if (out / "done").is_file():
@@ -477,7 +477,7 @@ def main(argv=None) -> int:
     parser.add_argument("--conditions", help=f"comma-separated subset, run in order (tiny: {', '.join(CONDITIONS)})")
     parser.add_argument("--assets-only", action="store_true", help="write OUT/assets (model, data) and stop")
     args = parser.parse_args(argv)
-    from openrlhf_geo.local.demo import OutputClaimed, claim_output
+    from openrlhf_geo.local.rundir import OutputClaimed, claim_output
 
     # OUT_DIR belongs to the smoke command that first wrote it (the demo's and the studies' protection): a rerun
     # proceeds there; a directory of other files, another command's or a busy one is one line, nothing changed
@@ -499,7 +499,8 @@ def main(argv=None) -> int:
         after = table[name].get("after")
         if after and after not in names[: names.index(name)]:
             parser.error(f"condition {name} resumes {after}: list {after} before it")
-    from openrlhf_geo.fork import ForkError, check_cpu_engines
+    from openrlhf_geo.fork.install import ForkError
+    from openrlhf_geo.fork.launch import check_cpu_engines
 
     # SIGTERM unwinds like Ctrl-C, so every run and server this script started is stopped by its own handle
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

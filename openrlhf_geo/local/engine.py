@@ -339,7 +339,7 @@ class PromptSampler:
 
 
 class Trainer:
-    """The local engine. `args` is the validated nested namespace of `openrlhf_geo.local.train.parse_args`.
+    """The local engine. `args` is the validated nested namespace of `openrlhf_geo.local.flags.parse_args`.
 
     reward_fn(prompts, responses, answers) -> (N,) float tensor of binary verdicts (1 correct, 0 not) or any
     scalar rewards (noise type `flip` and DAPO's ±1 mapping need binary ones). A reward_fn with `last_statuses`

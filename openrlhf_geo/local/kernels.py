@@ -13,7 +13,10 @@ and `study`).
 """
 
 import os
+import warnings
 from pathlib import Path
+
+from openrlhf_geo import GeoWarning
 
 PINNED = {
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -52,3 +55,17 @@ def active():
     aten = torch.backends.cpu.get_cpu_capability()
     env = all(os.environ.get(k) == v for k, v in PINNED.items())
     return {"aten": aten, "pinned": env and aten == PINNED["ATEN_CPU_CAPABILITY"].upper()}
+
+
+def check(prog):
+    """The CPU kernels this process computes with (`active`); a warning when they are not the pinned ones
+    (the demo or a study called from Python after torch computed): its per-seed results are then this CPU's."""
+    used = active()
+    if not used["pinned"]:
+        warnings.warn(
+            f"{prog}: CPU kernels not pinned ({used['aten']}; `openrlhf-geo` runs local.kernels.pin before torch "
+            "computes): per-seed results may differ from other machines'",
+            GeoWarning,
+            stacklevel=2,
+        )
+    return used

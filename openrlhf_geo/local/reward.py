@@ -89,3 +89,13 @@ class CachedMathVerify:
 
 def make_reward_fn(spec):
     return CachedMathVerify() if spec == "math_verify" else load_python_reward(spec)
+
+
+_SHARED = {}  # spec -> reward_fn: one math-verify scorer (and its worker process) per process, shared by its runs
+
+
+def shared_reward_fn(spec):
+    """`make_reward_fn(spec)`, made once per process: the demo's and the studies' runs in one process share it."""
+    if spec not in _SHARED:
+        _SHARED[spec] = make_reward_fn(spec)
+    return _SHARED[spec]

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -87,6 +87,39 @@ def save_model(model, path):
 # ---------------------------------------------------------------- the directory
 
 
+class Busy(Exception):
+    """Another process holds the directory's lock; `owner` is what it wrote there ("pid N")."""
+
+    def __init__(self, owner):
+        super().__init__(owner)
+        self.owner = owner
+
+
+@contextmanager
+def locked(path):
+    """Create the directory `path` and hold its lock (LOCK, holding this process's pid) until the block ends: the one
+    lock of a train run's directory and of a demo's or study's --out. OSError when it cannot be written there, Busy
+    when another process holds it (each caller words the refusal with its flag)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            handle.seek(0)
+            raise Busy(handle.read().strip() or "another process") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        try:
+            yield path
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @contextmanager
 def claim(out_dir, resume=False, overwrite=False):
     """Create and lock `out_dir` for this process -> yields True to resume from its checkpoint, False to start fresh.
@@ -98,30 +131,16 @@ def claim(out_dir, resume=False, overwrite=False):
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--ckpt.output_dir {out_dir}: is a file, not a directory")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(out_dir / LOCK, "a+")
-    except OSError as error:
-        raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({error.strerror})") from None
-    with handle:
+    with ExitStack() as stack:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stack.enter_context(locked(out_dir))
         except OSError as error:
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            handle.seek(0)
-            owner = handle.read().strip() or "another process"
+            raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({error.strerror})") from None
+        except Busy as busy:
             raise ValueError(
-                f"--ckpt.output_dir {out_dir}: another run is writing it ({owner}); wait for it or choose another"
+                f"--ckpt.output_dir {out_dir}: another run is writing it ({busy.owner}); wait for it or choose another"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        try:
-            yield _decide(out_dir, resume, overwrite)
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield _decide(out_dir, resume, overwrite)
 
 
 def _decide(out_dir, resume, overwrite):
@@ -331,3 +350,55 @@ def config_changes(old, new):
             allowed = key in SAFE_TO_CHANGE or ABSENT in (a, b)
             (safe if allowed else unsafe).append((key, a, b))
     return safe, unsafe
+
+
+COMMAND_FILE = "command.json"  # in the --out of the demo and the studies: the command it belongs to
+
+
+class OutputClaimed(ValueError):
+    """`--out` cannot be used by this command (`claim_output`); the message names it."""
+
+
+@contextmanager
+def claim_output(path, command, name="--out"):
+    """Create and lock `--out` of the demo or a study (or another command's output directory, `name` in messages)
+    for `command` -> yields it as a Path.
+
+    `command` is what the outputs depend on, as a command line (e.g. "openrlhf-geo demo --quick --seeds 1 --steps 4";
+    not --workers). The protection `openrlhf-geo train` gives its output directory (`claim`): the first use
+    records `command` in <out>/command.json; the same command later proceeds (the demo reruns its runs, a study
+    resumes the unfinished ones), while a directory recorded for another command, holding files but no record (a
+    train run, an older version's output, anything else) or being written by another process is refused with an
+    OutputClaimed naming `name` and the path, before anything in it changes. The lock is held until the block ends.
+    """
+    out = Path(path)
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(locked(out))
+        except OSError as error:
+            raise OutputClaimed(f"{name} {out}: {error.strerror}") from None
+        except Busy:
+            raise OutputClaimed(
+                f"{name} {out}: another run is writing it; wait for it or choose another {name}"
+            ) from None
+        record = out / COMMAND_FILE
+        if record.exists():
+            try:
+                owner = json.loads(record.read_text())["command"]
+            except (OSError, ValueError, KeyError, TypeError):
+                owner = f"unreadable {record}"
+            if owner != command:
+                raise OutputClaimed(
+                    f"{name} {out} holds the output of `{owner}`; `{command}` would replace it: choose another "
+                    f"{name} (or delete that directory)"
+                )
+        else:
+            held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+            if held:
+                shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+                raise OutputClaimed(
+                    f"{name} {out} holds files not written by `{command}` ({shown}); choose another {name} "
+                    "(an empty or new directory)"
+                )
+            record.write_text(json.dumps({"command": command}) + "\n")
+        yield out

@@ -1,6 +1,26 @@
-"""One way to build and run a local training run, for `openrlhf-geo train`, the demo and the studies alike.
+"""`openrlhf-geo train`: a single-process GRPO / Dr.GRPO / DAPO run with optional SALT and GeoAlign.
 
-`run` takes validated flags (`train.parse_args`) to a finished run in --ckpt.output_dir: the data and the flags'
+Flag names follow upstream OpenRLHF 0.11.2 (`--rollout.n_samples_per_prompt`, `--actor.eps_clip_low_high`, ...)
+and the fork (`--advantage_estimator salt`, `--salt.*`, `--geoalign.*`, `--reward.noise.*`), so a local run
+translates to a Ray run flag by flag. Example, continuing from the demo's SFT model::
+
+    openrlhf-geo train --actor.model_name_or_path runs/demo/sft --data.prompt_dataset runs/demo/data/train.jsonl \\
+        --rollout.max_new_tokens 48 --actor.adam.lr 3e-4 \\
+        --advantage_estimator salt --salt.features exact --train.steps 50 --ckpt.output_dir runs/my_salt
+
+Writes `<ckpt.output_dir>/metrics.jsonl` (one JSON object per step), `checkpoint.pt` (resume with
+`--ckpt.load_enable`) and the final model + tokenizer (`save_pretrained`) in `<ckpt.output_dir>/model`; with
+`--use_tensorboard` / `--use_wandb` the same metrics as upstream's `train/<key>` and `eval/<key>` (`tracking`).
+
+A run never silently replaces another: a used output directory needs `--ckpt.load_enable` (resume) or
+`--ckpt.overwrite`, a lock keeps two runs out of one directory, and a resume refuses flags that would change the
+training (`rundir.SAFE_TO_CHANGE` lists the ones it accepts). Bad input is a one-line error naming the flag, file
+and line, without a traceback: exit status 2 for bad flags, 1 for bad files, an unusable output directory or
+checkpoint, or a run that must stop (e.g. non-finite weights, which are never written).
+
+One way to build and run a local training run, for `openrlhf-geo train`, the demo and the studies alike.
+
+`run` takes validated flags (`flags.parse_args`) to a finished run in --ckpt.output_dir: the data and the flags'
 record are read first (bad input touches nothing), then the directory is claimed (`rundir.claim`: fresh, resumed
 or started over), the model loaded, the engine built (`make_trainer`), the steps fitted (`fit`: metrics.jsonl,
 gdi.jsonl, checkpoints, --logger.* loggers) and the final model saved.
@@ -15,8 +35,8 @@ import torch
 
 from openrlhf_geo.jsonl import read_jsonl, strict_json
 from openrlhf_geo.local import rundir
+from openrlhf_geo.local.flags import build_parser, check_resume_config, parse_args, run_config
 from openrlhf_geo.local.reward import CachedMathVerify, make_reward_fn
-from openrlhf_geo.local.train import build_parser, check_resume_config, run_config
 from openrlhf_geo.options import check_local_path
 
 
@@ -184,7 +204,7 @@ def run(
     bar=True,
     overwrite=False,
 ):
-    """The training run of validated `args` (`train.parse_args`) in --ckpt.output_dir -> its Trainer, trained.
+    """The training run of validated `args` (`flags.parse_args`) in --ckpt.output_dir -> its Trainer, trained.
 
     `reward_fn`: default the one --reward.func names; `rollout_stats`, `misspecified_pay`: the task's hooks
     (`engine.Trainer`); `tags`: keys added to every metrics row; `progress(row)` after each step, and a progress bar
@@ -265,3 +285,38 @@ def run(
             rundir.save_model(model, out / "model")
         tokenizer.save_pretrained(out / "model")
     return trainer
+
+
+def train(args):
+    """The `openrlhf-geo train` run of validated `args` (after `parse_args`) -> exit status."""
+    out = Path(args.ckpt.output_dir)
+    run(args)
+    written = [str(p) for p in (out / "metrics.jsonl", out / rundir.CHECKPOINT, out / "model") if p.exists()]
+    print(f"wrote {', '.join(written[:-1])} and {written[-1]}")  # no metrics.jsonl after 0 steps without evaluation
+    return 0
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        if args.reward.noise.type == "misspecified":  # the studies pass it to the engine with their task's hook
+            raise ValueError(
+                "--reward.noise.type misspecified needs a task that says which wrong answers its verifier pays; "
+                "`openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
+            )
+    except ValueError as error:
+        print(f"openrlhf-geo train: {error}", file=sys.stderr)
+        return 2
+    try:
+        return train(args)
+    except ValueError as error:  # bad input found while setting up, or a run that must stop (e.g. NaN weights)
+        print(f"openrlhf-geo train: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as error:
+        where = f" {error}" if str(error) else ""  # e.g. "in --reward.func PATH: reward_func"
+        print(
+            f"openrlhf-geo train: interrupted{where}; --ckpt.load_enable resumes from the last checkpoint in "
+            f"{args.ckpt.output_dir}",
+            file=sys.stderr,
+        )
+        return 130

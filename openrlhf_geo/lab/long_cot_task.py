@@ -4,12 +4,12 @@
 The length is k, the number of additions (responses of ~116 tokens at k = 3, ~193 at 5, ~269 at 7, ~347 at 9). One
 model is warmed up on a mix of lengths (`SftRecipe.ks`), so that the RL candidates of a study differ in k only.
 `prepare_sft(out, recipe)` writes the model + tokenizer to <out>/sft (cached by a key of the recipe, as
-`demo.warm_up` caches the demo's) with its held-out accuracy per k; `prepare_data(out, k)` writes
+`recipe.warm_up` caches the demo's) with its held-out accuracy per k; `prepare_data(out, k)` writes
 <out>/data/k<k>/{train,eval}.jsonl (the SFT's problems of that length and disjoint held-out ones); `train_flags`
 gives the `openrlhf-geo train` flags of an RL run at length k. The task is selected by these flags (the prompt
 dataset, the model and --rollout.max_new_tokens): `openrlhf-geo train` itself is task-agnostic and needs no task flag.
 
-    python -m openrlhf_geo.local.long_cot --out runs/long-cot-pilot/mix
+    python -m openrlhf_geo.lab.long_cot_task --out runs/long-cot-pilot/mix
 
 warms up the default recipe and prints a train command per length.
 
@@ -64,7 +64,7 @@ class SftRecipe:
 
 def problems(k):
     """(train, held-out) problems of length k: N_TRAIN_PER_K seeded with k, N_EVAL disjoint ones seeded 100 + k."""
-    from openrlhf_geo.local.task import chain_problems
+    from openrlhf_geo.lab.task import chain_problems
 
     train = chain_problems(N_TRAIN_PER_K, seed=k, steps=k)
     held_out = chain_problems(N_EVAL, seed=100 + k, steps=k, exclude={r["prompt"] for r in train})
@@ -73,7 +73,7 @@ def problems(k):
 
 def prepare_data(out, k):
     """<out>/data/k<k>/{train,eval}.jsonl (`problems`) -> (train path, eval path)."""
-    from openrlhf_geo.local.task import write_jsonl
+    from openrlhf_geo.lab.task import write_jsonl
 
     train, held_out = problems(k)
     where = Path(out) / "data" / f"k{k}"
@@ -87,10 +87,10 @@ def prepare_sft(out, recipe: SftRecipe, log=print, bar=True, eval_ks=None):
     "recipe", "steps", "accuracy" {k: held-out accuracy at T = 1, EVAL_SAMPLES each}, "shortcut" {k: share of
     responses that follow the shortcut}, "params", "sft_s", "wall_s"}; accuracy is measured for `eval_ks` (default
     the recipe's ks)."""
+    from openrlhf_geo.lab.task import build_model, build_tokenizer, chain_sft_rows, sft
     from openrlhf_geo.local import kernels
     from openrlhf_geo.local.reward import make_reward_fn
     from openrlhf_geo.local.rundir import save_model
-    from openrlhf_geo.local.task import build_model, build_tokenizer, chain_sft_rows, sft
 
     out = Path(out)
     eval_ks = tuple(eval_ks or recipe.ks)
@@ -148,8 +148,8 @@ def prepare_sft(out, recipe: SftRecipe, log=print, bar=True, eval_ks=None):
 
 def evaluate_length(model, tokenizer, rows, reward_fn, k, n_samples=EVAL_SAMPLES, seed=0):
     """(held-out accuracy, share of responses that follow the shortcut) at T = 1, sampled as `engine.evaluate`."""
+    from openrlhf_geo.lab.task import uses_shortcut
     from openrlhf_geo.local.engine import generate_rollouts
-    from openrlhf_geo.local.task import uses_shortcut
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -182,7 +182,7 @@ def train_flags(out, k, steps, eval_steps, batch_size=8, group=8, lr=3e-4):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m openrlhf_geo.local.long_cot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m openrlhf_geo.lab.long_cot_task", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=None, help="SFT steps")
     p.add_argument("--hidden-size", type=int, default=None)

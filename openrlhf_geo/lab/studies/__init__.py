@@ -5,6 +5,9 @@ MODULES. A module without a complete STUDY fails this package's import, so a stu
 import importlib
 import inspect
 
+from openrlhf_geo.lab.studies.base import SUMMARY_KEYS, ConditionStudy, Study
+from openrlhf_geo.lab.studies.registry import REGISTRY
+
 MODULES = (
     "salt_scaling",
     "regime",
@@ -18,14 +21,11 @@ MODULES = (
     "real_lm_proxy",
     "real_lm_rl",
 )
-REGISTRY = {}  # name -> Study, in MODULES' order (the command line lists them so)
 
 
 def register(study):
     """Add `study` (a Study instance) to REGISTRY -> it; TypeError when it is not a complete study or its name or
     summary section is taken."""
-    from openrlhf_geo.local.studies.base import SUMMARY_KEYS, ConditionStudy, Study
-
     if not isinstance(study, Study) or inspect.isabstract(type(study)):
         raise TypeError(f"{study!r} is not a complete Study (one that implements every abstract method)")
     name = getattr(study, "name", None)

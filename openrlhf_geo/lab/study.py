@@ -12,18 +12,18 @@
     long-cot          a long chain-of-thought task (repeated-addition traces of 116-260 tokens): GRPO's n_eff per
                       length, then GRPO vs SALT and fixed α where a length is learnable and n_eff < 1 (two phases)
 
-Each study is a module of `openrlhf_geo.local.studies` (registered in its MODULES); a study of conditions runs
+Each study is a module of `openrlhf_geo.lab.studies` (registered in its MODULES); a study of conditions runs
 through `studies.runner` (plan, resume, time estimate, settings, summary.json, report.md). This module is the
-command line: it checks the options, claims --out for the command (`demo.claim_output`) and runs the study there.
+command line: it checks the options, claims --out for the command (`rundir.claim_output`) and runs the study there.
 """
 
 import os
 import signal
 import sys
 
-from openrlhf_geo.local import demo
+from openrlhf_geo.lab.studies.registry import REGISTRY
+from openrlhf_geo.local import rundir
 from openrlhf_geo.local.flags import FlagParser
-from openrlhf_geo.local.studies import REGISTRY
 
 OPTIONS = {
     "regime": "demo",
@@ -73,11 +73,11 @@ def main(argv=None):
     # group) is stopped by its handle; the default SIGTERM exits without running a `finally`
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with demo.claim_output(
+        with rundir.claim_output(
             args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""), command
         ) as out:
             return study.run(args, out, workers)
-    except demo.OutputClaimed as error:
+    except rundir.OutputClaimed as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
     finally:

@@ -3,9 +3,9 @@ ablations, the fixed-α sweep and the F.3.2 matched nulls (protocol: docs/studie
 
 import math
 
-from openrlhf_geo.local import demo
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import FINAL, GRPO_DIAG, SALT, describe, figure, fmt, mean_of, save, window
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import FINAL, GRPO_DIAG, SALT, describe, figure, fmt, mean_of, save, window
 
 ABLATIONS = ("only-main", "only-exp", "no-pos", "no-proj", "rand-proj", "pr-alpha", "entropy-alpha", "permuted",
              "matched-rand-subspace")  # fmt: skip
@@ -24,14 +24,14 @@ def design():
     comparisons += [(c.name, base) for c in conditions[2:] for base in ("grpo", "salt")]
     # the demo's seeds 0-4: grpo and salt repeat the demo's own runs, a check that the setting is the demo's
     return Design("salt-ablations", "SALT component ablations in the demo's setting", tuple(conditions),
-                  tuple(comparisons), (0, 1, 2, 3, 4), demo.FULL["steps"], demo.FULL["eval_steps"],
+                  tuple(comparisons), (0, 1, 2, 3, 4), recipe.FULL["steps"], recipe.FULL["eval_steps"],
                   quick=("grpo", "salt_no-proj"))  # fmt: skip
 
 
 def section(design, runs, table):
     """Per SALT condition the final accuracy and the share of SALT's loss against GRPO it recovers,
     (acc_variant − acc_salt) / (acc_grpo − acc_salt), with its geometry and the share of its steps with α_t > 0."""
-    from openrlhf_geo.local.report import pooled
+    from openrlhf_geo.lab.demo_report import pooled
 
     grpo, salt = mean_of(table, "grpo", FINAL), mean_of(table, "salt", FINAL)
     loss = grpo - salt

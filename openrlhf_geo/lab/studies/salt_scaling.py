@@ -7,8 +7,8 @@ import math
 import numpy as np
 from scipy import stats
 
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import (
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import (
     BUDGET,
     FINAL,
     GRPO_DIAG,

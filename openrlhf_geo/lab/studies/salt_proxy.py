@@ -2,7 +2,7 @@
 Table 1 and App. E (E.1 protocol, E.2 metrics, Table 5) on the demo's model, where exact per-sample gradients of
 every parameter are cheap. Protocol, open choices and decision rule: docs/studies/salt-proxy.md.
 
-Per seed, the demo's GRPO run (`demo.common_flags` + `demo.METHOD_FLAGS["grpo"]`) is stepped in-process; at each
+Per seed, the demo's GRPO run (`recipe.common_flags` + `recipe.METHOD_FLAGS["grpo"]`) is stepped in-process; at each
 validation checkpoint t (CHECKPOINTS) the rollout batch of step t + 1 (policy θ_t, its rewards and GRPO advantages,
 App. E.1: "the same rollouts, rewards, and group-normalized advantages as in training"; m = 128 = SALT's partition
 here) is analysed before its update: the proxies (Eq. 19 exact, and `SaltConfig()`'s default), the references (the
@@ -28,13 +28,16 @@ from scipy import stats
 
 from openrlhf_geo import diagnostics, sketch_gram
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo
-from openrlhf_geo.local.studies.base import Study
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.lab.studies.base import Study
 
 SEEDS = (0, 1, 2, 3, 4)  # the demo's seeds: the analysed runs are the demo's GRPO runs
 CHECKPOINTS = (0, 10, 20, 30, 40, 50, 60)  # the demo's validation (evaluation) steps
 QUICK_STUDY = {"checkpoints": (0, 2), "sft_max_steps": 30, "seeds": (0,)}
-RUN_STEPS, EVAL_STEPS = demo.FULL["steps"], demo.FULL["eval_steps"]  # the demo's GRPO run (flags only: no eval runs)
+RUN_STEPS, EVAL_STEPS = (
+    recipe.FULL["steps"],
+    recipe.FULL["eval_steps"],
+)  # the demo's GRPO run (flags only: no eval runs)
 SIGN_QUANTILE = 0.75  # sign agreement on the pairs with |reference cosine| in the top quartile (the text: unspecified)
 NULL_SEED = 20260605  # the nulls' draws: a generator per (NULL_SEED, seed, step), never the training's streams
 VMAP_CHUNK = 32  # responses per vmap(grad) call
@@ -366,11 +369,11 @@ def analyse(model, batch, advantages, temperature, default, seed, step) -> dict:
 
 def train_argv(out, seed, steps=RUN_STEPS):
     """The demo's GRPO run for `seed` (`openrlhf-geo train` flags), its settings under <out>/settings/demo."""
-    from openrlhf_geo.local.studies.runner import setting_dir
+    from openrlhf_geo.lab.studies.runner import setting_dir
 
-    common = demo.common_flags(setting_dir(out, "demo"), steps, EVAL_STEPS)
+    common = recipe.common_flags(setting_dir(out, "demo"), steps, EVAL_STEPS)
     run = Path(out) / "runs" / f"seed{seed}"
-    return [*common, *demo.METHOD_FLAGS["grpo"], "--train.seed", str(seed), "--reward.noise.seed", str(seed),
+    return [*common, *recipe.METHOD_FLAGS["grpo"], "--train.seed", str(seed), "--reward.noise.seed", str(seed),
             "--ckpt.output_dir", str(run)]  # fmt: skip
 
 
@@ -421,8 +424,8 @@ def run_seed(job, progress=None):
     (before its update) -> the run directory. Resumes from <run>/trainer.pt (the state at the first checkpoint not
     yet analysed) when it matches; `progress(step)` after each analysed checkpoint."""
     from openrlhf_geo.local.engine import group_advantages
-    from openrlhf_geo.local.reward import make_reward_fn
-    from openrlhf_geo.local.train import parse_args
+    from openrlhf_geo.local.flags import parse_args
+    from openrlhf_geo.local.reward import shared_reward_fn
     from openrlhf_geo.local.training import load_model, make_trainer, read_dataset
 
     run = Path(job["out"])
@@ -446,10 +449,8 @@ def run_seed(job, progress=None):
         raise ValueError("salt-proxy analyses a plain GRPO run (0/1 rewards, no noise, group_norm advantages)")
     torch.set_num_threads(args.train.threads)
     model, tokenizer = load_model(args, torch.device("cpu"))
-    if args.reward.func not in demo._REWARD_FNS:
-        demo._REWARD_FNS[args.reward.func] = make_reward_fn(args.reward.func)
     rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
-    trainer = make_trainer(args, model, tokenizer, rows, demo._REWARD_FNS[args.reward.func])
+    trainer = make_trainer(args, model, tokenizer, rows, shared_reward_fn(args.reward.func))
     state_path = run / "trainer.pt"
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
@@ -513,9 +514,9 @@ def run_all(jobs, workers):
 def estimate_seconds(jobs, workers, sft_steps):
     """Estimated wall seconds on idle cores: the SFT warm-up, then the seeds in rounds of `workers` (STEP_S, ...)."""
     if not jobs:
-        return SFT_S * sft_steps / demo.FULL["sft_max_steps"]
+        return SFT_S * sft_steps / recipe.FULL["sft_max_steps"]
     per = max(LOAD_S + (max(j["checkpoints"]) + 1) * STEP_S + len(j["checkpoints"]) * ANALYSIS_S for j in jobs)
-    return SFT_S * sft_steps / demo.FULL["sft_max_steps"] + math.ceil(len(jobs) / workers) * per
+    return SFT_S * sft_steps / recipe.FULL["sft_max_steps"] + math.ceil(len(jobs) / workers) * per
 
 
 # ---------------------------------------------------------------- summary, report, plot
@@ -812,12 +813,12 @@ def write_report(jobs, out, setup):
 
 def run(args, out, workers):
     """The study in its claimed `out` (`study.main` checked the options) -> exit status."""
-    from openrlhf_geo.local.studies.runner import prepare_settings
+    from openrlhf_geo.lab.studies.runner import prepare_settings
 
     torch.set_num_threads(1)
     checkpoints = QUICK_STUDY["checkpoints"] if args.quick else CHECKPOINTS
     seeds = list(args.seeds if args.seeds is not None else QUICK_STUDY["seeds"] if args.quick else SEEDS)
-    sft_steps = QUICK_STUDY["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
+    sft_steps = QUICK_STUDY["sft_max_steps"] if args.quick else recipe.FULL["sft_max_steps"]
     default = default_proxy()
     jobs = plan(out, seeds, checkpoints, default)
     reused = sum(len(done_steps(j)) for j in jobs)

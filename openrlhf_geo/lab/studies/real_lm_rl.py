@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from openrlhf_geo.jsonl import read_jsonl, strict_json
-from openrlhf_geo.local import word_task
-from openrlhf_geo.local.studies import real_lm
-from openrlhf_geo.local.studies.base import Study
+from openrlhf_geo.lab import word_task
+from openrlhf_geo.lab.studies import real_lm
+from openrlhf_geo.lab.studies.base import Study
 
 FLIPS = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]  # GeoAlign Table 3's 10 %
 CONDITIONS = {
@@ -41,7 +41,7 @@ SHOWN = ("accuracy", "salt/n_eff_in", "salt/pr", "salt/k", "salt/alpha", "salt/n
 
 def write_data(out, sizes, tokenizer):
     """<out>/data/train.jsonl and eval.jsonl: word problems in the chat template, disjoint."""
-    from openrlhf_geo.local.task import write_jsonl
+    from openrlhf_geo.lab.task import write_jsonl
 
     train = word_task.word_problems(sizes["train_problems"], TRAIN_SEED)
     held = word_task.word_problems(sizes["eval_problems"], EVAL_SEED, exclude={q for q, _ in train})
@@ -74,7 +74,7 @@ def last_step(run):
 def run_condition(argv, run, steps):
     """`openrlhf-geo train ARGV` in this process, unless its metrics already reach `steps` for this command."""
     from openrlhf_geo.local.rundir import CHECKPOINT
-    from openrlhf_geo.local.train import main as train_main
+    from openrlhf_geo.local.training import main as train_main
 
     marker = Path(run).with_suffix(".json")  # beside the run: its directory is the train command's
     same = marker.exists() and json.loads(marker.read_text()).get("argv") == argv

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local.studies import real_lm
-from openrlhf_geo.local.studies.base import Study
+from openrlhf_geo.lab.studies import real_lm
+from openrlhf_geo.lab.studies.base import Study
 
 TEMPERATURES = (0.6, 1.0)  # SALT Table 4's rollout temperature, and upstream's / the demo's T = 1
 GROUPS = (4, 8, 16)  # G at the fixed budget m = 256
@@ -126,7 +126,7 @@ def analyse(data, setup) -> list[dict]:
 
 
 def interval(values) -> dict:
-    from openrlhf_geo.local.studies.salt_proxy import interval as seed_interval
+    from openrlhf_geo.lab.studies.salt_proxy import interval as seed_interval
 
     v = [x for x in values if math.isfinite(x)]
     return seed_interval(v)

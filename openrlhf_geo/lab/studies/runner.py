@@ -1,9 +1,9 @@
 """The runner of condition studies: plan (conditions x seeds -> `openrlhf-geo train` argv), the time estimate, the
-settings' SFT warm-ups, the runs (`demo.run_all`; a finished run is skipped, so a study resumes where it stopped),
+settings' SFT warm-ups, the runs (`recipe.run_all`; a finished run is skipped, so a study resumes where it stopped),
 and the end: summary.json, report.md and plots, from the tables every condition study has plus its own section
 (`ConditionStudy.summarize`, `render`, `plots`).
 
-Each run is a demo job (`demo.run_one`) into <out>/runs/<condition>/seed<k>/ (metrics.jsonl, gdi.jsonl); a run
+Each run is a demo job (`recipe.run_one`) into <out>/runs/<condition>/seed<k>/ (metrics.jsonl, gdi.jsonl); a run
 whose metrics.jsonl reaches the final step and whose stored command (study.json) is the planned one counts as
 finished. The planned runs are read as `eval.report.load_runs` reads them (`scan_runs` + `final_scalars`), paired
 seed by seed with `eval.report.compare`.
@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo
-from openrlhf_geo.local.studies import REGISTRY
-from openrlhf_geo.local.studies.base import ConditionStudy, Result
-from openrlhf_geo.local.studies.common import BUDGET, FINAL, SETTINGS, TABLE10_WINDOW, describe, fmt, fmt_ci, window
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.lab.studies.common import BUDGET, FINAL, SETTINGS, TABLE10_WINDOW, describe, fmt, fmt_ci, window
+from openrlhf_geo.lab.studies.design import Result
+from openrlhf_geo.lab.studies.registry import REGISTRY
+from openrlhf_geo.local import kernels
 
 # a --quick smoke run: these steps and SFT steps, one worker, one seed and the study's `quick` conditions
 QUICK_STUDY = {"steps": 2, "eval_steps": 2, "sft_max_steps": 30, "workers": 1}
@@ -31,8 +32,8 @@ QUICK_STUDY = {"steps": 2, "eval_steps": 2, "sft_max_steps": 30, "workers": 1}
 
 
 def rollout_flags(changes):
-    """demo.ROLLOUT_FLAGS with the values of `changes` ({flag: value}) replaced, unknown flags appended."""
-    flags = list(demo.ROLLOUT_FLAGS)
+    """recipe.ROLLOUT_FLAGS with the values of `changes` ({flag: value}) replaced, unknown flags appended."""
+    flags = list(recipe.ROLLOUT_FLAGS)
     for flag, value in changes.items():
         if flag in flags:
             flags[flags.index(flag) + 1] = str(value)
@@ -46,14 +47,14 @@ def setting_dir(out, setting):
 
 
 def plan(design, out, seeds=None, quick=False):
-    """The runs of `design` -> jobs {"argv", "out", "tags", "condition", "setting", "seed"} (demo.run_one's job plus
+    """The runs of `design` -> jobs {"argv", "out", "tags", "condition", "setting", "seed"} (recipe.run_one's job plus
     bookkeeping), condition by condition, seed by seed. Each argv is a complete `openrlhf-geo train` command line."""
     preset = QUICK_STUDY if quick else {"steps": design.steps, "eval_steps": design.eval_steps}
     seeds = list(seeds if seeds is not None else design.seeds[:1] if quick else design.seeds)
     conditions = [c for c in design.conditions if not quick or c.name in design.quick]
     jobs = []
     for c in conditions:
-        common = demo.common_flags(
+        common = recipe.common_flags(
             setting_dir(out, c.setting), preset["steps"], preset["eval_steps"], rollout_flags(c.rollout)
         )
         for s in seeds:
@@ -89,10 +90,10 @@ def run_seconds(job):
     return (steps * STEP_S * rollouts / BUDGET * method + evals * EVAL_S) * SETTINGS[job["setting"]].cost[0] + LOAD_S
 
 
-def estimate_seconds(jobs, workers, sft_max_steps=demo.FULL["sft_max_steps"]):
+def estimate_seconds(jobs, workers, sft_max_steps=recipe.FULL["sft_max_steps"]):
     """Estimated wall seconds: the settings' SFT warm-ups one after another, then the runs spread over the workers."""
     settings = dict.fromkeys(job["setting"] for job in jobs)
-    scale = sft_max_steps / demo.FULL["sft_max_steps"]
+    scale = sft_max_steps / recipe.FULL["sft_max_steps"]
     sft = sum(SFT_S * scale * SETTINGS[s].sft_scale * SETTINGS[s].cost[1] for s in settings)
     return sft + sum(run_seconds(job) for job in jobs) / workers
 
@@ -117,14 +118,14 @@ def finished(job, steps):
 
 
 def prepare_settings(out, jobs, sft_max_steps):
-    """Data and SFT warm-up (cached) of every setting the jobs use -> {setting: demo.warm_up's info}."""
+    """Data and SFT warm-up (cached) of every setting the jobs use -> {setting: recipe.warm_up's info}."""
     infos = {}
     for name in dict.fromkeys(job["setting"] for job in jobs):
         setting, where = SETTINGS[name], setting_dir(out, name)
-        train, held_out = demo.prepare_data(where, setting.max_operand)
+        train, held_out = recipe.prepare_data(where, setting.max_operand)
         print(f"setting {name}: SFT warm-up in {where / 'sft'}")
         steps = sft_max_steps * setting.sft_scale
-        infos[name] = demo.warm_up(where, train, held_out, None, steps, sft_config=setting.sft_config())
+        infos[name] = recipe.warm_up(where, train, held_out, None, steps, sft_config=setting.sft_config())
     return infos
 
 
@@ -191,8 +192,8 @@ def paired(runs, comparisons, scalars):
 def registered(name):
     """The registered condition study `name` (ValueError naming the registered ones otherwise)."""
     study = REGISTRY.get(name)
-    if not isinstance(study, ConditionStudy):
-        known = ", ".join(n for n, s in REGISTRY.items() if isinstance(s, ConditionStudy))
+    if not hasattr(study, "design"):  # a condition study (`base.ConditionStudy`), not one with its own runner
+        known = ", ".join(n for n, s in REGISTRY.items() if hasattr(s, "design"))
         raise ValueError(f"no condition study {name!r} is registered (registered: {known})")
     return study
 
@@ -330,16 +331,16 @@ def protocol_commands(design):
 
 def common_command(out, steps, eval_steps):
     """The flags every run starts with, for setting SETTING (its SFT model and data under <out>/settings/SETTING)."""
-    return shlex.join(demo.common_flags(setting_dir(out, "SETTING"), steps, eval_steps))
+    return shlex.join(recipe.common_flags(setting_dir(out, "SETTING"), steps, eval_steps))
 
 
 def run(design, args, out, workers):
     """The conditions of `design` in the claimed `out` (`study.main` checked the options) -> exit status."""
     torch.set_num_threads(1)  # as the demo: the runs' workers take one thread each
-    used = demo.check_kernels("openrlhf-geo study")
+    used = kernels.check("openrlhf-geo study")
     preset = QUICK_STUDY if args.quick else {"steps": design.steps, "eval_steps": design.eval_steps}
     steps, eval_steps = preset["steps"], preset["eval_steps"]
-    sft_steps = QUICK_STUDY["sft_max_steps"] if args.quick else demo.FULL["sft_max_steps"]
+    sft_steps = QUICK_STUDY["sft_max_steps"] if args.quick else recipe.FULL["sft_max_steps"]
     jobs = plan(design, out, args.seeds, args.quick)
     pending = [job for job in jobs if not finished(job, steps)]
     estimate = estimate_seconds(jobs, workers, sft_steps)
@@ -357,8 +358,8 @@ def run(design, args, out, workers):
     start, stopped = time.perf_counter(), {}
     try:
         if pending:
-            demo.run_all(pending, workers, steps)
-    except demo.RunsFailed as failed:  # the report lists them and leaves their conditions out (`summarize`)
+            recipe.run_all(pending, workers, steps)
+    except recipe.RunsFailed as failed:  # the report lists them and leaves their conditions out (`summarize`)
         stopped = {job["out"]: f"{type(error).__name__}: {error}" for job, error in failed.failures}
         print(f"openrlhf-geo study: {len(stopped)} run(s) stopped by an error: {', '.join(stopped)}", file=sys.stderr)
     planned = {job["condition"] for job in jobs}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from openrlhf_geo import real_lm
-from openrlhf_geo.local import word_task
+from openrlhf_geo.lab import word_task
 
 TASK_VERSION = 1  # bump when word_task's prompts or problems change
 COLLECTION_VERSION = 1  # bump when what a collection stores, or how, changes (its cache key)

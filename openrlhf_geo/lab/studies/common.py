@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from openrlhf_geo.eval.report import final_name
-from openrlhf_geo.local import demo
+from openrlhf_geo.lab import recipe
 
 FINAL = "final/eval/accuracy"  # held-out accuracy at the last step (the demo's headline number)
 TABLE10_WINDOW = ("last-frac", 0.2)  # SALT Table 10 averages the last 20 % of checkpoints
@@ -26,8 +26,8 @@ SALT_METRICS = ("salt/pr", "salt/k", "salt/n_eff_in", "salt/n_eff_out", "salt/al
                 "salt/U_perp_gain", "salt/sign_flip", "salt/kept", "clip_frac", "response_length",
                 "accuracy")  # fmt: skip
 
-GRPO_DIAG = tuple(demo.METHOD_FLAGS["grpo"])  # GRPO logging SALT's geometry of its own advantages (exact features)
-SALT = tuple(demo.METHOD_FLAGS["salt"])
+GRPO_DIAG = tuple(recipe.METHOD_FLAGS["grpo"])  # GRPO logging SALT's geometry of its own advantages (exact features)
+SALT = tuple(recipe.METHOD_FLAGS["salt"])
 
 
 def window(key):
@@ -40,20 +40,20 @@ def window(key):
 
 @dataclass(frozen=True)
 class Setting:
-    """An SFT warm-up and its data: the demo's (`demo.SFT`, two-digit carry additions) with some SFT keys changed.
+    """An SFT warm-up and its data: the demo's (`recipe.SFT`, two-digit carry additions) with some SFT keys changed.
 
-    `sft` overrides keys of demo.SFT; `max_operand` > 99 makes the additions three-digit (it joins the SFT cache key).
+    `sft` overrides keys of SFT; `max_operand` > 99 makes the additions three-digit (it joins the SFT cache key).
     """
 
     name: str
     sft: dict = field(default_factory=dict)
     max_operand: int = 99
-    sft_scale: int = 1  # SFT steps in multiples of the demo's (demo.FULL["sft_max_steps"], the quick run's)
+    sft_scale: int = 1  # SFT steps in multiples of the demo's (recipe.FULL["sft_max_steps"], the quick run's)
     cost: tuple = (1.0, 1.0)  # (RL, SFT step) time relative to the demo's model, for the estimate (`run_seconds`)
 
     def sft_config(self):
         extra = {"max_operand": self.max_operand} if self.max_operand != 99 else {}
-        return {**demo.SFT, **self.sft, **extra}
+        return {**recipe.SFT, **self.sft, **extra}
 
 
 # One-factor-at-a-time departures from the demo. cost: measured 1-thread ratios to the demo's 2 x 64 model (SFT step

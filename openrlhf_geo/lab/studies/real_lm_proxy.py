@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local.studies import real_lm
-from openrlhf_geo.local.studies.base import Study
-from openrlhf_geo.local.studies.real_lm_geometry import QUICK, gram_factor, interval
-from openrlhf_geo.local.studies.salt_proxy import METRICS, NULLS, PAPER_NAMES, PAPER_TABLE5, fidelity, geometry
+from openrlhf_geo.lab.studies import real_lm
+from openrlhf_geo.lab.studies.base import Study
+from openrlhf_geo.lab.studies.real_lm_geometry import QUICK, gram_factor, interval
+from openrlhf_geo.lab.studies.salt_proxy import METRICS, NULLS, PAPER_NAMES, PAPER_TABLE5, fidelity, geometry
 
 TEMPERATURE = 0.6
 REF_DIM = 1 << 20  # CountSketch coordinates of each per-sample gradient (cosine noise sd <= sqrt(2 / REF_DIM))
@@ -196,7 +196,7 @@ def analyse_block(data, model, block, sizes, tables, progress=None) -> dict:
 
 def summarize(blocks, setup) -> dict:
     from openrlhf_geo.eval.metrics import paired_gain
-    from openrlhf_geo.local.studies.salt_proxy import verdict
+    from openrlhf_geo.lab.studies.salt_proxy import verdict
 
     records = [r for b in blocks for r in b["records"] if r["signal"]]
     table, versus, nested = {}, {}, {}

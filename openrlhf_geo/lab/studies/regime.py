@@ -3,8 +3,8 @@ a time from the demo, each with GRPO (+ SALT's diagnostics) and GRPO + SALT (pro
 
 import math
 
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import (
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import (
     FINAL,
     GRPO_DIAG,
     PAPER_TABLE10,

@@ -204,7 +204,7 @@ class BaselinePolicyLoss:
 
 def actor_spec(args) -> GeometrySpec | None:
     """The policy actor's GeometrySpec from the flags (None: SALT and GeoAlign are off); checks this worker's fork."""
-    from openrlhf_geo.fork import check_worker
+    from openrlhf_geo.fork.install import check_worker
 
     check_worker()
     if _section(args, "salt") is None:

@@ -13,7 +13,7 @@ tokens) sit at n_eff 1.3-1.5. This study uses `long_cot`'s repeated-addition tra
   fixed-alpha`, §4.3 Fig. 4(b)), PHASE2_SEEDS, paired by seed.
 
 Every run is one `openrlhf-geo train` command (`long_cot.train_flags` + the condition's flags + seed and output),
-run as a demo job (`demo.run_one` under `demo.run_all`'s progress bar) into <out>/runs/k<k>/<condition>/seed<S>/; a run
+run as a demo job (`recipe.run_one` under `run_all`'s progress bar) into <out>/runs/k<k>/<condition>/seed<S>/; a run
 whose metrics.jsonl reaches the last step and whose stored command (study.json) is the planned one is skipped, so an
 interrupted study resumes where it stopped. One SFT warm-up serves every length (`long_cot.prepare_sft`, cached in
 <out>/sft). The end: <out>/summary.json (every number) and <out>/report.md.
@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local import demo, long_cot
-from openrlhf_geo.local.studies.base import Study
+from openrlhf_geo.lab import long_cot_task as long_cot
+from openrlhf_geo.lab.studies.base import Study
+from openrlhf_geo.local import kernels, rundir
 
 CANDIDATES = (3, 5, 7)  # k: responses of ~116, ~193, ~269 tokens
 PHASE1_SEEDS = (2025, 2026, 2027)
@@ -72,7 +73,7 @@ def cell(k, lr=LR):
 
 
 def job(out, k, condition, seed, steps, eval_steps, lr=LR):
-    """One run: {"argv", "out", "tags", "k", "lr", "cell", "condition", "seed"} (demo.run_one's job plus
+    """One run: {"argv", "out", "tags", "k", "lr", "cell", "condition", "seed"} (recipe.run_one's job plus
     bookkeeping)."""
     run = Path(out) / "runs" / cell(k, lr) / condition / f"seed{seed}"
     argv = [
@@ -110,7 +111,7 @@ def finished(j, steps):
 
 
 def run_jobs(jobs, workers, steps):
-    """Run the jobs not finished yet (`demo.run_all`, one progress bar) -> {out: error} of the runs that failed."""
+    """Run the jobs not finished yet (`recipe.run_all`, one progress bar) -> {out: error} of the runs that failed."""
     pending = [j for j in jobs if not finished(j, steps)]
     for j in pending:  # the command a finished run is recognised by; an old run's logs go
         run = Path(j["out"])
@@ -123,8 +124,8 @@ def run_jobs(jobs, workers, steps):
         return {}
     RAN.add(id(jobs))
     try:
-        demo.run_all(pending, workers, steps)
-    except demo.RunsFailed as failed:
+        recipe.run_all(pending, workers, steps)
+    except recipe.RunsFailed as failed:
         return {j["out"]: f"{type(e).__name__}: {e}" for j, e in failed.failures}
     return {}
 
@@ -379,7 +380,7 @@ def run(args, out, workers, execute=True):
     """The study in its claimed `out` -> exit status. `execute` False: only the summary and report of the runs that
     finished (a study stopped before its end is reported so, every finished run included)."""
     torch.set_num_threads(1)
-    used = demo.check_kernels("openrlhf-geo study")
+    used = kernels.check("openrlhf-geo study")
     quick = args.quick
     steps, eval_steps = (QUICK["steps"], QUICK["eval_steps"]) if quick else (STEPS, EVAL_STEPS)
     candidates = QUICK["candidates"] if quick else CANDIDATES
@@ -495,7 +496,7 @@ class LongCot(Study):
 STUDY = LongCot()
 
 
-if __name__ == "__main__":  # before registration: `python -m openrlhf_geo.local.studies.long_cot OUT [--quick]`
+if __name__ == "__main__":  # before registration: `python -m openrlhf_geo.lab.studies.long_cot OUT [--quick]`
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -506,7 +507,7 @@ if __name__ == "__main__":  # before registration: `python -m openrlhf_geo.local
     parser.add_argument("--sft-only", action="store_true", help="only the (cached) SFT warm-up and the data")
     parser.add_argument("--report-only", action="store_true", help="summary and report of the finished runs")
     cli = parser.parse_args()
-    with demo.claim_output(cli.out, "openrlhf-geo study long-cot" + (" --quick" if cli.quick else "")) as claimed:
+    with rundir.claim_output(cli.out, "openrlhf-geo study long-cot" + (" --quick" if cli.quick else "")) as claimed:
         if cli.sft_only:
             torch.set_num_threads(1)
             recipe = long_cot.SftRecipe(steps=QUICK["sft_steps"]) if cli.quick else long_cot.SftRecipe()

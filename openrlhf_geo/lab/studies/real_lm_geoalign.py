@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from openrlhf_geo.jsonl import strict_json
-from openrlhf_geo.local.studies import real_lm
-from openrlhf_geo.local.studies.base import Study
-from openrlhf_geo.local.studies.real_lm_geometry import FULL, QUICK, interval
+from openrlhf_geo.lab.studies import real_lm
+from openrlhf_geo.lab.studies.base import Study
+from openrlhf_geo.lab.studies.real_lm_geometry import FULL, QUICK, interval
 
 TEMPERATURE = 0.6  # real-lm-geometry's first collection (SALT Table 4's rollout temperature)
 PROMPTS_PER_BATCH = {"full": 16, "quick": 2}
@@ -208,7 +208,7 @@ def run(args, out, workers, cache=None):
                                     max_tokens=sizes["max_tokens"], caps=sizes["caps"],
                                     generator=args.generator or "vllm")  # fmt: skip
     calls = (sizes["prompts"] // per_batch) * (1 + len(RATES) * draws)
-    from openrlhf_geo.local.studies.real_lm_geometry import estimate_seconds
+    from openrlhf_geo.lab.studies.real_lm_geometry import estimate_seconds
 
     estimate = estimate_seconds(sizes, (TEMPERATURE,), {TEMPERATURE} if real_lm.cached(collection, cache) else set())
     estimate += calls * 3.0  # one curate call at 256 rollouts, d = 576 (measured ~1-3 s)

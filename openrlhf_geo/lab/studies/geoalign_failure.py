@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from openrlhf_geo.local import demo
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import FINAL, SEEDS, describe, fmt
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import FINAL, SEEDS, describe, fmt
 
-GEOALIGN = tuple(demo.METHOD_FLAGS["geoalign_noise"][len(demo.NOISE) :])  # the demo's GeoAlign without its noise
+GEOALIGN = tuple(recipe.METHOD_FLAGS["geoalign_noise"][len(recipe.NOISE) :])  # the demo's GeoAlign without its noise
 # GeoAlign App. B.5's baselines with values fixed in advance (none is given there): PF-PPO best-vs-random as described
 # (the pair kept, the rest dropped), PAR with M = 1 reference (Fu et al. find it sufficient), PODS keeping 8 of 16,
 # Seed-GRPO alpha 0.5 (examples/scripts/train_math_seed_grpo.sh's default)
@@ -43,7 +43,7 @@ def design():
         comparisons += [(f"{m}_{noise}", f"grpo_{noise}") for m in methods if m != "grpo"]
         comparisons += [(f"geoalign_{noise}", f"{b}_{noise}") for b in BASELINES]
     return Design("geoalign-failure", "GeoAlign under a misspecified reward", tuple(conditions), tuple(comparisons),
-                  SEEDS, demo.FULL["steps"], demo.FULL["eval_steps"], quick=("grpo_mis20", "geoalign_mis20"),
+                  SEEDS, recipe.FULL["steps"], recipe.FULL["eval_steps"], quick=("grpo_mis20", "geoalign_mis20"),
                   metrics=("accuracy", "response_length", "noise/corrupted", *GEOALIGN_METRICS),
                   shown=(FINAL, "last20%/accuracy", "last20%/geo/flag_frac"))  # fmt: skip
 
@@ -52,7 +52,7 @@ def section(design, runs, out, steps):
     """GeoAlign's detection per noise (local.report.detection: GDI AUROC vs the reward-only pair count, by range of
     steps; projector validation accuracy), its step means of cos_gt_0.8, flag share, precision, recall, and each
     noise's measured corruption share (GRPO's runs)."""
-    from openrlhf_geo.local import report
+    from openrlhf_geo.lab import demo_report as report
 
     method = {c.name: c.facts["method"] for c in design.conditions}
     detection = {}

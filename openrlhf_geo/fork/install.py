@@ -9,9 +9,7 @@
     worker_runtime_env()  the Ray runtime_env fields (py_modules + a start-up check) that make every worker, on
                           every node, import the driver's copy; the patched train_ppo_ray passes them to ray.init.
     check_worker()        runs at each Ray worker's start: its openrlhf must carry FORK_ID (set by the diffs).
-    main(argv)            `openrlhf-geo train-ppo-ray ARGS`: upstream openrlhf.cli.train_ppo_ray as __main__;
-                          `--fork.device cpu` (or OPENRLHF_GEO_DEVICE=cpu) adds the CPU overlay (patches/cpu/).
-    main_fork(argv)       `openrlhf-geo fork verify | path`.
+    main(argv)            `openrlhf-geo fork verify | path`; `openrlhf-geo train-ppo-ray` is launch.main.
 
 Every problem found before Ray starts is reported in ONE ForkError listing all of them.
 """
@@ -25,21 +23,16 @@ import importlib.resources
 import json
 import os
 import re
-import runpy
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PINNED_VERSION = "0.11.2"
 # Written into openrlhf/__init__.py by patches/openrlhf.__init__.diff; bump both together when the diffs change.
-FORK_ID = "openrlhf==0.11.2+openrlhf-geo.5"
+FORK_ID = "openrlhf==0.11.2+openrlhf-geo.6"
 UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
 CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"
@@ -70,14 +63,14 @@ def sha256_file(path) -> str:
 
 
 def patch_dir() -> Path:
-    """The diffs: package data `openrlhf_geo.patches` when installed, else patches/ of this source checkout."""
+    """The diffs: package data `openrlhf_geo.fork.patches` when installed, else patches/ of this source checkout."""
     try:
-        found = Path(str(importlib.resources.files("openrlhf_geo.patches")))
+        found = Path(str(importlib.resources.files("openrlhf_geo.fork.patches")))
         if any(found.glob("*.diff")):
             return found
     except ModuleNotFoundError:
         pass
-    return Path(__file__).resolve().parents[1] / "patches"
+    return Path(__file__).resolve().parents[2] / "patches"
 
 
 _HEADER = re.compile(r"^# target: (\S+)\n# upstream: openrlhf==(\S+) sha256:([0-9a-f]{64})$", re.MULTILINE)
@@ -365,7 +358,7 @@ def activate(root) -> None:
     if loaded is not None and Path(loaded.__file__).resolve().parent != root / "openrlhf":
         raise ForkError(
             f"openrlhf was already imported from {Path(loaded.__file__).parent} before the fork was activated; "
-            "activate it first (openrlhf_geo.fork.activate) or launch through `openrlhf-geo train-ppo-ray`"
+            "activate it first (openrlhf_geo.fork.install.activate) or launch through `openrlhf-geo train-ppo-ray`"
         )
     if str(root) in sys.path:
         sys.path.remove(str(root))
@@ -388,7 +381,7 @@ def worker_runtime_env() -> dict:
     _check_marker(openrlhf)
     return {
         "py_modules": [str(Path(openrlhf.__file__).parent), str(Path(openrlhf_geo.__file__).parent)],
-        "worker_process_setup_hook": "openrlhf_geo.fork.check_worker",
+        "worker_process_setup_hook": "openrlhf_geo.fork.install.check_worker",
     }
 
 
@@ -428,236 +421,7 @@ def verify(site_packages=None, cache_dir=None, device="cuda") -> tuple[bool, lis
     return not problems, lines
 
 
-GCS_PROBE_S = 10.0  # a running Ray cluster's GCS completes a gRPC handshake in milliseconds
-
-
-def check_ray_start() -> None:
-    """ForkError, before anything imports Ray, for what would make ray.init hang or fail late: RAY_ADDRESS naming a
-    host:port where no Ray GCS answers (ray.init retries it every 30 s forever, deaf to SIGTERM), or, when this driver
-    starts its own head, RAY_GCS_SERVER_PORT already taken (Ray's RuntimeError, as a traceback after ~80 s)."""
-    address = os.environ.get("RAY_ADDRESS", "")
-    if re.fullmatch(r"[\w.\-]+:\d+", address):  # not "auto", "local" or a ray:// client address
-        try:
-            import grpc  # Ray's own transport (a dependency of ray)
-        except ModuleNotFoundError:
-            return
-        channel = grpc.insecure_channel(address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=GCS_PROBE_S)
-        except grpc.FutureTimeoutError:
-            raise ForkError(
-                f"RAY_ADDRESS {address}: no Ray cluster answered there within {GCS_PROBE_S:.0f} s (start one with "
-                "`ray start --head`, or unset RAY_ADDRESS to have the run start its own)"
-            ) from None
-        finally:
-            channel.close()
-    port = os.environ.get("RAY_GCS_SERVER_PORT")
-    if not address and port:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("", int(port)))
-            except (OSError, ValueError) as e:
-                reason = getattr(e, "strerror", None) or str(e)
-                raise ForkError(
-                    f"RAY_GCS_SERVER_PORT {port}: the run's Ray head cannot listen there ({reason})"
-                ) from None
-
-
-def check_cpu_engines() -> None:
-    """The CPU mode needs Ray, DeepSpeed and vLLM's CPU build importable here: one ForkError naming what to install."""
-    missing = []
-    for distribution in CPU_ENGINES:
-        try:
-            importlib.metadata.distribution(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(distribution)
-    if missing:
-        raise ForkError(f"--fork.device cpu needs {', '.join(missing)} (CPU builds): {CPU_INSTALL}")
-
-
-def split_device(argv) -> tuple[str, list[str]]:
-    """(device, argv without --fork.device): the flag wins over $OPENRLHF_GEO_DEVICE; upstream never sees it."""
-    device, rest, i = os.environ.get(DEVICE_ENV) or "cuda", [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--fork.device":
-            if i + 1 >= len(argv):
-                raise ForkError(f"--fork.device needs a value: {' or '.join(DEVICES)}")
-            device, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--fork.device="):
-            device = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    if device not in DEVICES:
-        raise ForkError(f"--fork.device must be one of {', '.join(DEVICES)}, got {device!r}")
-    return device, rest
-
-
 def main(argv=None) -> int:
-    """`openrlhf-geo train-ppo-ray ARGS`: upstream's train_ppo_ray, run as __main__ on the patched copy."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        device, argv = split_device(argv)
-        check_ray_start()
-        if device == "cpu":
-            check_cpu_engines()
-            # DeepSpeed picks its accelerator at import; Ray workers of a cluster this driver starts inherit it.
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        activate(materialize(device=device))
-    except ForkError as e:
-        print(f"openrlhf-geo: {e}", file=sys.stderr)
-        return 1
-    sys.argv = [UPSTREAM_MAIN, *argv]
-    # A worker killed unasked (the OOM killer, SIGKILL) takes its own children with it: vLLM's EngineCore and Worker
-    # processes outlived their engine actor otherwise, holding its memory. Ray's per-worker process groups; read by
-    # a Ray head this driver starts (on a `ray start` cluster, set it there: docs/architecture.md §3.2).
-    os.environ.setdefault("RAY_process_group_cleanup_enabled", "true")
-    watchdog = ActorWatchdog()
-    watchdog.start()
-    try:
-        try:
-            runpy.run_module(UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
-        finally:
-            watchdog.stop()
-    except BaseException as e:
-        # the watchdog's line names the dead actor; Ray's own error (a dead actor the driver waited on directly, or
-        # an exception raised in one) is read by ray_failure
-        line = watchdog.died or (ray_failure(e) if isinstance(e, Exception) else None)
-        if line is None:
-            raise
-        if watchdog.died is None and "Ray actor " not in line:
-            # a symptom of a death the watchdog had not read yet (a weight sync's "Connection closed by peer"):
-            # name the dead actor first
-            died = dead_actor_within(DEATH_READ_S)
-            line = f"{died}; then {line}" if died else line
-        # The workers' tracebacks are in the log above (Ray forwards them); exiting shuts down a head this
-        # process started, and a job on a running cluster loses its actors with its driver.
-        print(f"openrlhf-geo: {line}", file=sys.stderr)
-        return 1
-    return 0
-
-
-class ActorWatchdog(threading.Thread):
-    """Ends the driver when an actor of its Ray job dies unasked (its worker killed or crashed, out of memory, its node
-    lost, its __init__ failed). Upstream waits on actors without a timeout, and a live actor blocked in a collective
-    with the dead one (a weight sync to a killed vLLM engine) holds the driver until gloo's or NCCL's own timeout,
-    30 min. Every POLL_S the job's actors are read from the GCS; after a death, GRACE_S for Ray's own error to reach
-    the main thread (a wait on the dead actor itself), then the main thread gets a SIGINT (ray.get wakes for it) and,
-    if it has not returned EXIT_S later, the process exits. Actors killed on purpose (ray.kill, out of scope) are
-    not deaths here."""
-
-    POLL_S, GRACE_S, EXIT_S = 2.0, 10.0, 60.0
-    FATAL_REASONS = ("WORKER_DIED", "NODE_DIED", "OWNER_DIED")
-
-    def __init__(self):
-        super().__init__(name="openrlhf-geo-actor-watchdog", daemon=True)
-        self.died: str | None = None
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped.set()
-
-    def run(self) -> None:
-        while not self._stopped.wait(self.POLL_S):
-            ray = sys.modules.get("ray")
-            try:
-                line = dead_actor(ray) if ray is not None and ray.is_initialized() else None
-            except Exception:  # Ray starting or shutting down: the next poll reads it again
-                continue
-            if line is None:
-                continue
-            self.died = line
-            if self._stopped.wait(self.GRACE_S):
-                return
-            with self._lock:
-                if self._stopped.is_set():
-                    return
-                # a real SIGINT to the main thread: it interrupts a blocking wait (ray.get), _thread.interrupt_main not
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            if not self._stopped.wait(self.EXIT_S):
-                message = f"openrlhf-geo: {line} (the driver did not stop in {self.EXIT_S:.0f} s: exiting)"
-                print(message, file=sys.stderr, flush=True)
-                os._exit(1)
-            return
-
-
-DEATH_READ_S = 3.0  # how long a failed run looks for the actor whose death caused it (GCS marks it dead in ~1 s)
-
-
-def dead_actor_within(seconds) -> str | None:
-    """dead_actor, read until one is found or `seconds` pass; None where Ray is not running here."""
-    ray = sys.modules.get("ray")
-    deadline = time.time() + seconds
-    while ray is not None and ray.is_initialized():
-        try:
-            line = dead_actor(ray)
-        except Exception:
-            return None
-        if line is not None or time.time() > deadline:
-            return line
-        time.sleep(0.5)
-    return None
-
-
-def dead_actor(ray) -> str | None:
-    """One line for the first actor of this driver's job that died unasked (ActorWatchdog), None if none did."""
-    from ray._private import state
-
-    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    for actor in state.actors(job_id=job, actor_state_name="DEAD").values():
-        cause = actor["DeathCause"]
-        kind = cause.WhichOneof("context")
-        if kind is None:
-            continue
-        context = getattr(cause, kind)
-        if kind == "actor_died_error_context":
-            reasons = context.DESCRIPTOR.fields_by_name["reason"].enum_type.values_by_number
-            reason = reasons[context.reason].name
-            if reason not in ActorWatchdog.FATAL_REASONS:
-                continue
-        else:
-            reason = kind.removesuffix("_context")
-        return death_line(actor["ActorClassName"], actor["Pid"], reason, getattr(context, "error_message", ""))
-    return None
-
-
-def ray_failure(error) -> str | None:
-    """One line for an error raised inside a Ray actor: the innermost actor method and its cause; None otherwise."""
-    ray_exceptions = sys.modules.get("ray.exceptions")
-    if ray_exceptions is None or not isinstance(error, ray_exceptions.RayError):
-        return None
-    where = None
-    # A RayTaskError's text is the worker's traceback, headed "ray::Actor.method() (pid=...)"; its cause is what the
-    # method raised (another actor's RayTaskError when it called one).
-    while isinstance(error, ray_exceptions.RayTaskError) and getattr(error, "cause", None) is not None:
-        found = re.search(r"ray::[\w.]+\(\)", str(error))
-        where, error = found.group(0) if found else where, error.cause
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    # a dead actor's own fields, as ActorDiedError lists them after its first line (also in the text of a RayError
-    # standing for one: Ray cannot pickle an ActorDiedError's context through another actor's task)
-    _, _, listed = str(error).partition("The actor died unexpectedly before finishing this task.")
-    actor = re.search(r"^\s*class_name: (\S+)$", listed, re.M)
-    if actor:
-        pid = re.search(r"^\s*pid: (\d+)$", listed, re.M)
-        fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
-        rest = " ".join(line.strip() for line in listed.splitlines() if not line.strip().startswith(fields))
-        died = death_line(actor.group(1), pid.group(1) if pid else "?", None, rest)
-        return f"{where} failed: {died}" if where else died
-    return f"{where or 'a Ray actor'} failed: {type(error).__name__}: {lines[-1] if lines else ''}"
-
-
-def death_line(class_name, pid, reason, message) -> str:
-    """'Ray actor X (pid N) died (REASON): what Ray says', its advice on possible causes left out."""
-    advice = r" (?:There are some potential root causes|Some common causes include)"
-    message = re.split(advice, " ".join(message.split()))[0][:400]
-    return f"Ray actor {class_name} (pid {pid}) died{f' ({reason})' if reason else ''}: {message}"
-
-
-def main_fork(argv=None) -> int:
     """`openrlhf-geo fork verify | path`."""
     parser = argparse.ArgumentParser(prog="openrlhf-geo fork", description="check or locate the patched openrlhf")
     sub = parser.add_subparsers(dest="command", required=True)

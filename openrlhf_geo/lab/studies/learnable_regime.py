@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from openrlhf_geo.local.studies.base import Condition, ConditionStudy, Design
-from openrlhf_geo.local.studies.common import FINAL, GRPO_DIAG, LEARNABLE, SEEDS, fmt, fmt_ci, mean_of, window
+from openrlhf_geo.lab.studies.base import Condition, ConditionStudy, Design
+from openrlhf_geo.lab.studies.common import FINAL, GRPO_DIAG, LEARNABLE, SEEDS, fmt, fmt_ci, mean_of, window
 
 LEARNABLE_MIN_ACC = 0.25  # the rule: GRPO's final held-out accuracy at least this, and above step 0's
 
