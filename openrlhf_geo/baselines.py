@@ -15,7 +15,7 @@ GeoAlign §5.1 / App. B.5 (robust-RL baselines):
 
 ``BaselineConfig`` holds the --baseline.* flags (options.py). Each baseline is registered once (registry.py) with
 the engines that run it: the curations PF-PPO / PODS (the pipeline's ``curate``), the policy losses (``policy_loss``,
-the engines' dispatch) and the adjustments PAR (local engine only) and Seed-GRPO (the pipeline's ``seed_grpo``). The
+the engines' dispatch) and the adjustments PAR (local engine only) and Seed-GRPO (the pipeline's ``adjust``). The
 entropy bonus is the local engine's (the fork's is upstream's own --actor.entropy_coef term).
 
 The two policy losses and the entropy bonus stay differentiable in their log-prob / entropy inputs (only their token
@@ -34,12 +34,12 @@ import torch
 from openrlhf_geo.config_flags import setting
 from openrlhf_geo.geoalign import CurationPlan
 from openrlhf_geo.registry import (
-    ADJUSTMENTS,
     CURATIONS,
     POLICY_LOSSES,
-    Adjustment,
     PolicyLoss,
+    active_adjustments,
     baseline_curations,
+    register_adjustment,
     register_curation,
     register_policy_loss,
 )
@@ -151,7 +151,7 @@ class BaselineConfig:
     @property
     def in_pipeline(self) -> bool:
         """Whether a per-step pipeline baseline is on (a curation or an adjustment; the policy losses are the loss)."""
-        return self.curation is not None or any(entry.enabled(self) for entry in ADJUSTMENTS.values())
+        return self.curation is not None or bool(active_adjustments(self))
 
 
 def _aggregate(per_token, mask, mode, normalizer):
@@ -517,19 +517,23 @@ def par_rewards(rewards, reference_rewards):
     return shaped.to(rewards.dtype), stats
 
 
-ADJUSTMENTS.register(
-    Adjustment(
-        "par",
-        "reward",
-        enabled=lambda config: config.par_references > 0,
-        fork=lambda config: (
-            "--baseline.par_references: PAR needs, every step, reward-model scores of M reference responses per "
-            "prompt sampled from the frozen initial policy; the fork's experience maker has no such generation pass "
-            "(it would need the initial weights in vLLM beside the policy's). Run PAR on the local engine "
-            "(`openrlhf-geo train --baseline.par_references M`)"
-        ),
-    )
+@register_adjustment(
+    "par",
+    "reward",
+    "--baseline.par_references",
+    enabled=lambda config: config.par_references > 0,
+    inputs=("references",),
+    fork=lambda config: (
+        "--baseline.par_references: PAR needs, every step, reward-model scores of M reference responses per "
+        "prompt sampled from the frozen initial policy; the fork's experience maker has no such generation pass "
+        "(it would need the initial weights in vLLM beside the policy's). Run PAR on the local engine "
+        "(`openrlhf-geo train --baseline.par_references M`)"
+    ),
+    needs_groups=False,
 )
+def _par(step, rewards, config, *, references):
+    """PAR on the batch's rewards; references() -> (N, M) rewards of M reference responses per prompt."""
+    return par_rewards(rewards, references())
 
 
 def _max_variance_subset(values, m):
@@ -662,9 +666,6 @@ def seed_grpo_advantages(advantages, cluster_ids, group_ids, alpha, estimator="m
     return scaled, stats
 
 
-ADJUSTMENTS.register(Adjustment("seed_grpo", "advantage", enabled=lambda config: config.seed_grpo_alpha is not None))
-
-
 def _in_process_verdicts(responses, golds):
     verdicts = []
     for response, gold in zip(responses, golds):
@@ -724,3 +725,29 @@ def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None):
         "answer_clusters/clusters_per_prompt": float(np.mean(per_prompt)) if per_prompt else math.nan,
     }
     return cluster_ids.to(group_ids.device), stats
+
+
+@register_adjustment(
+    "seed_grpo",
+    "advantage",
+    "--baseline.seed_grpo_alpha",
+    enabled=lambda config: config.seed_grpo_alpha is not None,
+    inputs=("responses", "verifier"),
+)
+def _seed_grpo(step, advantages, config, *, responses, verifier):
+    """Seed-GRPO on the slots' advantages (N,), after the group statistics and before SALT: each prompt's kept slots
+    scaled by 1 - alpha SE(q) / log G (`seed_grpo_advantages`). responses() -> the N decoded responses per rollout (a
+    slot answers as its source), clustered by final answer (`math_answer_clusters`); verifier() -> a
+    MathVerifyReward or None (in-process checks). Dropped slots keep 0 and leave the clustering, so SE and G count a
+    prompt's kept slots; the stats describe the kept slots."""
+    texts = responses()
+    if len(texts) != step.size:
+        raise ValueError(f"seed_grpo: {len(texts)} responses for {step.size} rollouts")
+    kept = torch.nonzero(step.kept)[:, 0]
+    group_ids = step.group_ids[kept]
+    clusters, cluster_stats = math_answer_clusters(
+        [texts[i] for i in step.plan.source[kept].tolist()], group_ids, verifier()
+    )
+    index = kept.to(advantages.device)
+    scaled, stats = seed_grpo_advantages(advantages[index], clusters, group_ids, config.seed_grpo_alpha)
+    return advantages.index_copy(0, index, scaled), {**cluster_stats, **stats}

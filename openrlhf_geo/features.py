@@ -584,7 +584,7 @@ class GeometrySpec:
     """What an experience forward returns per response besides log-probs (built by `GeometryPipeline.spec`)."""
 
     features: str | None = None  # SALT proxy features, a METHODS name; None: not needed
-    dim: int = 4096  # sketch dimension D (GeometryPipeline.spec always sets it from SaltConfig.dim when features)
+    dim: int = DEFAULT_DIM  # sketch dimension D (GeometryConfig.spec sets it from SaltConfig.dim when features)
     seed: int = 0  # sketch hashes / projections
     entropy: bool = False  # normalized token-entropy sums (SALT --salt.variant entropy-alpha)
     hidden: bool = False  # last-response-token final hidden state (GeoAlign)

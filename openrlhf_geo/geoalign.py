@@ -24,6 +24,7 @@ from scipy.stats import gaussian_kde, mannwhitneyu
 from torch import nn
 
 from openrlhf_geo.config_flags import setting
+from openrlhf_geo.registry import register_curation
 
 PRESETS = {
     # alpha: §5.1 "Implementation" (0.05 on Math, 0.12 on HH-RLHF; App. C.2 sensitivity);
@@ -808,3 +809,49 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
         candidates = candidates[torch.sort(scores[candidates], descending=True, stable=True).indices[:cap]]
     flagged[candidates] = True
     return finish()
+
+
+def _geoalign_fork(config):
+    if config.mode == "drop":
+        return (
+            "--geoalign.mode drop changes per-prompt rollout counts, which OpenRLHF's fixed n_samples_per_prompt "
+            "groups, micro-batches and DeepSpeed accumulation steps cannot take; in the fork use replace, amplify, "
+            "or zero (removes a flagged rollout's gradient and keeps the batch shape)"
+        )
+    if config.device != "cpu":
+        return (
+            f"--geoalign.device {config.device}: the fork curates inside OpenRLHF's trainer actor, which Ray starts "
+            "without a GPU; use cpu (the default)"
+        )
+    return None
+
+
+@register_curation(
+    "geoalign",
+    config="geoalign",
+    metrics="geo",
+    drops=lambda config: config.mode == "drop",
+    fork=_geoalign_fork,
+    needs_hidden=True,
+)
+def _curation(step, rewards, hidden):
+    """GeoAlign Eq. 3-8 as the pipeline's curation (registry.CURATIONS), with the run's warm-started projector;
+    keeps the per-rollout details (`step.curation`)."""
+    plan, stats = curate(
+        hidden,
+        rewards,
+        step.group_ids,
+        step.owner.geoalign,
+        step.owner.generators["geoalign"],
+        projector=step.owner.projector_for(hidden.shape[1]),
+        corrupted=step.corrupted,
+    )
+    plan = plan.to("cpu")
+    step.curation = {
+        "gdi": plan.gdi,
+        "corrupted": step.corrupted,
+        "flagged": plan.flagged,
+        "rewards": rewards,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
+        "group_ids": step.group_ids,
+    }
+    return plan, stats

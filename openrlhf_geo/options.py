@@ -2,8 +2,9 @@
 
 Both engines call `add_args(parser)` on their own argparse parser (the fork: upstream's train_ppo_ray parser,
 via patches/), then `validate(args)` on the nested namespace (`args.salt.variant`, `args.geoalign.alpha`, ...),
-then `geometry_config(args)` for the typed configs the pipeline runs. The flags are generated from the configs'
-fields (config_flags: name, help, choices and the default --help shows). Values are validated in one place, the
+which builds the run's typed configuration once, as `args.geometry` (`geometry_config`): both engines and the
+pipeline read it. The flags are generated from the configs' fields (config_flags: name, help, choices and the
+default --help shows). Values are validated in one place, the
 configs' `__post_init__` (SaltConfig, GeoAlignConfig, NoiseConfig, BaselineConfig, GeometryConfig); this module
 checks which flags go together and asks the registries what an engine cannot run. Every config flag but the
 reward-noise ones defaults to None so `validate` can tell "given" from "default" and reject flags that would be
@@ -20,13 +21,9 @@ from openrlhf_geo import registry
 from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.config_flags import add_flags
 from openrlhf_geo.geoalign import PRESETS, GeoAlignConfig
-from openrlhf_geo.pipeline import GeometryConfig
+from openrlhf_geo.pipeline import SALT_BASES, GeometryConfig
 from openrlhf_geo.rewards.noise import NoiseConfig
 from openrlhf_geo.salt import SaltConfig
-
-# reinforce_baseline is listed so the error can say why it is refused: upstream whitens the whole batch after the
-# group statistics, which would re-centre and rescale SALT's a' (SALT §3 feeds a' to the loss unchanged).
-SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,31 +85,23 @@ def _given(ns, skip=("enable", "diagnostics")) -> list[str]:
 
 def validate(args, engine="local") -> None:
     """Check which flags go together, in place; raise ValueError naming the flag. Values are checked by building
-    the configs (`geometry_config`), which this calls once so a bad value fails at parse time too; then the
+    the configs (`geometry_config`), once: the result is `args.geometry`, the run's one configuration; then the
     registries say what `engine` ("local" or "fork") cannot run, and whether the engine's PPO clip ratios
     (`args.actor`, absent from parsers without engine flags) fit the policy loss.
 
-    Afterwards `args.salt.enable` tells whether SALT changes the advantages, and `args.algo.advantage.estimator`
-    holds the base estimator (`salt` means `--salt.base` + SALT, so every upstream code path for that base stays
-    unchanged).
+    Afterwards `args.geometry` is the GeometryConfig both engines and the pipeline read, `args.salt.enable` tells
+    whether SALT changes the advantages, and `args.algo.advantage.estimator` holds the base estimator (`salt` means
+    `--salt.base` + SALT, so every upstream code path for that base stays unchanged).
     """
     estimator = args.algo.advantage.estimator
     salt = args.salt
     if estimator == "salt":
-        base = salt.base or "group_norm"
-        if base == "reinforce_baseline":
-            raise ValueError(
-                "--salt.base reinforce_baseline: upstream whitens the whole batch after the group statistics, which "
-                "would re-centre and rescale SALT's a' (the loss must consume a' unchanged); use group_norm, dr_grpo "
-                "or rloo"
-            )
         if salt.diagnostics:
             raise ValueError(
                 "--salt.diagnostics is for runs without SALT; with --advantage_estimator salt the "
                 "geometry is logged anyway"
             )
         salt.enable = True
-        args.algo.advantage.estimator = base
     else:
         salt_only = ("base", "variant", "alpha")  # diagnostics measure the plain coefficients: no variant
         given = [k for k in _given(salt) if k in salt_only or not salt.diagnostics]
@@ -132,8 +121,12 @@ def validate(args, engine="local") -> None:
         loss = f.metadata.get("policy_loss")
         if loss is not None and getattr(baseline, f.name) is not None and baseline.policy_loss != loss:
             raise ValueError(f"--baseline.{f.name} only applies with --baseline.policy_loss {loss}")
-    config = geometry_config(args)  # the configs' own checks, at parse time
-    refused = registry.refusals(config, engine)
+    # the run's one configuration, built here once (the configs check their values) and read by the engines and the
+    # pipeline from args.geometry
+    config = args.geometry = geometry_config(args)
+    if salt.enable:
+        args.algo.advantage.estimator = config.salt_base  # upstream's code path for that base, unchanged
+    refused = registry.refusals(config, engine, args.algo.advantage.estimator)
     if refused:
         raise ValueError(refused[0])
     # SALT's default partition is the optimizer mini-batch's prompts (pipeline.salt_partition_prompts): a mini-batch
@@ -217,6 +210,7 @@ def geometry_config(args) -> GeometryConfig:
         salt=salt_config(args),
         geoalign=geoalign_config(args),
         baseline=baseline_config(args),
+        salt_base=args.salt.base or "group_norm",
         noise=NoiseConfig(
             noise.type, noise.rate, tuple(noise.levels) if noise.levels is not None else None, noise.seed
         ),
@@ -241,5 +235,5 @@ def flag_config(args):
         else:
             out[prefix] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
 
-    visit("", args)
+    visit("", {k: v for k, v in vars(args).items() if k != "geometry"})  # derived from the flags, not one of them
     return out

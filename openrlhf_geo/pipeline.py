@@ -5,11 +5,13 @@ and call, in this order:
 
     rewards, corrupted = pipeline.corrupt(rewards, group_ids)    --reward.noise.*  reward noise
     step = pipeline.start(group_ids, corrupted)
+    rewards = step.adjust("reward", rewards, references=...)     --baseline.par_references  PAR (local engine)
     slot_rewards = step.curate(rewards, hidden)                  --geoalign.*      GeoAlign Eq. 3-8 (plan), or
                                                                  --baseline.curation  PF-PPO / PODS (plan): the
                                                                  registered curation (registry.CURATIONS)
     (the engine's group statistics on the slot rewards -> sequence advantages a (N,))
-    a = step.seed_grpo(a, responses, verifier)                   --baseline.seed_grpo_alpha  Seed-GRPO scaling
+    a = step.adjust("advantage", a, responses=..., verifier=...)  --baseline.seed_grpo_alpha  Seed-GRPO: the
+                                                                 registered adjustments (registry.ADJUSTMENTS)
     a_slot = step.reweight(a, features, entropy, lengths)        --salt.*          SALT Eq. 12-18 per partition
     value, multiplicity = step.rows(a_slot)                       what each rollout's row carries into the loss
     step.metrics                                                   {"salt/pr": (N,), "geo/flag_frac": (N,), ...}
@@ -44,10 +46,10 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_geo import GeoWarning, diagnostics
-from openrlhf_geo.baselines import BaselineConfig, math_answer_clusters, seed_grpo_advantages
+from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.features import GeometrySpec
-from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector, curate
-from openrlhf_geo.registry import active_curation, register_curation
+from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector
+from openrlhf_geo.registry import active_adjustments, active_curation
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
 from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
 
@@ -152,22 +154,38 @@ class SignalGuard:
         self.last_warning = dict(state["last_warning"])
 
 
+# reinforce_baseline is listed so the error can say why it is refused: upstream whitens the whole batch after the
+# group statistics, which would re-centre and rescale SALT's a' (SALT §3 feeds a' to the loss unchanged).
+SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+
+
 @dataclass(frozen=True)
 class GeometryConfig:
-    """Everything the pipeline runs, built once from the parsed flags (`options.geometry_config`).
+    """Everything the pipeline runs, built once at parse time (`options.validate` -> `args.geometry`), read by both
+    engines and the pipeline.
 
     salt None: SALT off (SaltConfig.apply False: diagnostics only); geoalign None: GeoAlign off; baseline None: no
-    --baseline.* flag (its policy loss is the engines', the rest runs here). `seed` seeds the pipeline's random
-    streams (the run's --train.seed).
+    --baseline.* flag (its policy loss is the engines', the rest runs here). `salt_base` (--salt.base) is the
+    group-relative estimator whose sequence advantages SALT reweights; the engines run it as their advantage
+    estimator. `seed` seeds the pipeline's random streams (the run's --train.seed).
     """
 
     salt: SaltConfig | None = None
     geoalign: GeoAlignConfig | None = None
     noise: NoiseConfig = NoiseConfig()
     baseline: BaselineConfig | None = None
+    salt_base: str = "group_norm"
     seed: int = 0
 
     def __post_init__(self):
+        if self.salt_base == "reinforce_baseline":
+            raise ValueError(
+                "--salt.base reinforce_baseline: upstream whitens the whole batch after the group statistics, which "
+                "would re-centre and rescale SALT's a' (the loss must consume a' unchanged); use group_norm, dr_grpo "
+                "or rloo"
+            )
+        if self.salt_base not in SALT_BASES:
+            raise ValueError(f"--salt.base must be one of {', '.join(SALT_BASES[:-1])} (got {self.salt_base!r})")
         if self.geoalign is not None and self.baseline is not None and self.baseline.curation is not None:
             raise ValueError(
                 f"--baseline.curation {self.baseline.curation} and --geoalign.enable both choose which rollouts to "
@@ -182,14 +200,10 @@ class GeometryConfig:
     @property
     def spec(self) -> GeometrySpec | None:
         """What the experience forward must return per response (None: nothing beyond log-probs)."""
-        if self.salt is None and self.geoalign is None:
-            return None
+        if self.salt is None:
+            return GeometrySpec(hidden=True) if self.geoalign is not None else None
         return GeometrySpec(
-            features=self.salt.features if self.salt is not None else None,
-            dim=self.salt.dim if self.salt is not None else 4096,
-            seed=self.salt.seed if self.salt is not None else 0,
-            entropy=self.salt is not None and self.salt.needs_entropy,
-            hidden=self.geoalign is not None,
+            self.salt.features, self.salt.dim, self.salt.seed, self.salt.needs_entropy, self.geoalign is not None
         )
 
 
@@ -237,51 +251,6 @@ def check_finite(name, values, group_ids, step):
             f"step {step}: {name} of rollout {i} (prompt {int(group_ids[i])}) is {float(values[i])}; "
             f"{int(bad.sum())} of {values.numel()} are non-finite. Stopped before any optimizer step or checkpoint."
         )
-
-
-def _geoalign_fork(config):
-    if config.mode == "drop":
-        return (
-            "--geoalign.mode drop changes per-prompt rollout counts, which OpenRLHF's fixed n_samples_per_prompt "
-            "groups, micro-batches and DeepSpeed accumulation steps cannot take; in the fork use replace, amplify, "
-            "or zero (removes a flagged rollout's gradient and keeps the batch shape)"
-        )
-    if config.device != "cpu":
-        return (
-            f"--geoalign.device {config.device}: the fork curates inside OpenRLHF's trainer actor, which Ray starts "
-            "without a GPU; use cpu (the default)"
-        )
-    return None
-
-
-@register_curation(
-    "geoalign",
-    config="geoalign",
-    metrics="geo",
-    drops=lambda config: config.mode == "drop",
-    fork=_geoalign_fork,
-    needs_hidden=True,
-)
-def _geoalign(step, rewards, hidden):
-    """GeoAlign Eq. 3-8 with the run's warm-started projector; keeps the per-rollout details (`step.curation`)."""
-    plan, stats = curate(
-        hidden,
-        rewards,
-        step.group_ids,
-        step.owner.geoalign,
-        step.owner.generators["geoalign"],
-        projector=step.owner.projector_for(hidden.shape[1]),
-        corrupted=step.corrupted,
-    )
-    plan = plan.to("cpu")
-    step.curation = {
-        "gdi": plan.gdi,
-        "corrupted": step.corrupted,
-        "flagged": plan.flagged,
-        "rewards": rewards,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
-        "group_ids": step.group_ids,
-    }
-    return plan, stats
 
 
 class GeometryPipeline:
@@ -365,6 +334,7 @@ class GeometryStep:
         self.plan = CurationPlan.identity(self.size)
         self.metrics = {}  # name -> (N,) float32 per slot
         self.text_metrics = {}  # name -> str
+        self.batch_metrics = {}  # name -> float: stats of the whole batch before curation (reward adjustments)
         self.curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids (GeoAlign runs)
         if corrupted is not None and owner.noise.enabled:
             self.metrics["noise/corrupted"] = corrupted.detach().cpu().float()
@@ -394,28 +364,23 @@ class GeometryStep:
         self._record(curation.metrics, stats)
         return rewards[self.plan.source.to(rewards.device)]
 
-    def seed_grpo(self, advantages, responses, verifier=None):
-        """Seed-GRPO (Chen et al., arXiv 2505.12346) after the group statistics, before SALT: slot advantages (N,)
-        -> each prompt's scaled by 1 - alpha SE(q) / log G (`baselines.seed_grpo_advantages`), identity when off.
-
-        responses: the N decoded responses (per rollout; a slot uses its source's), clustered by final answer
-        (`baselines.math_answer_clusters`, `verifier` a MathVerifyReward or None for in-process checks). Dropped
-        slots keep 0 and leave the clustering, so SE and G count a prompt's kept slots.
-        """
-        baseline = self.owner.baseline
-        if baseline is None or baseline.seed_grpo_alpha is None:
-            return advantages
-        if len(responses) != self.size:
-            raise ValueError(f"seed_grpo: {len(responses)} responses for {self.size} rollouts")
-        kept = torch.nonzero(self.kept)[:, 0]
-        group_ids = self.group_ids[kept]
-        clusters, cluster_stats = math_answer_clusters(
-            [responses[i] for i in self.plan.source[kept].tolist()], group_ids, verifier
-        )
-        index = kept.to(advantages.device)
-        scaled, stats = seed_grpo_advantages(advantages[index], clusters, group_ids, baseline.seed_grpo_alpha)
-        self._record("baseline", {**cluster_stats, **stats}, kept)
-        return advantages.index_copy(0, index, scaled)
+    def adjust(self, stage, values, **inputs):
+        """The registered adjustments (registry.ADJUSTMENTS) of `stage` that the run's --baseline.* flags turn on, in
+        registration order: values (N,) -> adjusted (N,); the identity when none is on. "reward": PAR on the rewards
+        before `curate`, its stats batch scalars (`batch_metrics`: they describe every rollout, before any slot
+        exists); "advantage": Seed-GRPO on the slot advantages after the group statistics, before SALT, its stats on
+        the kept slots. `inputs`: zero-arg callables an adjustment reads (Adjustment.inputs), called only by one
+        that runs."""
+        for entry in active_adjustments(self.owner.baseline, stage):
+            missing = [name for name in entry.inputs if name not in inputs]
+            if missing:
+                raise ValueError(f"{entry.flag}: the engine passed no {', '.join(missing)} for {entry.name}")
+            values, stats = entry.adjust(self, values, self.owner.baseline, **{k: inputs[k] for k in entry.inputs})
+            if stage == "reward":
+                self.batch_metrics.update({f"{entry.metrics}/{key}": value for key, value in stats.items()})
+            else:
+                self._record(entry.metrics, stats, self.kept)
+        return values
 
     def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0):
         """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0).

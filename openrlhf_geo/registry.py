@@ -12,6 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 ENGINES = ("local", "fork")
+# the estimators whose sequence advantages come from each prompt's own rollouts, without batch whitening: a method that
+# reads or rearranges a prompt's group (`needs_groups`) runs only on these (both engines; the local engine's are the
+# first two)
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 
 
 def _runs_everywhere(settings) -> str | None:
@@ -49,6 +53,7 @@ class Curation:
     fork     (settings) -> why the fork cannot run it with these settings, None when it can
     check    (settings) -> what is wrong with its settings (BaselineConfig's validation calls it), None when fine
     needs_hidden  the plan reads the last-token hidden states (the fork gathers them only then)
+    needs_groups  it picks among each prompt's rollouts: the estimator must be one of GROUP_ESTIMATORS
     """
 
     name: str
@@ -59,6 +64,7 @@ class Curation:
     fork: Callable = _runs_everywhere
     check: Callable = _runs_everywhere
     needs_hidden: bool = False
+    needs_groups: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,27 @@ class Adjustment:
     """A baseline that changes the rewards (stage "reward", before curation) or the sequence advantages (stage
     "advantage", after the group statistics, before SALT) without choosing rollouts; settings in BaselineConfig.
 
+    flag     the flag that turns it on (for messages)
+    adjust   (step, values (N,), config, **inputs) -> (adjusted values (N,), stats); `step` is the pipeline's
+             GeometryStep, each input a zero-arg callable the engine passes (`GeometryStep.adjust`), called only
+             when the adjustment runs
+    inputs   the names of the inputs it reads ("references": PAR's reference rewards, "responses" and "verifier":
+             the decoded responses and the math verifier); an engine that cannot provide one refuses it (`fork`)
     enabled  (config) -> whether its flag is on
     fork     (config) -> why the fork cannot run it, None when it can
+    needs_groups  it reads each prompt's rollouts as a group: the engine's estimator must be per-prompt without
+             batch whitening (GROUP_ESTIMATORS)
     """
 
     name: str
     stage: str
+    flag: str
+    adjust: Callable
     enabled: Callable
+    inputs: tuple = ()
     fork: Callable = _runs_everywhere
     metrics: str = "baseline"
+    needs_groups: bool = True
 
 
 CURATIONS = Registry("--baseline.curation")
@@ -122,6 +140,24 @@ def register_policy_loss(name, **info):
     return add
 
 
+def register_adjustment(name, stage, flag, **info):
+    """Decorator: register `adjust` as adjustment `name` at `stage`, on with `flag` (Adjustment's fields as
+    keywords)."""
+
+    def add(adjust):
+        ADJUSTMENTS.register(Adjustment(name, stage, flag, adjust, **info))
+        return adjust
+
+    return add
+
+
+def active_adjustments(baseline, stage=None) -> list:
+    """The adjustments a BaselineConfig (or None) turns on, in registration order; only `stage`'s when given."""
+    if baseline is None:
+        return []
+    return [e for e in ADJUSTMENTS.values() if e.enabled(baseline) and (stage is None or e.stage == stage)]
+
+
 def baseline_curations() -> tuple:
     """The --baseline.curation choices: every curation whose settings live in BaselineConfig."""
     return tuple(name for name, entry in CURATIONS.items() if entry.config == "baseline")
@@ -136,27 +172,25 @@ def active_curation(config):
     return None
 
 
-def refusals(config, engine: str) -> list:
-    """Why `engine` cannot run the methods a GeometryConfig turns on (empty when it can), in pipeline order."""
+def refusals(config, engine: str, estimator: str | None = None) -> list:
+    """Why `engine` cannot run the methods a GeometryConfig turns on with advantage `estimator` (the base one, after
+    `salt` is mapped to --salt.base; None: not checked), empty when it can, in pipeline order."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
-    if engine == "local":
-        return []
-    out = []
-    baseline = config.baseline
-    if baseline is not None:
-        out += [
-            entry.fork(baseline)
-            for entry in ADJUSTMENTS.values()
-            if entry.stage == "reward" and entry.enabled(baseline)
-        ]
-    curation = active_curation(config)
+    baseline, curation = config.baseline, active_curation(config)
+    entries = [(entry, entry.flag, baseline) for entry in active_adjustments(baseline, "reward")]
     if curation is not None:
-        out.append(curation.fork(getattr(config, curation.config)))
-    if baseline is not None:
-        out += [
-            entry.fork(baseline)
-            for entry in ADJUSTMENTS.values()
-            if entry.stage != "reward" and entry.enabled(baseline)
-        ]
+        flag = "--geoalign.enable" if curation.config == "geoalign" else f"--baseline.curation {curation.name}"
+        entries.append((curation, flag, getattr(config, curation.config)))
+    entries += [(entry, entry.flag, baseline) for entry in active_adjustments(baseline, "advantage")]
+    via = " (from --salt.base)" if config.salt is not None and config.salt.apply else ""
+    out = []
+    for entry, flag, settings in entries:
+        if engine == "fork":
+            out.append(entry.fork(settings))
+        if entry.needs_groups and estimator is not None and estimator not in GROUP_ESTIMATORS:
+            out.append(
+                f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(GROUP_ESTIMATORS)} "
+                f"or salt with one of them as --salt.base (got {estimator!r}{via})"
+            )
     return [message for message in out if message is not None]

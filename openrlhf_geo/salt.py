@@ -113,7 +113,7 @@ class SaltConfig:
     group_prompts  prompts per SALT partition: None = the optimizer mini-batch's prompts (§3.1: "the current
                    mini-batch", m = BG; resolved by the engine), 0 = the whole rollout batch, n > 0 = n prompts
     alpha          the fixed α of variant fixed-alpha, in [0, 1] (required by it and only allowed with it)
-    apply          False: diagnostics only, the geometry is computed and logged and the advantages stay unchanged
+    apply          False: --salt.diagnostics, the geometry is computed and logged and the advantages stay unchanged
     shuffle_minibatches  True: optimizer mini-batches mix prompts as upstream draws them, so an optimizer step no
                    longer trains on exactly one partition's rollouts (pipeline.minibatch_partitions)
     """
@@ -147,7 +147,7 @@ class SaltConfig:
         type=int,
     )
     alpha: float | None = setting(None, "fixed alpha_t in [0, 1], only with --salt.variant fixed-alpha", type=float)
-    apply: bool = True  # False: --salt.diagnostics (options.validate), not a flag of its own
+    apply: bool = True  # False: --salt.diagnostics (a switch of options.add_args: diagnostics or SALT, not both)
     shuffle_minibatches: bool = setting(
         False,
         "optimizer mini-batches mix prompts as upstream draws them; off: each optimizer step trains on exactly the "

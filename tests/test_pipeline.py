@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo import pipeline
+from openrlhf_geo import geoalign, pipeline
 from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline, check_finite
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
@@ -56,7 +56,7 @@ def test_row_values_and_multiplicities_equal_an_explicit_slot_sum(data, n):
 
 
 def test_drop_removes_slots_from_group_statistics_salt_and_multiplicities(monkeypatch):
-    monkeypatch.setattr(pipeline, "curate", fixed_plan([0, 1, 2, 3, 4, 5], [1, 0, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1]))
+    monkeypatch.setattr(geoalign, "curate", fixed_plan([0, 1, 2, 3, 4, 5], [1, 0, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1]))
     salt = SaltConfig(features="exact")
     pipe = GeometryPipeline(GeometryConfig(salt=salt, geoalign=GeoAlignConfig(mode="drop")))
     group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -248,7 +248,7 @@ def test_seed_grpo_scales_each_prompts_kept_slots_by_its_answer_entropy(monkeypa
     clusters of the slots' responses (a replaced slot answers as its source), G = kept slots of the prompt."""
     from openrlhf_geo.baselines import BaselineConfig
 
-    monkeypatch.setattr(pipeline, "curate", fixed_plan([0, 0, 2, 3, 4, 5, 6, 7], keep=[1, 1, 1, 1, 1, 1, 1, 0]))
+    monkeypatch.setattr(geoalign, "curate", fixed_plan([0, 0, 2, 3, 4, 5, 6, 7], keep=[1, 1, 1, 1, 1, 1, 1, 0]))
     config = GeometryConfig(geoalign=GeoAlignConfig(mode="drop"), baseline=BaselineConfig(seed_grpo_alpha=0.4))
     step = GeometryPipeline(config).start(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
     step.curate(torch.zeros(8), torch.randn(8, 4))
@@ -263,7 +263,7 @@ def test_seed_grpo_scales_each_prompts_kept_slots_by_its_answer_entropy(monkeypa
         "\\boxed{9}",
     ]
     a = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.0, 0.0], dtype=torch.float64)
-    got = step.seed_grpo(a, responses)
+    got = step.adjust("advantage", a, responses=lambda: responses, verifier=lambda: None)
     # prompt 0's slots answer 2, 2 (slot 1 holds rollout 0), 2, 1/2: clusters {3, 1}; prompt 1's kept slots answer
     # 0.5, 3, (no box): three clusters of one among G = 3 (slot 7 is dropped)
     se0, se1 = -(np.log(3 / 4) + np.log(1 / 4)) / 2, -np.log(1 / 3)
@@ -272,7 +272,7 @@ def test_seed_grpo_scales_each_prompts_kept_slots_by_its_answer_entropy(monkeypa
     assert float(step.metrics["baseline/answer_clusters/clusters_per_prompt"][0]) == pytest.approx(2.5)
     assert math.isnan(float(step.metrics["baseline/seed_grpo/scale_min"][7]))  # the dropped slot has no stats
     off, two = GeometryPipeline(GeometryConfig()).start(torch.zeros(2, dtype=torch.long)), a[:2]
-    assert off.seed_grpo(two, ["", ""]) is two  # off: the identity
+    assert off.adjust("advantage", two, responses=lambda: ["", ""]) is two  # off: the identity
 
 
 def salt_regime_step(pipe, inside):

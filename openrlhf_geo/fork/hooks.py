@@ -41,11 +41,8 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
-from openrlhf_geo.registry import POLICY_LOSSES
+from openrlhf_geo.registry import POLICY_LOSSES, active_adjustments
 
-# Estimators whose per-prompt sequence advantages reach the loss unchanged (no batch whitening afterwards), so
-# GeoAlign's replacement can be expressed as multiplicities on advantage rows.
-GEOALIGN_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
 SIGNAL_KEY = "openrlhf_geo_signal"  # the learning-signal guard's streak and warning windows
@@ -93,9 +90,8 @@ def validate_args(args) -> None:
         )
     # a warning, not a refusal: async training hands the rollouts to upstream's own trainer (aligned_partitions), and
     # SALT's a' per partition stays the same, only no longer one optimizer step's rollouts (--salt.shuffle_minibatches)
-    config = options.geometry_config(args).salt
     if args.train.async_enable and minibatch_partitions(
-        config, args.train.batch_size, args.rollout.n_samples_per_prompt
+        args.geometry.salt, args.train.batch_size, args.rollout.n_samples_per_prompt
     ):
         warnings.warn(
             f"--train.async_enable: SALT's partitions (--train.batch_size {args.train.batch_size} rollouts) no longer "
@@ -104,39 +100,26 @@ def validate_args(args) -> None:
             GeoWarning,
             stacklevel=2,
         )
-    estimator = args.algo.advantage.estimator
-    baseline = options.baseline_config(args)
-    if baseline is not None:
-        if (baseline.curation or baseline.seed_grpo_alpha is not None) and estimator not in GEOALIGN_ESTIMATORS:
-            flag = "--baseline.curation" if baseline.curation else "--baseline.seed_grpo_alpha"
+    baseline = args.geometry.baseline
+    if baseline is not None and POLICY_LOSSES[baseline.policy_loss].loss is not None:
+        ignored = {
+            "--actor.dual_clip": args.actor.dual_clip is not None,
+            "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
+            "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
+        }
+        given = [flag for flag, on in ignored.items() if on]
+        if given:
             raise ValueError(
-                f"{flag} needs a per-prompt group estimator without batch whitening: "
-                f"{', '.join(GEOALIGN_ESTIMATORS)} (or salt with one of them as --salt.base) (got {estimator!r})"
+                f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
+                f"{given[0]} would be silently ignored: drop it"
             )
-        if POLICY_LOSSES[baseline.policy_loss].loss is not None:
-            ignored = {
-                "--actor.dual_clip": args.actor.dual_clip is not None,
-                "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
-                "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
-            }
-            given = [flag for flag, on in ignored.items() if on]
-            if given:
-                raise ValueError(
-                    f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
-                    f"{given[0]} would be silently ignored: drop it"
-                )
-    if geo.enable and estimator not in GEOALIGN_ESTIMATORS:
-        via = " (from --salt.base)" if salt.enable else ""
-        raise ValueError(
-            "--geoalign.enable needs a per-prompt group estimator without batch whitening: "
-            f"{', '.join(GEOALIGN_ESTIMATORS)} or salt with one of them as --salt.base (got {estimator!r}{via})"
-        )
 
 
 def policy_loss(args, upstream):
     """The actor's policy loss (ActorPPOTrainer.actor_loss_fn): upstream's PolicyLoss `upstream`, or with
     --baseline.policy_loss clip_cov | kl_cov a BaselinePolicyLoss taking its clip ratios and aggregation."""
-    baseline = options.baseline_config(args) if _section(args, "baseline") is not None else None
+    geometry = _section(args, "geometry")
+    baseline = None if geometry is None else geometry.baseline
     if baseline is None or POLICY_LOSSES[baseline.policy_loss].loss is None:
         return upstream
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -207,9 +190,8 @@ def actor_spec(args) -> GeometrySpec | None:
     from openrlhf_geo.fork.install import check_worker
 
     check_worker()
-    if _section(args, "salt") is None:
-        return None
-    return options.geometry_config(args).spec
+    geometry = _section(args, "geometry")
+    return None if geometry is None else geometry.spec
 
 
 @torch.no_grad()
@@ -248,7 +230,8 @@ def response_geometry(
 
 
 def _section(args, name):
-    """args.<name>, or None for args built without the fork's flags (upstream's own tests): everything off."""
+    """args.<name>, or None for args built without the fork's flags (upstream's own tests): everything off.
+    `geometry` is the GeometryConfig `options.validate` built at parse time."""
     return getattr(args, name, None) if args is not None else None
 
 
@@ -263,15 +246,15 @@ class ExperienceGeometry:
     def __init__(self, args=None, tokenizer=None):
         self.pipeline, self.n_samples, self.steps = None, None, 0
         self.tokenizer, self.verifier = tokenizer, None
-        if _section(args, "salt") is None:
+        config = _section(args, "geometry")  # options.validate's, built once at parse time
+        if config is None:
             return
         self.n_samples = args.rollout.n_samples_per_prompt  # also for the reward / advantage checks
         self.signal = SignalGuard(args.rollout.max_new_tokens)
-        config = options.geometry_config(args)
         if not config.active:
             return
         self.pipeline = GeometryPipeline(config)
-        if config.baseline is not None and config.baseline.seed_grpo_alpha is not None:
+        if any("verifier" in entry.inputs for entry in active_adjustments(config.baseline)):  # Seed-GRPO
             from openrlhf_geo.rewards.math_verify import reward_from_env
 
             self.verifier = reward_from_env()  # its worker processes start at the first check
@@ -400,8 +383,7 @@ class GeometryBatch:
         a = advantages.reshape(-1)
         if self.dump is not None:
             self.dump["salt_in"] = a.clone()
-        if pipeline.baseline is not None and pipeline.baseline.seed_grpo_alpha is not None:
-            a = self.step.seed_grpo(a, self._responses(), self.owner.verifier)
+        a = self.step.adjust("advantage", a, responses=self._responses, verifier=lambda: self.owner.verifier)
         if pipeline.salt is not None:
             spec = pipeline.config.spec
             lengths = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))
@@ -467,10 +449,9 @@ def aligned_partitions(args) -> int:
     """`pipeline.minibatch_partitions` for the fork's args: prompts per partition when every optimizer step must
     train on exactly one SALT partition, else 0. Also 0 where upstream's data path cannot keep partitions together:
     a critic (it shares the experience distribution), async training (another trainer)."""
-    if _section(args, "salt") is None or args.train.async_enable or args.critic.model_name_or_path:
+    if _section(args, "geometry") is None or args.train.async_enable or args.critic.model_name_or_path:
         return 0
-    salt = options.geometry_config(args).salt
-    return minibatch_partitions(salt, args.train.batch_size, args.rollout.n_samples_per_prompt)
+    return minibatch_partitions(args.geometry.salt, args.train.batch_size, args.rollout.n_samples_per_prompt)
 
 
 def _data_parallel_size(args) -> int:

@@ -33,7 +33,6 @@ from transformers import GenerationConfig
 
 from openrlhf_geo import baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
-from openrlhf_geo.options import geometry_config
 from openrlhf_geo.pipeline import (
     GeometryPipeline,
     SignalGuard,
@@ -42,7 +41,7 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
-from openrlhf_geo.registry import POLICY_LOSSES
+from openrlhf_geo.registry import POLICY_LOSSES, active_adjustments
 from openrlhf_geo.rewards.math_verify import PROBLEMS
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -382,7 +381,7 @@ class Trainer:
         torch.manual_seed(seed)  # HF `generate` samples from the global RNG (its state is checkpointed)
         self.sampler = PromptSampler(rows, seed)
         # reward noise, GeoAlign, SALT: the pipeline the fork runs too (its own random streams, seeded from `seed`)
-        self.pipeline = GeometryPipeline(geometry_config(args))
+        self.pipeline = GeometryPipeline(args.geometry)  # built once at parse time (options.validate)
         self.signal = SignalGuard(args.rollout.max_new_tokens)  # warns when a step has nothing to learn from
         salt, n = self.pipeline.salt, args.rollout.n_samples_per_prompt
         # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default, and
@@ -400,7 +399,8 @@ class Trainer:
             weight_decay=args.actor.adam.weight_decay,
         )
         self.reference = None  # the frozen initial policy: KL's reference and PAR's reference-response sampler
-        if args.algo.kl.init_coef > 0 or self.baseline.par_references:
+        references = any("references" in entry.inputs for entry in active_adjustments(self.pipeline.baseline))
+        if args.algo.kl.init_coef > 0 or references:  # references: PAR's
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
@@ -430,10 +430,8 @@ class Trainer:
         # 5. PAR: each reward against M reference responses of the initial policy, then GeoAlign / PF-PPO / PODS:
         # slot i takes the reward of the rollout that fills it (identity without curation)
         step = self.pipeline.start(batch.group_ids.cpu(), batch.corrupted)
-        rewards = batch.rewards
-        if self.baseline.par_references:
-            rewards, stats = baselines.par_rewards(rewards, self._reference_rewards(batch))
-            metrics.update({f"baseline/{key}": value for key, value in stats.items()})
+        rewards = step.adjust("reward", batch.rewards, references=lambda: self._reference_rewards(batch))
+        metrics.update(step.batch_metrics)
         rewards = step.curate(rewards, batch.hidden)
         self.last_curation = step.curation
 
@@ -442,7 +440,9 @@ class Trainer:
         kept = step.kept.to(rewards.device)
         advantages = torch.zeros_like(rewards)
         advantages[kept] = group_advantages(rewards[kept], batch.group_ids[kept], args.algo.advantage.estimator)
-        advantages = step.seed_grpo(advantages, batch.responses, self.verifier)
+        advantages = step.adjust(
+            "advantage", advantages, responses=lambda: batch.responses, verifier=lambda: self.verifier
+        )
 
         # 7. SALT reweighting of the sequence advantages (or, with --salt.diagnostics, only its geometry logged)
         advantages = step.reweight(

@@ -160,7 +160,7 @@ def validate(args):
         raise ValueError("--reward.pm1 makes rewards -1/+1: use --reward.noise.levels -1 1 (or leave it out)")
     if args.salt.enable and args.algo.advantage.estimator not in LOCAL_SALT_BASES:
         raise ValueError(
-            f"the local engine supports --salt.base {' or '.join(LOCAL_SALT_BASES)} (got {args.salt.base})"
+            f"the local engine supports --salt.base {' or '.join(LOCAL_SALT_BASES)} (got {args.geometry.salt_base})"
         )
     if (args.actor.model_name_or_path is None) == (args.actor.config is None):
         raise ValueError("give exactly one of --actor.model_name_or_path and --actor.config")
