@@ -309,38 +309,98 @@ def lm_head_features(
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     masked = _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids)
     chunk_size = _as_int(chunk_size, "chunk_size", 1)
-    vocab_size, hidden_size = logits.shape[2], hidden.shape[2]
     if method != "exact":
         _sketch_side(dim)
-    if method == "sketch" and vocab_size * hidden_size <= dim:
+    if method == "sketch" and logits.shape[2] * hidden.shape[2] <= dim:
         method = "exact"  # a sketch of a vector that fits in D entries is the vector itself
-    device = logits.device
+    log_probs = torch.zeros(logits.shape[:2], dtype=torch.float32, device=logits.device) if return_log_probs else None
     if method == "exact":
-        if vocab_size * hidden_size > EXACT_MAX_NUMEL:
-            raise ValueError(
-                f'method="exact" would return V*d = {vocab_size}*{hidden_size} floats per response '
-                f'(limit {EXACT_MAX_NUMEL}); use method="sketch" for models of this size'
-            )
-        width = vocab_size * hidden_size
+        out = _exact_features(logits, hidden, masked, temperature, chunk_size, log_probs)
     elif method == "sketch":
-        hashes, offsets = _hash_storage(_as_int(seed, "seed", 0), vocab_size, hidden_size, dim, device)
-        tiles = _TensorSketchTiles(hashes, offsets, dim, temperature, chunk_size, device)
-        # the real and imaginary parts of the L blocks' rfft spectra, summed per response
-        width = 2 * (dim // hashes.block) * (hashes.block // 2 + 1)
+        out = _sketch_features(logits, hidden, masked, dim, seed, temperature, chunk_size, log_probs)
     else:
-        s_e, s_h = kronecker_projections(vocab_size, hidden_size, dim, seed, device)
-        se_t, sh_t = s_e.T, s_h.T  # (V, k), (d, k): row-gather S_e[:, y] and right-multiply without copies
-        width = dim
+        out = _kronecker_features(logits, hidden, masked, dim, seed, temperature, chunk_size, log_probs)
+    if len(masked.rows) and not bool(torch.isfinite(out).all()):
+        _raise_non_finite(logits, hidden, masked.rows, masked.cols)
+    return (out, log_probs) if return_log_probs else out
 
-    rows, response, num_responses = masked.rows, masked.response, masked.num_responses
-    out = torch.zeros(num_responses, width, dtype=torch.float32, device=device)
-    log_probs = torch.zeros(logits.shape[:2], dtype=torch.float32, device=device) if return_log_probs else None
-    if len(rows) == 0:
-        out = out if method != "sketch" else out[:, :dim]
-        return (out, log_probs) if return_log_probs else out
-    # Per chunk, the position of each token's response among the responses present in the chunk (`local`) and
-    # those responses (`chunk_ids`), moved to the device once.
-    starts = range(0, len(rows), chunk_size)
+
+def _exact_features(logits, hidden, masked: _Tokens, temperature, chunk_size, log_probs) -> torch.Tensor:
+    """SALT Eq. 19 (§3.2) itself: row i = vec(G_i) = vec((1/T_i) Σ_t e_t h_tᵀ / τ), V·d columns."""
+    vocab_size, hidden_size = logits.shape[2], hidden.shape[2]
+    if vocab_size * hidden_size > EXACT_MAX_NUMEL:
+        raise ValueError(
+            f'method="exact" would return V*d = {vocab_size}*{hidden_size} floats per response '
+            f'(limit {EXACT_MAX_NUMEL}); use method="sketch" for models of this size'
+        )
+    out = torch.zeros(masked.num_responses, vocab_size * hidden_size, dtype=torch.float32, device=logits.device)
+    for chunk in _chunks(masked, chunk_size, logits.device):
+        p, h, y = _chunk_softmax(logits, hidden, masked, chunk.part, temperature, log_probs)
+        left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
+        left[chunk.index, y] += 1.0
+        out.index_add_(0, chunk.ids, _response_sums(chunk.assign, left, h))  # ids are unique: one add per row
+    return out
+
+
+def _kronecker_features(logits, hidden, masked: _Tokens, dim, seed, temperature, chunk_size, log_probs):
+    """SALT Eq. 19 (§3.2) through the Kronecker sketch: row i = vec(S_e G_i S_hᵀ), dim = k·k columns."""
+    device = logits.device
+    s_e, s_h = kronecker_projections(logits.shape[2], hidden.shape[2], dim, seed, device)
+    se_t, sh_t = s_e.T, s_h.T  # (V, k), (d, k): row-gather S_e[:, y] and right-multiply without copies
+    out = torch.zeros(masked.num_responses, dim, dtype=torch.float32, device=device)
+    for chunk in _chunks(masked, chunk_size, device):
+        p, h, y = _chunk_softmax(logits, hidden, masked, chunk.part, temperature, log_probs)
+        left = se_t[y] - p @ se_t  # S_e e_t = S_e[:, y_t] − S_e p_t, (n, k)
+        right = h @ sh_t  # S_h h_t, (n, k)
+        out.index_add_(0, chunk.ids, _response_sums(chunk.assign, left, right))  # ids are unique: one add per row
+    return out
+
+
+def _sketch_features(logits, hidden, masked: _Tokens, dim, seed, temperature, chunk_size, log_probs):
+    """SALT Eq. 19 (§3.2) through the blocked TensorSketch of vec(G_i) (`sketch_hashes`): dim columns."""
+    device, R = logits.device, masked.num_responses
+    hashes, offsets = _hash_storage(_as_int(seed, "seed", 0), logits.shape[2], hidden.shape[2], dim, device)
+    tiles = _TensorSketchTiles(hashes, offsets, dim, temperature, chunk_size, device)
+    # the real and imaginary parts of the L blocks' rfft spectra, summed per response
+    width = 2 * (dim // hashes.block) * (hashes.block // 2 + 1)
+    out = torch.zeros(R, width, dtype=torch.float32, device=device)
+    if len(masked.rows) == 0:
+        return out[:, :dim]
+    new_run = np.ones(len(masked.rows), dtype=bool)  # where a run of consecutive positions in one row starts
+    new_run[1:] = (masked.rows[1:] != masked.rows[:-1]) | (masked.cols[1:] != masked.cols[:-1] + 1)
+    for chunk in _chunks(masked, chunk_size, device):
+        start, y = chunk.part.start, masked.y[chunk.part]
+        block = torch.zeros(len(chunk.ids), width, device=device)
+        # tiles never cross a run of consecutive positions, so their logits are views: a gather of the chunk's
+        # (n, V) logits cost more than the sketch itself (V = 151936)
+        for tile in _run_tiles(new_run, start, start + len(y), tiles.size):
+            part = slice(tile.start - start, tile.stop - start)
+            z_tile, h_tile = masked.take(logits, tile), masked.take(hidden, tile).float()
+            # of C_V e_t ⊛_P C_d h_t, (tile, L, P/2 + 1), and the tile's log-probs
+            spectrum, tile_log_probs = tiles.spectrum(z_tile, y[part], h_tile)
+            block.addmm_(chunk.assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
+            if log_probs is not None:
+                log_probs[masked.rows_dev[tile], masked.cols_dev[tile]] = tile_log_probs
+        out.index_add_(0, chunk.ids, block)  # ids are unique: one add per row
+    spectra = torch.view_as_complex(out.view(R, dim // hashes.block, -1, 2))
+    return torch.fft.irfft(spectra, n=hashes.block).reshape(R, dim)
+
+
+class _Chunk(NamedTuple):
+    """One chunk of `chunk_size` masked tokens (see `_chunks`)."""
+
+    part: slice  # its tokens among the masked ones
+    ids: torch.Tensor  # (u,) the distinct responses present, on the device
+    assign: torch.Tensor  # (u, n) float32: weight 1/(T_i τ) of token t in the row of its response, else 0
+    index: torch.Tensor  # (n,) arange(n) on the device
+
+
+def _chunks(masked: _Tokens, chunk_size: int, device):
+    """The masked tokens in chunks of `chunk_size`, as `_Chunk`s: Σ_t per response present in a chunk is then
+    `assign @ ·`, without atomics (deterministic on every device). The position of each token's response among
+    those present in its chunk, and those responses, move to the device once, before the first chunk."""
+    response = masked.response
+    starts = range(0, len(masked.rows), chunk_size)
     chunk_ids, local = [], np.empty_like(response)
     for start in starts:
         ids, inverse = np.unique(response[start : start + chunk_size], return_inverse=True)
@@ -349,53 +409,31 @@ def lm_head_features(
     local_dev = torch.from_numpy(local).to(device)
     weight_dev = torch.from_numpy(masked.weight).to(device=device, dtype=torch.float32)
     token_index = torch.arange(chunk_size, device=device)
-    new_run = np.ones(len(rows), dtype=bool)  # where a run of consecutive positions in one row starts
-    new_run[1:] = (rows[1:] != rows[:-1]) | (masked.cols[1:] != masked.cols[:-1] + 1)
-
     for start, ids in zip(starts, chunk_ids):
-        sl = slice(start, start + chunk_size)
-        y = masked.y[sl]
-        n = len(y)
-        # Σ_t per response present in the chunk, without atomics (deterministic on every device): (u, n) weights.
+        part = slice(start, start + chunk_size)
+        n = min(chunk_size, len(response) - start)
         assign = torch.zeros(len(ids), n, device=device)
-        assign[local_dev[sl], token_index[:n]] = weight_dev[sl]
-        if method == "sketch":
-            block = torch.zeros(len(ids), width, device=device)
-            # tiles never cross a run of consecutive positions, so their logits are views: a gather of the chunk's
-            # (n, V) logits cost more than the sketch itself (V = 151936)
-            for tile in _run_tiles(new_run, start, start + n, tiles.size):
-                part = slice(tile.start - start, tile.stop - start)
-                z_tile, h_tile = masked.take(logits, tile), masked.take(hidden, tile).float()
-                # of C_V e_t ⊛_P C_d h_t, (tile, L, P/2 + 1), and the tile's log-probs
-                spectrum, tile_log_probs = tiles.spectrum(z_tile, y[part], h_tile)
-                block.addmm_(assign[:, part], torch.view_as_real(spectrum).reshape(spectrum.shape[0], -1))
-                if log_probs is not None:
-                    log_probs[masked.rows_dev[tile], masked.cols_dev[tile]] = tile_log_probs
-        else:
-            z = masked.take(logits, sl)  # (n, V), a view if one run: never written to
-            h = masked.take(hidden, sl).float()  # (n, d)
-            scaled = z.float() / temperature if temperature != 1.0 else z.float()
-            p = torch.softmax(scaled, dim=-1)
-            if log_probs is not None:
-                label = scaled.gather(1, y[:, None])[:, 0]
-                log_probs[masked.rows_dev[sl], masked.cols_dev[sl]] = label - torch.logsumexp(scaled, dim=-1)
-            if method == "exact":
-                left = p.neg_()  # e_t = onehot(y_t) − p_t, (n, V)
-                left[token_index[:n], y] += 1.0
-                right = h
-            else:
-                left = se_t[y] - p @ se_t  # S_e e_t = S_e[:, y_t] − S_e p_t, (n, k)
-                right = h @ sh_t  # S_h h_t, (n, k)
-            # per response: Σ_t weight_t left_t right_tᵀ, (u, left_size, right_size)
-            block = ((assign[:, :, None] * left[None]).transpose(1, 2) @ right).reshape(len(ids), -1)
-        out.index_add_(0, ids, block)  # ids are unique: one add per row
+        assign[local_dev[part], token_index[:n]] = weight_dev[part]
+        yield _Chunk(part, ids, assign, token_index[:n])
 
-    if method == "sketch":
-        spectra = torch.view_as_complex(out.view(num_responses, dim // hashes.block, -1, 2))
-        out = torch.fft.irfft(spectra, n=hashes.block).reshape(num_responses, dim)
-    if not bool(torch.isfinite(out).all()):
-        _raise_non_finite(logits, hidden, rows, masked.cols)
-    return (out, log_probs) if return_log_probs else out
+
+def _chunk_softmax(logits, hidden, masked: _Tokens, part: slice, temperature, log_probs):
+    """(softmax(z_t/τ) (n, V) float32, h_t (n, d) float32, y_t (n,)) of one chunk's tokens; writes their
+    log softmax(z_t/τ)[y_t] into `log_probs` (B, S) unless it is None."""
+    y = masked.y[part]
+    z = masked.take(logits, part)  # (n, V), a view if one run: never written to
+    h = masked.take(hidden, part).float()  # (n, d)
+    scaled = z.float() / temperature if temperature != 1.0 else z.float()
+    p = torch.softmax(scaled, dim=-1)
+    if log_probs is not None:
+        label = scaled.gather(1, y[:, None])[:, 0]
+        log_probs[masked.rows_dev[part], masked.cols_dev[part]] = label - torch.logsumexp(scaled, dim=-1)
+    return p, h, y
+
+
+def _response_sums(assign: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Per response present in the chunk, Σ_t weight_t left_t right_tᵀ flattened: (u, left_size · right_size)."""
+    return ((assign[:, :, None] * left[None]).transpose(1, 2) @ right).reshape(assign.shape[0], -1)
 
 
 def _run_tiles(new_run: np.ndarray, start: int, stop: int, size: int):

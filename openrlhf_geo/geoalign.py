@@ -671,6 +671,108 @@ def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corr
     return rewards, group_ids, corrupted
 
 
+def _blank_stats():
+    """curate's stats before any step ran (counts 0, measurements NaN, not skipped), in logging order."""
+    counts = ("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps")
+    measured = (
+        *("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8"),
+        *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold"),
+    )
+    skips = {f"skip_{why}": 0.0 for why in SKIP_REASONS}
+    return {**dict.fromkeys(counts, 0.0), **dict.fromkeys(measured, math.nan), **skips, "skipped_reason": ""}
+
+
+def _directed_pairs(h, r, group_ids, max_per_side, generator):
+    """GeoAlign Eq. 3 pairs that have a unit displacement u_p (§4.1) -> (winner, loser, dist, n_identical): pairs
+    whose hidden states are numerically identical (within SAME_TOL of their norm) have no direction and are dropped."""
+    winner, loser = preference_pairs(r, group_ids, max_per_side, generator)
+    dist = pair_distances(h, winner, loser, group_ids)
+    norms = h.double().norm(dim=1).cpu()
+    same = dist <= SAME_TOL * torch.maximum(norms[winner], norms[loser])
+    return winner[~same], loser[~same], dist[~same], float(same.sum())
+
+
+def _held_out_pairs(pair_prompt, paired_prompts, val_frac, generator):
+    """App. C.1 validation split of Eq. 4's pairs -> (P,) bool: round(val_frac * prompts) whole prompts held out
+    (at least one, leaving at least one to train); none when only one prompt has pairs."""
+    if len(paired_prompts) < 2:
+        return torch.zeros(len(pair_prompt), dtype=torch.bool)
+    n_val = min(len(paired_prompts) - 1, max(1, round(val_frac * len(paired_prompts))))
+    val_prompts = paired_prompts[torch.randperm(len(paired_prompts), generator=generator)[:n_val]]
+    return torch.isin(pair_prompt, val_prompts)
+
+
+def _ready_projector(projector, in_dim, config, generator):
+    """Algorithm 1 line 1: a fresh M_psi, or the caller's on config.device in float32 (re-initialised unless
+    config.warm_start)."""
+    if projector is None:
+        return Projector(in_dim, config, generator)
+    projector.to(device=torch.device(config.device), dtype=torch.float32)
+    if not config.warm_start:
+        projector.reset_parameters(generator)
+    return projector
+
+
+def _online_projector(projector, h, winner, loser, dist, val_mask, config, generator):
+    """GeoAlign Eq. 4 (§4.2): train M_psi and a temporary probe on the pairs' unit displacements, then project
+    every pair -> (v (P, o) float64 = norm(M_psi(u_p)) on the CPU, the fit's stats)."""
+    projector = _ready_projector(projector, h.shape[1], config, generator)
+    probe, steps = fit_projector(projector, h, winner, loser, dist, config, generator, val_mask=val_mask)
+    with torch.no_grad():
+        out = projector.pair_forward(*_compact(h, winner, loser, dist, torch.ones_like(val_mask)))
+        s_pos, s_neg = (out @ probe).cpu()
+    train = ~val_mask
+    fit = {"proj_steps": float(steps), "proj_loss": orientation_loss(s_pos[train], s_neg[train]).item()}
+    fit["proj_train_acc"] = _orientation_acc(s_pos[train], s_neg[train])
+    if val_mask.any():
+        fit["val_acc"] = _orientation_acc(s_pos[val_mask], s_neg[val_mask])
+    return F.normalize(out[0].double().cpu(), dim=1), fit
+
+
+def _pair_margins(r, winner, loser):
+    """GeoAlign Eq. 5 weights r_k - r_l (float64), or the halves' difference where it overflows (rewards beyond half
+    the float64 limit): `prototype` is invariant to a common positive scale of the margins."""
+    margins = r[winner] - r[loser]
+    if not bool(torch.isfinite(margins).all()):
+        margins = r[winner] / 2 - r[loser] / 2
+    return margins
+
+
+def _skip_reason(scored, consensus, min_scores):
+    """Why the scored rollouts' GDI (n_scored,) cannot be thresholded (curate's few_scores / degenerate), else ""."""
+    if min_scores and len(scored) < min_scores:
+        return "few_scores"
+    if consensus < SAME_TOL:
+        return "degenerate"  # projected directions that cancel exactly: no prototype
+    if float(scored.max() - scored.min()) <= SCORE_TOL * max(1.0, float(scored.abs().max())):
+        return "degenerate"  # float32 noise of agreeing directions, not a distribution to threshold
+    return ""
+
+
+def _cap_flags(candidates, scores, n_scored, max_flag_frac):
+    """The reference code's opt-in cap (not in the paper): at most max_flag_frac of the scored rollouts stay
+    flagged, highest GDI first; None / 0 keeps every candidate."""
+    if not max_flag_frac:
+        return candidates
+    cap = math.floor(max_flag_frac * n_scored + 1e-9)  # 0.29 * 100 is 28.999...
+    return candidates[torch.sort(scores[candidates], descending=True, stable=True).indices[:cap]]
+
+
+def _outcome_stats(flagged, scores, corrupted, skipped):
+    """curate's closing stats: the skip markers, the flag counts and, with `corrupted`, the detection quality."""
+    out = {"skipped_reason": skipped, f"skip_{skipped}": 1.0} if skipped else {}
+    n_flagged = float(flagged.sum())
+    out.update(n_flagged=n_flagged, flag_frac=n_flagged / max(len(flagged), 1))
+    if corrupted is None:
+        return out
+    bad = corrupted.detach().cpu().bool()
+    hits = float((flagged & bad).sum())
+    out["precision"] = hits / n_flagged if flagged.any() else math.nan
+    out["recall"] = hits / float(bad.sum()) if bad.any() else math.nan
+    out["auroc"] = detection_auroc(scores.numpy(), bad.numpy(), ~torch.isnan(scores).numpy())[0]
+    return out
+
+
 def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
     """GeoAlign on one rollout batch (Algorithm 1, function GeoAlign) -> (CurationPlan, stats: dict).
 
@@ -710,105 +812,53 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     """
     start = time.perf_counter()
     rewards, group_ids, corrupted = _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted)
-    n = hidden.shape[0]
-    device = torch.device(config.device)
-    counts = ("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps")
-    stats = dict.fromkeys(counts, 0.0)
-    stats.update(dict.fromkeys(("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean"), math.nan))
-    stats.update(dict.fromkeys(("cos_gt_0.8", "gdi_p50", "gdi_p95", "kde_mode", "kde_threshold"), math.nan))
-    stats.update({f"skip_{why}": 0.0 for why in SKIP_REASONS}, skipped_reason="")
-    scores = torch.full((n,), math.nan, dtype=torch.float64)
-    flagged = torch.zeros(n, dtype=torch.bool)
+    n, stats = hidden.shape[0], _blank_stats()
+    scores, flagged = torch.full((n,), math.nan, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
 
     def finish(skipped=""):
-        if skipped:
-            stats["skipped_reason"], stats[f"skip_{skipped}"] = skipped, 1.0
+        """Eq. 8: rectify the flagged rollouts (Best-Random replacement under the default mode), then the stats."""
         plan = rectify(flagged, rewards, group_ids, config.mode, generator)
         plan.gdi = scores.to(device=plan.gdi.device, dtype=plan.gdi.dtype)
-        stats["n_flagged"] = float(flagged.sum())
-        stats["flag_frac"] = float(flagged.sum()) / max(n, 1)
-        if corrupted is not None:
-            bad = corrupted.detach().cpu().bool()
-            hits = float((flagged & bad).sum())
-            stats["precision"] = hits / float(flagged.sum()) if flagged.any() else math.nan
-            stats["recall"] = hits / float(bad.sum()) if bad.any() else math.nan
-            stats["auroc"] = detection_auroc(scores.numpy(), bad.numpy(), ~torch.isnan(scores).numpy())[0]
-        stats["time_s"] = time.perf_counter() - start
+        stats.update(_outcome_stats(flagged, scores, corrupted, skipped), time_s=time.perf_counter() - start)
         return plan, stats
 
-    # Eq. 3 pairs, minus those without a direction (numerically identical hidden states). Unit displacements are
-    # scale-free: an exact power-of-two rescale keeps squared norms and Z = H W1^T of huge hidden states finite.
+    # Eq. 3: within-prompt preference pairs with a direction. Unit displacements are scale-free: an exact
+    # power-of-two rescale keeps squared norms and Z = H W1^T of huge hidden states finite.
     r = rewards.detach().cpu().double()
-    h = (hidden.detach() * _pow2_scale(hidden)).to(device=device, dtype=torch.float32)
-    winner, loser = preference_pairs(r, group_ids, config.max_pairs_per_side, generator)
-    dist = pair_distances(h, winner, loser, group_ids)
-    norms = h.double().norm(dim=1).cpu()
-    same = dist <= SAME_TOL * torch.maximum(norms[winner], norms[loser])
-    winner, loser, dist = winner[~same], loser[~same], dist[~same]
+    h = (hidden.detach() * _pow2_scale(hidden)).to(device=torch.device(config.device), dtype=torch.float32)
+    winner, loser, dist, identical = _directed_pairs(h, r, group_ids, config.max_pairs_per_side, generator)
     _, group = torch.unique(group_ids.cpu(), return_inverse=True)
     paired_prompts = torch.unique(group[winner])
-    stats.update(
-        pairs=float(len(winner)), pairs_identical=float(same.sum()), prompts_paired=float(len(paired_prompts))
-    )
+    stats.update(pairs=float(len(winner)), pairs_identical=identical, prompts_paired=float(len(paired_prompts)))
     stats["n_scored"] = float((torch.bincount(torch.cat((winner, loser)), minlength=n) > 0).sum())
     if not len(winner):
-        return finish("no_pairs")
+        return finish("no_pairs")  # §4.5: no pair, identity
 
-    # Eq. 4: projector + temporary probe, validated on held-out prompts when there are two or more
-    val_mask = torch.zeros(len(winner), dtype=torch.bool)
-    if len(paired_prompts) >= 2:
-        n_val = min(len(paired_prompts) - 1, max(1, round(config.val_frac * len(paired_prompts))))
-        val_prompts = paired_prompts[torch.randperm(len(paired_prompts), generator=generator)[:n_val]]
-        val_mask = torch.isin(group[winner], val_prompts)
-    if projector is None:
-        projector = Projector(h.shape[1], config, generator)
-    else:
-        projector.to(device=device, dtype=torch.float32)
-        if not config.warm_start:
-            projector.reset_parameters(generator)
-    probe, steps = fit_projector(projector, h, winner, loser, dist, config, generator, val_mask=val_mask)
-    stats["proj_steps"] = float(steps)
-    with torch.no_grad():
-        out = projector.pair_forward(*_compact(h, winner, loser, dist, torch.ones_like(val_mask)))
-        s_pos, s_neg = (out @ probe).cpu()
-    train = ~val_mask
-    stats["proj_loss"] = orientation_loss(s_pos[train], s_neg[train]).item()
-    stats["proj_train_acc"] = _orientation_acc(s_pos[train], s_neg[train])
-    if val_mask.any():
-        stats["val_acc"] = _orientation_acc(s_pos[val_mask], s_neg[val_mask])
+    # Eq. 4: the online projector on unit displacements, validated on held-out prompts; v_p = norm(M_psi(u_p))
+    val_mask = _held_out_pairs(group[winner], paired_prompts, config.val_frac, generator)
+    v, fit = _online_projector(projector, h, winner, loser, dist, val_mask, config, generator)
+    stats.update(fit)
 
-    # Eq. 5-7: prototype, deviations, GDI. A positive reward scale cancels in Eq. 5 (`prototype` rescales the
-    # margins); only rewards beyond half the float64 limit make a difference overflow: then the halves are taken.
-    v = F.normalize(out[0].double().cpu(), dim=1)
-    margins = r[winner] - r[loser]
-    if not bool(torch.isfinite(margins).all()):
-        margins = r[winner] / 2 - r[loser] / 2
-    v_proto, stats["consensus"] = prototype(v, margins, config.prototype)
+    # Eq. 5-6: the reward-margin-weighted prototype, each pair's deviation s_p = 1 - cos(v_p, v_proto)
+    v_proto, stats["consensus"] = prototype(v, _pair_margins(r, winner, loser), config.prototype)
     dev = deviation(v, v_proto)
-    stats["cos_mean"] = (1 - dev).mean().item()
-    stats["cos_gt_0.8"] = (1 - dev > 0.8).double().mean().item()
+    stats["cos_mean"], stats["cos_gt_0.8"] = (1 - dev).mean().item(), (1 - dev > 0.8).double().mean().item()
+
+    # Eq. 7: each rollout's cumulative GDI (NaN without a pair)
     scores = gdi(dev, winner, loser, n, config.gdi)
     index = torch.nonzero(~torch.isnan(scores))[:, 0]
     stats["gdi_p50"], stats["gdi_p95"] = np.quantile(scores[index].numpy(), (0.5, 0.95)).tolist()
-    if config.min_scores and len(index) < config.min_scores:
-        return finish("few_scores")
-    if stats["consensus"] < SAME_TOL:
-        return finish("degenerate")
-    scored = scores[index]  # not empty: there are pairs
-    if float(scored.max() - scored.min()) <= SCORE_TOL * max(1.0, float(scored.abs().max())):
-        return finish("degenerate")  # float32 noise of agreeing directions, not a distribution to threshold
+    if skipped := _skip_reason(scores[index], stats["consensus"], config.min_scores):
+        return finish(skipped)
 
-    # §4.4 anomaly rule on the batch's GDI scores, then the opt-in cap (highest GDI first)
+    # §4.4: the KDE tail flag (high tail, own density < alpha * peak), then the opt-in cap
     flags, stats["kde_mode"], stats["kde_threshold"] = kde_flags(scores[index].numpy(), config.alpha, config.rule)
     if math.isnan(stats["kde_mode"]):
         return finish("degenerate")
     candidates = index[torch.from_numpy(flags)]
     stats["n_candidates"] = float(len(candidates))
-    if config.max_flag_frac:
-        cap = math.floor(config.max_flag_frac * len(index) + 1e-9)  # 0.29 * 100 is 28.999...
-        candidates = candidates[torch.sort(scores[candidates], descending=True, stable=True).indices[:cap]]
-    flagged[candidates] = True
-    return finish()
+    flagged[_cap_flags(candidates, scores, len(index), config.max_flag_frac)] = True
+    return finish()  # Eq. 8 (in finish): Best-Random replacement within each prompt, rollout counts kept
 
 
 def _geoalign_fork(config):

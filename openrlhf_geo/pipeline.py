@@ -159,6 +159,26 @@ class SignalGuard:
 SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
+# Every seeded random stream of a run, as an offset from its --train.seed: one torch.Generator per consumer, so
+# switching one method on never shifts another's draws (the reward noise has its own --reward.noise.seed). Changing a
+# value changes every seeded result, the committed ones included.
+STREAM_OFFSETS = {
+    "geoalign": 1,  # GeoAlign: projector initialisation and training order, pair subsampling, Best-Random donors
+    "salt": 2,  # SALT
+    "minibatch": 3,  # local engine: the optimizer mini-batch order
+    "baseline": 4,  # PF-PPO / PODS draws
+    "loss": 5,  # local engine: Clip-Cov's token draw
+}
+# The fork's per-step streams: seed * FORK_STEP_STRIDE + step (rank_batches' partition order after rollout step
+# `step`, PartitionSampler's order at ppo_train call `step`), and Clip-Cov's seed + rank (one stream per rank).
+FORK_STEP_STRIDE = 1_000_003
+
+
+def stream(seed: int, name: str) -> torch.Generator:
+    """The CPU generator of stream `name` (STREAM_OFFSETS) for a run seeded with `seed`."""
+    return torch.Generator().manual_seed(seed + STREAM_OFFSETS[name])
+
+
 @dataclass(frozen=True)
 class GeometryConfig:
     """Everything the pipeline runs, built once at parse time (`options.validate` -> `args.geometry`), read by both
@@ -264,9 +284,7 @@ class GeometryPipeline:
         # Independent streams: switching one method on never shifts another's random draws.
         self.generators = {
             "noise": torch.Generator().manual_seed(config.noise.seed),
-            "geoalign": torch.Generator().manual_seed(config.seed + 1),
-            "salt": torch.Generator().manual_seed(config.seed + 2),
-            "baseline": torch.Generator().manual_seed(config.seed + 4),  # + 3: the local engine's mini-batches
+            **{name: stream(config.seed, name) for name in ("geoalign", "salt", "baseline")},
         }
         self.projector = None  # created at the first curation (needs the hidden size)
         self.entropy_range = None  # (H_min, H_max) over the run so far (SALT entropy-alpha)

@@ -287,8 +287,27 @@ def _random_subspace(m: int, k: int, generator) -> tuple[torch.Tensor, bool]:
     return torch.linalg.qr(torch.randn(m, k, generator=generator, dtype=torch.float64)).Q, True
 
 
+def _gram(F: torch.Tensor, gram: str, sketch_shape):
+    """SALT Eq. 4 (K_total of Eq. 13): (K, K_geom, noise, gram stats) on the CPU, formed on F's device.
+
+    K: the unbiased Gram F Fᵀ / m, for α_t and the stats; K_geom: the Gram P_k is taken from (K itself under
+    "raw"; sketch_gram.shrink's K̃ under "shrink", with its per-entry noise variance and gram_* stats).
+    """
+    if gram == "raw":
+        K = diagnostics.gram(F).cpu()
+        return K, K, None, {}
+    K, noise = (x.cpu() for x in sketch_gram.gram_and_noise(F, sketch_shape))
+    K_geom, gram_stats = sketch_gram.shrink(K, noise)
+    return K, K_geom, noise, gram_stats
+
+
+def _participation_ratio(K: torch.Tensor, noise: torch.Tensor | None) -> float:
+    """SALT Eq. 5: PR_total = tr(K)² / ‖K‖_F² (noise-debiased by sketch_gram under gram="shrink")."""
+    return diagnostics.participation_ratio(K) if noise is None else sketch_gram.participation_ratio(K, noise)
+
+
 def _alpha_t(spec: Variant, a: torch.Tensor, K: torch.Tensor, pr: float, alpha, entropy) -> float:
-    """α_t by the variant's rule (Variant.alpha_rule)."""
+    """SALT Eq. 17: α_t = max(0, 1 − n_eff), n_eff by Eq. 6; or the variant's App. F.3.1 rule (Variant.alpha_rule)."""
     if spec.alpha_rule == "fixed":
         return float(alpha)
     if spec.alpha_rule == "entropy":
@@ -300,8 +319,38 @@ def _alpha_t(spec: Variant, a: torch.Tensor, K: torch.Tensor, pr: float, alpha, 
     return max(0.0, 1.0 - diagnostics.effective_sample_size(a, K, eps=0.0))
 
 
+def _channels(spec: Variant, a: torch.Tensor, basis: torch.Tensor, is_top: bool, k: int, generator):
+    """SALT Eq. 16: (a_main, a_exp) = (P_k a, P_k^⊥ [a]₊), with the variant's projector and exploration input."""
+    source = a.clamp_min(0) if spec.positive else a
+    if spec.projector == "none":  # no-proj: P_k = I in the main channel, P_k^⊥ = I in the exploration channel
+        return a, source
+    used = (basis, is_top) if spec.projector == "top-k" else _random_subspace(a.numel(), k, generator)
+    return _project(a, *used), source - _project(source, *used)
+
+
+def _reassign(spec: Variant, new: torch.Tensor, a: torch.Tensor, k: int, generator) -> torch.Tensor:
+    """SALT App. F.3.2 matched nulls: a'_SALT's values reassigned to samples (see salt_advantages)."""
+    m = new.numel()
+    if spec.assign == "permute":
+        return new[torch.randperm(m, generator=generator)]
+    if spec.assign != "matched-random-subspace":
+        return new
+    random_basis, random_top = _random_subspace(m, k, generator)
+    positive = a.clamp_min(0)
+    score = positive - _project(positive, random_basis, random_top)
+    ties = torch.randperm(m, generator=generator)
+    order = ties[torch.argsort(score[ties], descending=True, stable=True)]
+    matched = torch.empty_like(new)
+    matched[order] = torch.sort(new, descending=True).values
+    return matched
+
+
 def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape) -> torch.Tensor:
-    """Validate the arguments; return the advantages a (m,) as a float64 CPU tensor."""
+    """Validate the arguments; return the advantages a (m,) as a float64 CPU tensor.
+
+    variant, gram, alpha, entropy and eps are salt_advantages' own arguments, which callers pass without a
+    SaltConfig (benchmarks/salt_nulls.py, lab studies, tests), so they are checked here; the α rule is the one
+    SaltConfig checks (_check_alpha)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown SALT variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
     if gram not in GRAMS:
@@ -365,13 +414,15 @@ def salt_advantages(
 
     One call is one SALT partition: §3.1 takes the m = BG responses of "the current mini-batch" (Eq. 12).
 
-    SALT Eq. 4     K = F Fᵀ / m                                        (diagnostics.gram)
-    SALT Eq. 5     PR = tr(K)² / ‖K‖_F²                                (diagnostics.participation_ratio)
+    SALT Eq. 12    a, the stacked group-normalized advantages          (_checked)
+    SALT Eq. 4     K = F Fᵀ / m                                        (_gram: diagnostics.gram)
+    SALT Eq. 5     PR = tr(K)² / ‖K‖_F²                                (_participation_ratio)
     SALT Eq. 14    k_t = clip(⌊PR⌉, 1, m), ⌊·⌉ rounding half up         (_subspace_dim)
     SALT Eq. 13/15 P_k = V_k V_kᵀ on the top-k_t eigenvectors of K     (_top_eigenspace)
-    SALT Eq. 16    a_main = P_k a,  a_exp = P_k^⊥ [a]₊
-    SALT Eq. 17    α_t = max(0, 1 − n_eff), n_eff = aᵀKa / Σ_i a_i² K_ii (Eq. 6 on u_i = a_i g_i: no ε; 0/0 := 0)
-    SALT Eq. 18    a' = a_main + α_t a_exp
+    SALT Eq. 16    a_main = P_k a,  a_exp = P_k^⊥ [a]₊                  (_channels)
+    SALT Eq. 17    α_t = max(0, 1 − n_eff), n_eff = aᵀKa / Σ_i a_i² K_ii (_alpha_t; Eq. 6 on u_i = a_i g_i: no ε;
+                   0/0 := 0)
+    SALT Eq. 18    a' = a_main + α_t a_exp                             (then App. F.3.2's nulls: _reassign)
 
     variant: a key of VARIANTS (its Variant fields drive every branch below). The F.3.1 rows follow the text's
     formulas; "All variants use the same k_t and α_t computation when applicable". The F.3.2 nulls keep the step's
@@ -426,51 +477,27 @@ def salt_advantages(
     NaN/inf, wrong shapes or misused arguments ⇒ ValueError naming them. P_k is unique only when gap > 0; at a tie
     the eigensolver picks one of the top-k subspaces. Output: the dtype and device of `advantages`.
     """
-    a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape)
+    a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape)  # Eq. 12
     spec = VARIANTS[variant]
     m = a.numel()
     scale = diagnostics.unit_scale(features)
     F = features.detach() / scale if scale != 1.0 else features.detach()
-    # K: the unbiased Gram of F / scale for α_t and the stats; K_geom: what P_k is taken from. On the features' device
-    # (a GPU makes it ~free), solved on the CPU.
-    if gram == "raw":
-        K = diagnostics.gram(F).cpu()
-        K_geom, gram_stats = K, {}
-    else:
-        K, noise = (x.cpu() for x in sketch_gram.gram_and_noise(F, sketch_shape))
-        K_geom, gram_stats = sketch_gram.shrink(K, noise)
+    K, K_geom, noise, gram_stats = _gram(F, gram, sketch_shape)  # Eq. 4 / 13
     start = time.perf_counter()
-    pr = diagnostics.participation_ratio(K) if gram == "raw" else sketch_gram.participation_ratio(K, noise)
-    alpha_t = _alpha_t(spec, a, K, pr, alpha, entropy)
+    pr = _participation_ratio(K, noise)  # Eq. 5
+    alpha_t = _alpha_t(spec, a, K, pr, alpha, entropy)  # Eq. 17
     zero = torch.zeros_like(a)
-
     if m == 1 or pr == 0.0:  # no relative geometry: identity
         k = m if pr > 0 else 0
         basis, is_top, gap = torch.zeros(m, 0, dtype=torch.float64), pr == 0.0, 1.0 if pr > 0 else 0.0
         new, main, explore = a.clone(), a, zero
     else:
-        k = _subspace_dim(pr, m)
-        basis, is_top, gap = _top_eigenspace(K_geom, k)
-        source = a.clamp_min(0) if spec.positive else a
-        if spec.projector == "none":  # no-proj: P_k = I in the main channel, P_k^⊥ = I in the exploration channel
-            main, explore = a, source
-        else:
-            used = (basis, is_top) if spec.projector == "top-k" else _random_subspace(m, k, generator)
-            main, explore = _project(a, *used), source - _project(source, *used)  # Eq. 16
-        main = main if spec.main else zero
-        explore = alpha_t * explore if spec.explore else zero
-        new = main + explore  # Eq. 18
-        if spec.assign == "permute":
-            new = new[torch.randperm(m, generator=generator)]
-        elif spec.assign == "matched-random-subspace":
-            random_basis, random_top = _random_subspace(m, k, generator)
-            positive = a.clamp_min(0)
-            score = positive - _project(positive, random_basis, random_top)
-            ties = torch.randperm(m, generator=generator)
-            order = ties[torch.argsort(score[ties], descending=True, stable=True)]
-            matched = torch.empty_like(new)
-            matched[order] = torch.sort(new, descending=True).values
-            new = matched
+        k = _subspace_dim(pr, m)  # Eq. 14
+        basis, is_top, gap = _top_eigenspace(K_geom, k)  # Eq. 13/15
+        a_main, a_exp = _channels(spec, a, basis, is_top, k, generator)  # Eq. 16
+        main = a_main if spec.main else zero
+        explore = alpha_t * a_exp if spec.explore else zero
+        new = _reassign(spec, main + explore, a, k, generator)  # Eq. 18, then the F.3.2 nulls
     solve_ms = 1e3 * (time.perf_counter() - start)
 
     # Stats in the units of the given F: K = scale² · K(F / scale), so ‖ĝ‖ and U_⊥ scale by `scale`, n_eff's

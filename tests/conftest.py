@@ -1,5 +1,9 @@
 import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -12,3 +16,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Two CI cores are shared by two xdist workers.
 torch.set_num_threads(1)
+
+
+# The suite runs with --import-mode=importlib, which puts no test folder on sys.path: this one is, so the helper
+# modules next to the tests (fork_shims, fork_helpers, smoke_helpers) are imported by name. A test file never imports
+# another test file (tests/test_layout.py checks it).
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.append(TESTS)
+pytest.register_assert_rewrite("fork_helpers", "smoke_helpers")  # their asserts report like the tests' own
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """The patched upstream modules, imported from a fork materialized for this test session."""
+    import fork_shims
+
+    from openrlhf_geo.fork import install as fork
+
+    fork_shims.install()
+    cache = tmp_path_factory.getbasetemp() / "openrlhf-geo-cache"
+    fork.activate(fork.materialize(cache_dir=cache))
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_utils.experience_maker as experience_maker
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    import openrlhf.utils as utils
+    from openrlhf.models import Actor, PolicyLoss
+    from openrlhf.trainer.ppo_utils import experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    yield NS(
+        cache=cache,
+        Actor=Actor,
+        PolicyLoss=PolicyLoss,
+        experience=experience,
+        experience_maker=experience_maker,
+        ppo_actor=ppo_actor,
+        ppo_trainer=ppo_trainer,
+        utils=utils,
+        FixedKLController=FixedKLController,
+    )
+    fork_shims.uninstall()  # other test modules may probe importlib for vllm / flash_attn

@@ -5,7 +5,7 @@ The scripts run for real under bash with `ray`, `deepspeed`, `python`/`python3` 
 stubs that record their argv, so bash's own variable and array expansion is what gets checked. A `ray job submit`
 call goes through Ray's own CLI parser, and its entrypoint is replayed through `/bin/sh` the way Ray's job
 supervisor runs it (argv joined by `subprocess.list2cmdline`, executed with `shell=True`). The resulting
-train-ppo-ray argv goes through the patched upstream parser (`parse` of test_fork_pipeline.py: upstream
+train-ppo-ray argv goes through the patched upstream parser (`parse` of fork_helpers.py: upstream
 train_ppo_ray as __main__ through `openrlhf-geo train-ppo-ray`, stopped where training starts), an `eval` argv
 through `openrlhf-geo eval`'s parser, the SFT argv through DeepSpeed's launcher and upstream train_sft's parser,
 and the ArmoRM server's through `openrlhf-geo serve-rm`'s.
@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fork_helpers import parse
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -209,9 +210,12 @@ def train_ppo_ray_argv(argv):
 
 
 def flatten(ns, prefix=""):
-    """Nested namespaces -> {"a.b.c": value}."""
+    """Nested namespaces -> {"a.b.c": value}, the flags only (not `geometry`: the configuration options.validate
+    derives from them)."""
     flat = {}
     for key, value in vars(ns).items():
+        if not prefix and key == "geometry":
+            continue
         if isinstance(value, SimpleNamespace):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
@@ -413,21 +417,6 @@ def test_missing_hh_data_is_prepared_before_the_job(home, tmp_path):
 
 
 # ── the real parsers ──
-
-
-def _fork_pipeline():
-    """test_fork_pipeline.py's `up` fixture and `parse` helper: one mechanism for parsing through the fork."""
-    spec = importlib.util.spec_from_file_location(
-        "_fork_pipeline_helpers", Path(__file__).with_name("test_fork_pipeline.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_pipeline = _fork_pipeline()
-up = _pipeline.up
-parse = _pipeline.parse
 
 
 def parse_or_reject(monkeypatch, up, argv):

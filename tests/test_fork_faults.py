@@ -12,7 +12,6 @@ VM with OPENRLHF_GEO_FAULTS=full, about 6 min without (FULL below). Needs the CP
 test); without them the module is skipped, except in CI.
 """
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -23,13 +22,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import smoke_helpers as SMOKE  # the smoke's script and its checks, shared with test_smoke_cpu.py
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-# the smoke's script and its checks (tests are imported by path here: --import-mode=importlib)
-_spec = importlib.util.spec_from_file_location("smoke_cpu_tests", Path(__file__).with_name("test_smoke_cpu.py"))
-SMOKE = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(SMOKE)
 SCRIPT = SMOKE.SCRIPT
 FAULTS = REPO / "tests/fixtures/fault_inject"
 pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines]

@@ -9,7 +9,6 @@ split/merge; GeoAlign state in checkpoints.
 
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import math
 import re
@@ -21,6 +20,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from fork_helpers import BASE_ARGV, parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,37 +32,6 @@ from openrlhf_geo.geoalign import CurationPlan
 
 pytestmark = pytest.mark.fork
 V = 48  # tiny vocabulary
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    """The patched upstream modules, imported from a fork materialized for this test session."""
-    spec = importlib.util.spec_from_file_location("fork_shims", Path(__file__).with_name("fork_shims.py"))
-    shims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shims)
-    shims.install()
-    cache = tmp_path_factory.getbasetemp() / "openrlhf-geo-cache"
-    fork.activate(fork.materialize(cache_dir=cache))
-    import openrlhf.trainer.ppo_trainer as ppo_trainer
-    import openrlhf.trainer.ppo_utils.experience_maker as experience_maker
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
-    import openrlhf.utils as utils
-    from openrlhf.models import Actor, PolicyLoss
-    from openrlhf.trainer.ppo_utils import experience
-    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
-
-    yield NS(
-        cache=cache,
-        Actor=Actor,
-        PolicyLoss=PolicyLoss,
-        experience=experience,
-        experience_maker=experience_maker,
-        ppo_actor=ppo_actor,
-        ppo_trainer=ppo_trainer,
-        utils=utils,
-        FixedKLController=FixedKLController,
-    )
-    shims.uninstall()  # other test modules may probe importlib for vllm / flash_attn
 
 
 @pytest.fixture(scope="module")
@@ -93,30 +62,7 @@ def load_actor(up, tiny_path, packing=False, temperature=1.0):
     return actor
 
 
-# ── upstream's parser (cli/train_ppo_ray.py run as __main__, `train` never reached) ──
-
-BASE_ARGV = ["--actor.model_name_or_path", "tiny", "--rollout.n_samples_per_prompt", "4", "--train.seed", "7"]
-
-
-class Parsed(Exception):
-    pass
-
-
-def parse(up, monkeypatch, argv):
-    """`openrlhf-geo train-ppo-ray ARGV` (fork.main: upstream train_ppo_ray run as __main__ on the fork), stopped
-    where train() starts: returns the args it receives, after upstream's own checks."""
-    import ray
-
-    def stop(args):
-        raise Parsed(args)
-
-    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
-    monkeypatch.setattr(up.utils, "get_strategy", stop)  # train()'s first call after ray.init
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(sys, "argv", sys.argv[:1])
-    with pytest.raises(Parsed) as caught:
-        launch.main([*BASE_ARGV, *argv])
-    return caught.value.args[0]
+# ── upstream's parser (`parse`, `BASE_ARGV`: fork_helpers.py; the `up` fixture: conftest.py) ──
 
 
 def test_help_lists_upstream_and_fork_flags(up, monkeypatch, capsys):

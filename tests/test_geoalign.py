@@ -920,3 +920,16 @@ def test_config_accepts_the_documented_forms_and_its_presets_follow_the_paper():
         GeoAlignConfig.preset("chat")
     with pytest.raises(ValueError, match="unknown GeoAlign config field 'projector_steps'"):
         GeoAlignConfig.preset("math", projector_steps=3)
+
+
+def test_reward_margins_that_overflow_float64_are_taken_from_halves():
+    """Rewards of opposite sign beyond half the float64 limit: r_k - r_l overflows, r_k / 2 - r_l / 2 does not, and
+    Eq. 5's scale invariance makes the halves' margins give the plan of the rewards' signs."""
+    hidden, rewards, ids, _ = planted(16, 8, 16, 0.1, seed=1)
+    config = replace(TINY, alpha=0.3)
+    signs = 2 * rewards.double() - 1
+    base, stats = curate(hidden, signs, ids, config, gen(0))
+    assert base.flagged.any()
+    plan, huge = curate(hidden, signs * 1.5e308, ids, config, gen(0))
+    assert torch.equal(plan.flagged, base.flagged) and torch.equal(plan.source, base.source)
+    assert huge["consensus"] == pytest.approx(stats["consensus"], rel=1e-12)

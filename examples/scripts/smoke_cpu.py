@@ -74,7 +74,7 @@ HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.pr
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
     # SALT Table 4's KL loss (a reference-model actor too) and its two optimizer steps per rollout step: each one
-    # trains on one SALT partition of 4 prompts (fork_hooks.rank_batches)
+    # trains on one SALT partition of 4 prompts (openrlhf_geo.fork.hooks.rank_batches)
     "salt": {
         "flags": ["--advantage_estimator", "salt", "--algo.kl.use_loss", "--algo.kl.init_coef", "0.001",
                   "--algo.kl.estimator", "k3", "--train.batch_size", "16"],

@@ -34,6 +34,7 @@ import torch
 from openrlhf_geo import GeoWarning, baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.pipeline import (
+    FORK_STEP_STRIDE,
     GeometryPipeline,
     SignalGuard,
     check_finite,
@@ -485,7 +486,7 @@ def rank_batches(trainer, experiences):
         )
         return None
     pipeline = trainer.experience_maker.geometry.pipeline
-    generator = torch.Generator().manual_seed(args.train.seed * 1_000_003 + pipeline.steps)
+    generator = torch.Generator().manual_seed(args.train.seed * FORK_STEP_STRIDE + pipeline.steps)
     shares = [[] for _ in range(ranks)]
     for p in torch.randperm(len(items) // size, generator=generator).tolist():
         members = sorted(torch.nonzero(index // size == p)[:, 0].tolist(), key=lambda k: -int(items[k].total_length))
@@ -521,7 +522,7 @@ def minibatch_sampling(actor_trainer, shuffle) -> dict:
     # a new seed per call, the same on every rank (each calls ppo_train once per rollout step)
     actor_trainer.openrlhf_geo_epochs = getattr(actor_trainer, "openrlhf_geo_epochs", 0) + 1
     block = args.train.batch_size // _data_parallel_size(args)
-    seed = args.train.seed * 1_000_003 + actor_trainer.openrlhf_geo_epochs
+    seed = args.train.seed * FORK_STEP_STRIDE + actor_trainer.openrlhf_geo_epochs
     return {"sampler": PartitionSampler(len(actor_trainer.replay_buffer), block, seed)}
 
 

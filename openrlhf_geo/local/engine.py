@@ -40,6 +40,7 @@ from openrlhf_geo.pipeline import (
     minibatch_order,
     minibatch_partitions,
     salt_partition_prompts,
+    stream,
 )
 from openrlhf_geo.registry import POLICY_LOSSES, active_adjustments
 from openrlhf_geo.rewards.math_verify import PROBLEMS
@@ -337,6 +338,16 @@ class PromptSampler:
         self.order, self.cursor = list(state["order"]), state["cursor"]
 
 
+def check_misspecified(args, misspecified_pay) -> None:
+    """ValueError when --reward.noise.type misspecified comes without the task's hook saying which rollouts the
+    misspecified verifier pays (`openrlhf-geo train` checks before loading anything, the Trainer when built)."""
+    if args.reward.noise.type == "misspecified" and misspecified_pay is None:
+        raise ValueError(
+            "--reward.noise.type misspecified needs a task that says which rollouts its misspecified verifier "
+            "pays; `openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
+        )
+
+
 class Trainer:
     """The local engine. `args` is the validated nested namespace of `openrlhf_geo.local.flags.parse_args`.
 
@@ -369,11 +380,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.rollout_stats = rollout_stats
-        if args.reward.noise.type == "misspecified" and misspecified_pay is None:
-            raise ValueError(
-                "--reward.noise.type misspecified needs a task that says which rollouts its misspecified verifier "
-                "pays; `openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
-            )
+        check_misspecified(args, misspecified_pay)
         self.misspecified_pay = misspecified_pay
         self.eval_rows = eval_rows or []
         self.device = next(model.parameters()).device
@@ -388,9 +395,9 @@ class Trainer:
         # then each AdamW step trains on exactly one partition's rollouts
         self.partition_prompts = salt_partition_prompts(salt, args.train.batch_size, n)
         self.minibatch_prompts = minibatch_partitions(salt, args.train.batch_size, n)
-        self.minibatch_generator = torch.Generator().manual_seed(seed + 3)
+        self.minibatch_generator = stream(seed, "minibatch")
         self.baseline = self.pipeline.baseline or baselines.BaselineConfig()
-        self.loss_generator = torch.Generator().manual_seed(seed + 5)  # Clip-Cov's token draw
+        self.loss_generator = stream(seed, "loss")  # Clip-Cov's token draw
         self.verifier = verifier
         self.optimizer = torch.optim.AdamW(
             model.parameters(),

@@ -3,7 +3,7 @@
 torch, MKL and numpy's OpenBLAS each pick their code per CPU (ATen's default / AVX2 / AVX-512 kernels, MKL's branch
 per processor, OpenBLAS's per-core kernels); the picks round differently (~1e-7 in float32), and training amplifies
 any difference: the demo's SFT warm-up grows one of ~1e-16 (float64) to 2 % of the weights within 200 steps, so no
-precision is enough, only the same arithmetic (README, "What the demo shows"). `pin` fixes the picks to code that
+precision is enough, only the same arithmetic (docs/results.md). `pin` fixes the picks to code that
 every x86-64 CPU with AVX2 and FMA (Intel since 2013, AMD since 2015) runs alike: ATen's AVX2 kernels, MKL's
 COMPATIBLE branch (the one branch MKL keeps on other vendors' processors), OpenBLAS's Haswell kernels, oneDNN at AVX2,
 one thread each (ATen's default kernels would reach older CPUs too, at a higher cost; the pin's cost:

@@ -299,11 +299,9 @@ def train(args):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        if args.reward.noise.type == "misspecified":  # the studies pass it to the engine with their task's hook
-            raise ValueError(
-                "--reward.noise.type misspecified needs a task that says which wrong answers its verifier pays; "
-                "`openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
-            )
+        from openrlhf_geo.local.engine import check_misspecified  # transformers: after a parse error, not before
+
+        check_misspecified(args, None)  # the studies pass the engine their task's hook
     except ValueError as error:
         print(f"openrlhf-geo train: {error}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ and a systematically misspecified verifier (`pay_wrong`).
 rollouts gets floor(rate·n) corrupted rollouts plus one more with probability frac(rate·n) (stochastic rounding),
 chosen uniformly within the prompt, so the expected corrupted fraction is exactly `rate` for every prompt size.
 `pay_wrong` is not random: the engine's task says which rollouts a misspecified verifier also pays (e.g. one wrong
-procedure's answer on a fixed share `rate` of the prompts, `local.task.ShortcutPayer`), so its errors share a cause.
+procedure's answer on a fixed share `rate` of the prompts, `lab.task.ShortcutPayer`), so its errors share a cause.
 All return `(new_rewards, corrupted)` — new tensors; the inputs are never modified. `generator` must be a CPU
 `torch.Generator` (None = the global RNG).
 """
@@ -184,7 +184,7 @@ def corrupt(rewards, group_ids, config, generator=None, paid=None):
         if paid is None:
             raise ValueError(
                 "--reward.noise.type misspecified needs the engine to say which rollouts the misspecified verifier "
-                "pays (a task hook: the demo task's `local.task.ShortcutPayer` in `openrlhf-geo study`); this engine "
+                "pays (a task hook: the demo task's `lab.task.ShortcutPayer` in `openrlhf-geo study`); this engine "
                 "passes none"
             )
         return pay_wrong(rewards, paid)

@@ -49,7 +49,7 @@ def design():
 
 
 def section(design, runs, out, steps):
-    """GeoAlign's detection per noise (local.report.detection: GDI AUROC vs the reward-only pair count, by range of
+    """GeoAlign's detection per noise (demo_report.detection: GDI AUROC vs the reward-only pair count, by range of
     steps; projector validation accuracy), its step means of cos_gt_0.8, flag share, precision, recall, and each
     noise's measured corruption share (GRPO's runs)."""
     from openrlhf_geo.lab import demo_report as report

@@ -32,7 +32,7 @@ DRAWS = 5  # flip draws per batch and rate
 FLIP_SEED = 20262691  # generator per (FLIP_SEED, batch, rate, draw): never another study's stream
 PROJECTOR_SEED = 0  # the projector's init and minibatches (a generator per call)
 PAPER = {"val_acc_median": 0.97, "cos_gt_0.8": 0.90}
-TINY_DEMO = {"gdi_auroc": 0.892, "pair_count_auroc": 0.920, "val_acc": 0.54, "cos_gt_0.8": 0.23}  # README, 10 % flips
+TINY_DEMO = {"gdi_auroc": 0.892, "pair_count_auroc": 0.920, "val_acc": 0.54, "cos_gt_0.8": 0.23}  # docs/results.md
 METRICS = ("val_acc", "proj_train_acc", "cos_gt_0.8", "cos_mean", "raw_cos_gt_0.8", "raw_cos_mean", "consensus",
            "raw_consensus", "pairs", "flag_frac", "precision", "recall", "auroc", "pair_count_auroc", "auroc_gain",
            "accuracy")  # fmt: skip

@@ -33,7 +33,7 @@ PAPER_TABLE10 = {
     "backbone": {"n_eff": (0.31, 0.05)},
     "salt": {"D_a": (0.24, 0.04), "D_g": (0.16, 0.03), "n_eff": (0.80, 0.04), "U_perp_gain": (1.47, None)},
 }
-TINY_DEMO_N_EFF = 1.54  # the demo's GRPO n_eff(a) on the 135k-parameter Qwen2 (README), for comparison
+TINY_DEMO_N_EFF = 1.54  # the demo's GRPO n_eff(a) on the 135k-parameter Qwen2 (docs/results.md)
 METRICS = (
     *("n_eff", "pr", "k", "alpha", "n_eff_salt", "D_a", "D_g", "U_perp_gain", "sign_flip", "norm_ratio"),
     *("n_eff_group", "n_eff_means", "r_in", "r_total", "pr_in", "accuracy", "mixed", "length", "truncated", "signal"),
