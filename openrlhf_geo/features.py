@@ -619,7 +619,7 @@ def last_token_hidden(hidden: torch.Tensor, mask: torch.Tensor, segment_ids: tor
 
 @dataclass(frozen=True)
 class GeometrySpec:
-    """What an experience forward returns per response besides log-probs (built by `GeometryPipeline.spec`)."""
+    """What an experience forward returns per response besides log-probs (built by `GeometryConfig.spec`)."""
 
     features: str | None = None  # SALT proxy features, a METHODS name; None: not needed
     dim: int = DEFAULT_DIM  # sketch dimension D (GeometryConfig.spec sets it from SaltConfig.dim when features)

@@ -158,6 +158,12 @@ def active_adjustments(baseline, stage=None) -> list:
     return [e for e in ADJUSTMENTS.values() if e.enabled(baseline) and (stage is None or e.stage == stage)]
 
 
+def adjustment_inputs(baseline) -> set:
+    """The inputs (Adjustment.inputs) the adjustments a BaselineConfig (or None) turns on read: what an engine must
+    prepare before the first step (PAR's reference policy, Seed-GRPO's verifier)."""
+    return {name for entry in active_adjustments(baseline) for name in entry.inputs}
+
+
 def baseline_curations() -> tuple:
     """The --baseline.curation choices: every curation whose settings live in BaselineConfig."""
     return tuple(name for name, entry in CURATIONS.items() if entry.config == "baseline")

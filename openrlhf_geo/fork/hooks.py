@@ -42,7 +42,7 @@ from openrlhf_geo.pipeline import (
     minibatch_partitions,
     salt_partition_prompts,
 )
-from openrlhf_geo.registry import POLICY_LOSSES, active_adjustments
+from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
 
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
@@ -255,7 +255,7 @@ class ExperienceGeometry:
         if not config.active:
             return
         self.pipeline = GeometryPipeline(config)
-        if any("verifier" in entry.inputs for entry in active_adjustments(config.baseline)):  # Seed-GRPO
+        if "verifier" in adjustment_inputs(config.baseline):  # Seed-GRPO's answer pairs
             from openrlhf_geo.rewards.math_verify import reward_from_env
 
             self.verifier = reward_from_env()  # its worker processes start at the first check

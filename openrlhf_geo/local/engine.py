@@ -42,7 +42,7 @@ from openrlhf_geo.pipeline import (
     salt_partition_prompts,
     stream,
 )
-from openrlhf_geo.registry import POLICY_LOSSES, active_adjustments
+from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
 from openrlhf_geo.rewards.math_verify import PROBLEMS
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -406,8 +406,7 @@ class Trainer:
             weight_decay=args.actor.adam.weight_decay,
         )
         self.reference = None  # the frozen initial policy: KL's reference and PAR's reference-response sampler
-        references = any("references" in entry.inputs for entry in active_adjustments(self.pipeline.baseline))
-        if args.algo.kl.init_coef > 0 or references:  # references: PAR's
+        if args.algo.kl.init_coef > 0 or "references" in adjustment_inputs(self.pipeline.baseline):  # PAR's
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
