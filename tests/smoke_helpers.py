@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_geo.pipeline import GeometryPipeline
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -38,3 +40,42 @@ def _assert_state_equal(a, b):
     if a["projector"] is not None:
         for key in a["projector"]:
             torch.testing.assert_close(a["projector"][key], b["projector"][key], rtol=0, atol=0)
+
+
+def _group_norm(rewards, group_ids):
+    """Upstream's group_norm, independently: (r - mean) / (std + 1e-9) within each prompt (unbiased std)."""
+    r = rewards.double().view(int(group_ids.max()) + 1, -1)
+    return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).flatten()
+
+
+def assert_steps_replay(name, dumps):
+    """Each dumped step of run `name` ({step: dump} from inside the real experience maker) is what
+    `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features, from the step's state."""
+    for step, dump in dumps.items():
+        pipeline = GeometryPipeline(dump["config"])
+        pipeline.load_state_dict(dump["state"])
+        group_ids = dump["group_ids"]
+        noisy, corrupted = pipeline.corrupt(dump["clean"], group_ids)
+        replay = pipeline.start(group_ids, corrupted)
+        rewards = noisy
+        if "curate" in dump:
+            # upstream handed the curation the rewards the noise produced (no shaping configured)
+            torch.testing.assert_close(dump["curate"]["rewards"].double(), noisy.double())
+            rewards = replay.curate(dump["curate"]["rewards"], dump["curate"]["hidden"])
+            torch.testing.assert_close(rewards, dump["curate"]["out"])
+        # upstream's group statistics on the (curated) rewards are what SALT received
+        torch.testing.assert_close(dump["salt_in"].double(), _group_norm(rewards, group_ids), rtol=1e-5, atol=1e-5)
+        if "reweight" in dump:
+            inputs = {k: v for k, v in dump["reweight"].items() if k != "out"}
+            torch.testing.assert_close(replay.reweight(**inputs), dump["reweight"]["out"])  # SALT's a
+        _, multiplicity = replay.rows(torch.zeros(len(group_ids)))
+        torch.testing.assert_close(multiplicity, dump["multiplicity"])
+        logged = dict(dump["metrics"])
+        if "noise/clean_reward" in logged:  # the fork's adapter logs the verifier's reward next to the noisy one
+            torch.testing.assert_close(logged.pop("noise/clean_reward"), dump["clean"].float())
+        assert replay.metrics.keys() == logged.keys(), (name, step)
+        for key, values in logged.items():
+            if key.endswith(("time_s", "_ms")):  # wall-clock timings
+                continue
+            torch.testing.assert_close(replay.metrics[key], values, equal_nan=True, msg=f"{name} step {step} {key}")
+        _assert_state_equal(pipeline.state_dict(), dump["state_after"])

@@ -1,13 +1,14 @@
 """The fork end to end on CPU: real Ray actors, a vLLM CPU engine, DeepSpeed (CPU accelerator), weight sync, resume.
 
-Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the three conditions of the
-methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2; its resume in a new
-process: about 6 min on an idle 2-core VM); OPENRLHF_GEO_SMOKE=full runs all ten (about 20 min), as
-`bash examples/scripts/smoke_cpu.sh` does. Checked:
+Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the two conditions of the
+methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2: about 4 min on an idle
+2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all ten (about 20
+min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
 the script's own checks (exit codes, finite metrics at every step, weights changed, vLLM's log-probs equal the
 actor's after each weight sync, no process left behind), then, here, that each step's geometry dumped from inside
 the real experience maker is what `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features,
-and that a resumed run continues from the checkpoint's pipeline state.
+and that a resumed run continues from the checkpoint's pipeline state (with OPENRLHF_GEO_SMOKE=full; the README's
+test command checks a resume in tests/test_fork_faults.py).
 
 Needs the CPU engines (scripts/setup_cpu.sh test installs them). Without them the module is skipped, except in CI,
 where a missing engine is a failure.
@@ -21,9 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from smoke_helpers import SCRIPT, _assert_state_equal, _engines_missing
-
-from openrlhf_geo.pipeline import GeometryPipeline
+from smoke_helpers import SCRIPT, _assert_state_equal, _engines_missing, assert_steps_replay
 
 REPO = Path(__file__).resolve().parents[1]
 # scripts/test.sh runs pytest-xdist with --dist loadfile: one worker takes this whole module, so the smoke runs once
@@ -48,8 +47,9 @@ def smoke(tmp_path_factory):
 
 
 CONDITIONS = SCRIPT.CONDITIONS
-# the CI set: the methods' core path (and what the resume checks need); every condition with OPENRLHF_GEO_SMOKE=full
-CORE = ["salt", "salt_geoalign_flip", "resume"]
+# the CI set: the methods' core path; every condition with OPENRLHF_GEO_SMOKE=full. The resume conditions run there:
+# the README's test command resumes the same flags' checkpoint in tests/test_fork_faults.py (after a SIGKILL mid-save)
+CORE = ["salt", "salt_geoalign_flip"]
 RUN = list(CONDITIONS) if os.environ.get("OPENRLHF_GEO_SMOKE") == "full" else CORE
 
 
@@ -77,6 +77,7 @@ def test_every_condition_ran_and_passed(smoke):
 
 
 def test_the_resumed_run_continues_at_step_3(smoke):
+    _ran("resume")
     out, summary, _ = smoke
     assert summary["salt_geoalign_flip"]["first_step"] == 1 and summary["resume"]["first_step"] == 3
 
@@ -96,6 +97,7 @@ def _dumps(out, name):
 
 
 def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
+    _ran("resume")
     out, _, _ = smoke
     before, after = _dumps(out, "salt_geoalign_flip"), _dumps(out, "resume")
     assert sorted(before) == [1, 2] and sorted(after) == [3, 4]
@@ -104,46 +106,13 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
     _assert_state_equal(after[3]["state"], saved)
 
 
-def _group_norm(rewards, group_ids):
-    """Upstream's group_norm, independently: (r - mean) / (std + 1e-9) within each prompt (unbiased std)."""
-    r = rewards.double().view(int(group_ids.max()) + 1, -1)
-    return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).flatten()
-
-
 @pytest.mark.parametrize(
     "name", ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt"]
 )
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
     out, _, _ = smoke
-    for step, dump in _dumps(out, name).items():
-        pipeline = GeometryPipeline(dump["config"])
-        pipeline.load_state_dict(dump["state"])
-        group_ids = dump["group_ids"]
-        noisy, corrupted = pipeline.corrupt(dump["clean"], group_ids)
-        replay = pipeline.start(group_ids, corrupted)
-        rewards = noisy
-        if "curate" in dump:
-            # upstream handed the curation the rewards the noise produced (no shaping configured)
-            torch.testing.assert_close(dump["curate"]["rewards"].double(), noisy.double())
-            rewards = replay.curate(dump["curate"]["rewards"], dump["curate"]["hidden"])
-            torch.testing.assert_close(rewards, dump["curate"]["out"])
-        # upstream's group statistics on the (curated) rewards are what SALT received
-        torch.testing.assert_close(dump["salt_in"].double(), _group_norm(rewards, group_ids), rtol=1e-5, atol=1e-5)
-        if "reweight" in dump:
-            inputs = {k: v for k, v in dump["reweight"].items() if k != "out"}
-            torch.testing.assert_close(replay.reweight(**inputs), dump["reweight"]["out"])  # SALT's a
-        _, multiplicity = replay.rows(torch.zeros(len(group_ids)))
-        torch.testing.assert_close(multiplicity, dump["multiplicity"])
-        logged = dict(dump["metrics"])
-        if "noise/clean_reward" in logged:  # the fork's adapter logs the verifier's reward next to the noisy one
-            torch.testing.assert_close(logged.pop("noise/clean_reward"), dump["clean"].float())
-        assert replay.metrics.keys() == logged.keys(), (name, step)
-        for key, values in logged.items():
-            if key.endswith(("time_s", "_ms")):  # wall-clock timings
-                continue
-            torch.testing.assert_close(replay.metrics[key], values, equal_nan=True, msg=f"{name} step {step} {key}")
-        _assert_state_equal(pipeline.state_dict(), dump["state_after"])
+    assert_steps_replay(name, _dumps(out, name))
 
 
 def _sync_problems(run, spec, gaps):
