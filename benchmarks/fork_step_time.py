@@ -15,7 +15,9 @@ The tiny model's numbers say what the fork's Python, the Gram and the solve cost
 backward are nearly free; they are not a GPU model's ratios (benchmarks/gpu_step_overhead.py measures those pieces
 at the papers' shapes). Needs the CPU engines (bash scripts/setup_cpu.sh engines); about 2.5 min per run on an idle
 2-core VM (most of it Ray's, vLLM's and DeepSpeed's start-up), so 4 conditions x 2 rounds ~20 min.
-Usage: python benchmarks/fork_step_time.py OUT [--rounds 2] [--episodes 10] [--conditions grpo,salt,...]
+`--model smollm2` runs the same four conditions on the real pretrained LM with the smoke's SMOLLM2_FLAGS (4 prompts
+x 4 samples of at most 64 new tokens per step, bf16 actors; 2 steps per episode, so `--episodes 2` measures 3 steps).
+Usage: python benchmarks/fork_step_time.py OUT [--model tiny|smollm2] [--rounds 2] [--episodes 10] [--conditions ...]
 """
 
 import argparse
@@ -104,6 +106,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs per condition, interleaved")
     parser.add_argument("--episodes", type=int, default=10, help="--train.num_episodes (2 steps each)")
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
+    parser.add_argument(
+        "--model", choices=("tiny", "smollm2"), default="tiny",
+        help="tiny: the smoke's 2-layer Qwen2; smollm2: the real pretrained LM (a 4-bit Q4_1 quantization of "
+        "SmolLM2-135M-Instruct, dequantized) on the smoke's word problems with math-verify's reward and SMOLLM2_FLAGS "
+        "(4 prompts x 4 samples, 64 new tokens, 2 steps per episode; needs bash scripts/setup_cpu.sh test)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = [c for c in args.conditions.split(",") if c]
     if "grpo" not in names or any(c not in CONDITIONS for c in names):
@@ -117,19 +125,26 @@ def main(argv=None) -> int:
     try:
         check_cpu_engines()
         with claim_output(args.out.resolve(), "benchmarks/fork_step_time.py", "OUT") as out:
-            smoke.build_assets(out / "assets")
+            if args.model == "smollm2":
+                assets = out / "assets_smollm2"
+                smoke.build_smollm2_assets(assets)
+                reward, timeout = str(REPO / "openrlhf_geo/rewards/math_verify.py"), smoke.SMOLLM2_RUN_TIMEOUT_S
+            else:
+                assets = out / "assets"
+                smoke.build_assets(assets)
+                reward, timeout = str(assets / "reward_func.py"), smoke.RUN_TIMEOUT_S
             steps: dict[str, list] = {n: [] for n in names}
             for rnd in range(args.rounds):
                 shift = rnd % len(names)  # rotated: no condition always runs first
                 for name in names[shift:] + names[:shift]:
                     run = out / f"{name}-{rnd}"
                     run.mkdir(exist_ok=True)
-                    assets = out / "assets"
                     command = smoke.train_command(
                         run, run / "ckpt", ["--train.num_episodes", str(args.episodes), *CONDITIONS[name]],
-                        assets / "model", assets / "prompts.jsonl", str(assets / "reward_func.py"),
+                        assets / "model", assets / "prompts.jsonl", reward, args.model,
                     )  # fmt: skip
-                    code, left = smoke.run_group(command, run / "train.log", smoke.run_env(run), run)
+                    env = smoke.run_env(run, args.model)
+                    code, left = smoke.run_group(command, run / "train.log", env, run, timeout)
                     if code != 0 or left:
                         print(f"fork_step_time: {name} round {rnd} failed (exit {code}, left {left}): {run}/train.log",
                               file=sys.stderr)  # fmt: skip
@@ -139,8 +154,8 @@ def main(argv=None) -> int:
                     total = [r["step_total"] for r in rows.values()]
                     print(f"{name} round {rnd}: {len(rows)} steps, mean step {np.mean(total):.2f} s", flush=True)
             summary = summarize(steps)
-            (out / "fork_step_time.json").write_text(json.dumps({"rounds": args.rounds, "episodes": args.episodes,
-                                                                  "summary": summary}, indent=1) + "\n")  # fmt: skip
+            result = {"model": args.model, "rounds": args.rounds, "episodes": args.episodes, "summary": summary}
+            (out / "fork_step_time.json").write_text(json.dumps(result, indent=1) + "\n")
             print(render(summary))
     except (ForkError, OutputClaimed) as e:
         print(f"fork_step_time: {e}", file=sys.stderr)
