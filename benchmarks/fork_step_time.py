@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         parser.error(f"--conditions: a subset of {', '.join(CONDITIONS)} that includes grpo")
     if args.rounds < 1 or args.episodes < 1:
         parser.error("--rounds and --episodes must be at least 1")
-    from openrlhf_geo.fork import ForkError, check_cpu_engines
+    from openrlhf_geo.fork.install import ForkError
+    from openrlhf_geo.fork.launch import check_cpu_engines
     from openrlhf_geo.local.rundir import OutputClaimed, claim_output
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: runs stopped by handle

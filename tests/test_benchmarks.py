@@ -116,3 +116,18 @@ def test_fork_step_time_needs_grpo_among_its_conditions(capsys):
     with pytest.raises(SystemExit) as exc:
         fst.main(["out", "--conditions", "salt,geoalign"])
     assert exc.value.code == 2 and "includes grpo" in capsys.readouterr().err
+
+
+def test_fork_step_time_without_the_cpu_engines_is_one_line(tmp_path, capsys, monkeypatch):
+    from openrlhf_geo.fork import launch
+    from openrlhf_geo.fork.install import ForkError
+
+    def missing():
+        raise ForkError("the CPU engines are not installed")
+
+    monkeypatch.setattr(launch, "check_cpu_engines", missing)
+    fst = load_fork_step_time()
+    for model in ("tiny", "smollm2"):
+        assert fst.main([str(tmp_path / model), "--model", model]) == 1
+        assert capsys.readouterr().err == "fork_step_time: the CPU engines are not installed\n"
+    assert not (tmp_path / "tiny").exists()  # nothing claimed before the check

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,6 +44,7 @@ STOP_S = 90  # from the fault to the end of the run: Ray's error or the fork's w
 # A SIGKILLed driver takes its Ray head's GCS and raylet with it at once; Ray's dashboard and runtime-env agents exit
 # on their own once their GCS client gives up reconnecting (Ray's 60 s default): 70 s measured
 AGENTS_S = 120
+RAY_AGENTS = ("dashboard/agent.py", "runtime_env/agent/main.py")  # what outlives a SIGKILLed driver (above)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,7 @@ class Run:
         run_env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), run_env["PYTHONPATH"]])
         run_env.update(env or {})
         self.log = self.dir / "train.log"
+        self.agents = None  # kill_driver's future
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=run_env, cwd=self.dir, start_new_session=True
@@ -105,14 +108,27 @@ class Run:
         left = SCRIPT.stop_session(self.proc.pid, grace=60)  # Ray's processes exit on their own, in seconds
         return code, left, took
 
-    def kill_driver(self) -> list[str]:
-        """SIGKILL of the driver; what of its session was still running AGENTS_S later (then stopped)."""
+    def kill_driver(self) -> Future:
+        """SIGKILL of the driver, once nothing of its session but Ray's agents is left (its actors, which write the
+        checkpoints, are gone); -> a future of what was still running AGENTS_S later (then stopped). The agents hold
+        no checkpoint, so the next run need not wait the minute they take to give up on the dead GCS."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         start = time.time()
-        left = SCRIPT.stop_session(self.proc.pid, grace=AGENTS_S)
-        report(f"{self.dir.name}: session empty {time.time() - start:.0f} s after the driver's SIGKILL")
-        return left
+        while time.time() < start + STOP_S and any(
+            not any(agent in " ".join(p.info["cmdline"] or []) for agent in RAY_AGENTS)
+            for p in psutil.process_iter(["cmdline"])
+            if SCRIPT._sid(p.pid) == self.proc.pid
+        ):
+            time.sleep(0.5)
+
+        def wait_agents():
+            left = SCRIPT.stop_session(self.proc.pid, grace=AGENTS_S)
+            report(f"{self.dir.name}: session empty {time.time() - start:.0f} s after the driver's SIGKILL")
+            return left
+
+        self.agents = ThreadPoolExecutor(1).submit(wait_agents)
+        return self.agents
 
     def fork_lines(self) -> list[str]:
         return [x for x in self.log.read_text().splitlines() if x.startswith("openrlhf-geo: ")]
@@ -123,7 +139,8 @@ class Run:
     def stop(self):
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        SCRIPT.stop_session(self.proc.pid, grace=10)
+        if self.agents is None:  # else kill_driver's waiter stops what is left at AGENTS_S
+            SCRIPT.stop_session(self.proc.pid, grace=10)
 
 
 @contextmanager
@@ -158,8 +175,7 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
         with running(assets, "kill_mid_step", ckpt, STATEFUL, stall) as first:
             first.wait_for("the stalled optimizer step 2", (assets / "stepping").is_file)
             assert latest(ckpt) == "global_step1"
-            left = first.kill_driver()
-        assert left == [], f"left running after the driver's SIGKILL: {left}"
+            first_left = first.kill_driver()
         assert latest(ckpt) == "global_step1"
         saved = dumps(first)[1]["state_after"]
         resumed = ["--ckpt.load_enable"]
@@ -170,8 +186,7 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
     with running(assets, "kill_mid_save", ckpt, [*STATEFUL, *resumed], stall) as second:
         second.wait_for("the stalled save of global_step2", (assets / "saving").is_file)
         assert (ckpt / "_actor" / "global_step2").is_dir() and (ckpt / "_actor" / "global_step1").is_dir()
-        left = second.kill_driver()
-    assert left == [], f"left running after the driver's SIGKILL mid-save: {left}"
+        second_left = second.kill_driver()
     assert latest(ckpt) == "global_step1", "a resume would read a half-written checkpoint"
     if not FULL:
         saved = dumps(second)[1]["state_after"]  # what global_step1 holds
@@ -191,6 +206,12 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
     # global_step1 was kept while global_step2 was written (--ckpt.max_num 1 + 1); the next save rotates it out
     assert sorted(p.name for p in (ckpt / "_actor").iterdir() if p.is_dir()) == ["global_step1", "global_step2"]
     assert (third.dir / "final" / "model.safetensors").is_file()
+    # meanwhile Ray's agents of the killed drivers exited on their own
+    if FULL:
+        left = first_left.result()
+        assert left == [], f"left running after the driver's SIGKILL: {left}"
+    left = second_left.result()
+    assert left == [], f"left running after the driver's SIGKILL mid-save: {left}"
 
 
 @pytest.mark.parametrize("title", ["RolloutRayActor", pytest.param("PolicyModelActor", marks=full_only)])
