@@ -16,7 +16,8 @@ backward are nearly free; they are not a GPU model's ratios (benchmarks/gpu_step
 at the papers' shapes). Needs the CPU engines (bash scripts/setup_cpu.sh engines); about 2.5 min per run on an idle
 2-core VM (most of it Ray's, vLLM's and DeepSpeed's start-up), so 4 conditions x 2 rounds ~20 min.
 `--model smollm2` runs the same four conditions on the real pretrained LM with the smoke's SMOLLM2_FLAGS (4 prompts
-x 4 samples of at most 64 new tokens per step, bf16 actors; 2 steps per episode, so `--episodes 2` measures 3 steps).
+x 4 samples of at most 64 new tokens per step, bf16 actors; 2 steps per episode, so `--episodes 2` measures 3 steps),
+GeoAlign's projector at its default 50 steps per batch (REAL_LM_GEOALIGN).
 Usage: python benchmarks/fork_step_time.py OUT [--model tiny|smollm2] [--rounds 2] [--episodes 10] [--conditions ...]
 """
 
@@ -41,6 +42,9 @@ CONDITIONS = {
     "geoalign": ["--advantage_estimator", "group_norm", *smoke.GEOALIGN],
     "salt_geoalign": ["--advantage_estimator", "salt", *smoke.GEOALIGN],
 }
+# the real LM's GeoAlign trains its projector for the default 50 steps per batch (GeoAlign App. C.6's cost is the
+# method's own); the smoke's 5 keep the tiny runs short. min_scores 8 in both: 16 rollouts per step reach it
+REAL_LM_GEOALIGN = ["--geoalign.projector.steps", "50"]
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast", "step_total")
 FORK_TIMERS = {"salt/solve_ms": 1e-3, "geo/time_s": 1.0}  # tag -> seconds per unit
 ANCHORS = {"salt": "SALT Table 11: +7.7 %", "geoalign": "GeoAlign App. C.6: ~1 %"}
@@ -140,8 +144,11 @@ def main(argv=None) -> int:
                 for name in names[shift:] + names[:shift]:
                     run = out / f"{name}-{rnd}"
                     run.mkdir(exist_ok=True)
+                    flags = CONDITIONS[name]
+                    if args.model == "smollm2" and "--geoalign.enable" in flags:
+                        flags = [*flags, *REAL_LM_GEOALIGN]  # argparse keeps the last value
                     command = smoke.train_command(
-                        run, run / "ckpt", ["--train.num_episodes", str(args.episodes), *CONDITIONS[name]],
+                        run, run / "ckpt", ["--train.num_episodes", str(args.episodes), *flags],
                         assets / "model", assets / "prompts.jsonl", reward, args.model,
                     )  # fmt: skip
                     env = smoke.run_env(run, args.model)
