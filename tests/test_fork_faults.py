@@ -44,7 +44,7 @@ STOP_S = 90  # from the fault to the end of the run: Ray's error or the fork's w
 # A SIGKILLed driver takes its Ray head's GCS and raylet with it at once; Ray's dashboard and runtime-env agents exit
 # on their own once their GCS client gives up reconnecting (Ray's 60 s default): 70 s measured
 AGENTS_S = 120
-RAY_AGENTS = ("dashboard/agent.py", "runtime_env/agent/main.py")  # what outlives a SIGKILLed driver (above)
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # their process titles: they outlive a SIGKILLed driver
 
 
 @pytest.fixture(scope="module")
