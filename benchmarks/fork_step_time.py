@@ -18,6 +18,10 @@ at the papers' shapes). Needs the CPU engines (bash scripts/setup_cpu.sh engines
 `--model smollm2` runs the same four conditions on the real pretrained LM with the smoke's SMOLLM2_FLAGS (4 prompts
 x 4 samples of at most 64 new tokens per step, bf16 actors; 2 steps per episode, so `--episodes 2` measures 3 steps),
 GeoAlign's projector at its default 50 steps per batch (REAL_LM_GEOALIGN).
+Against GRPO it prints each condition's mean step ratio and its mean make_experience difference as a share of GRPO's
+step (the phase where the fork's own work runs, so less of the runs' noise in generation and training), each with its
+CI. A rerun with the same OUT, model and episodes reads the runs that finished (their final model saved) and runs
+the rest.
 Usage: python benchmarks/fork_step_time.py OUT [--model tiny|smollm2] [--rounds 2] [--episodes 10] [--conditions ...]
 """
 
@@ -25,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import math
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -75,15 +80,35 @@ def ratio_ci(x, y, seed=0) -> tuple[float, float, float]:
     return float(x.mean() / y.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def difference_ci(x, y, seed=0) -> tuple[float, float, float]:
+    """mean(x) - mean(y) and its 95 % percentile bootstrap CI, steps resampled within each condition."""
+    from scipy.stats import bootstrap
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if min(len(x), len(y)) < 2:
+        return float(x.mean() - y.mean()), math.nan, math.nan
+    res = bootstrap((x, y), lambda a, b, axis=-1: a.mean(axis) - b.mean(axis), n_resamples=4000, method="percentile",
+                    vectorized=True, random_state=seed)  # fmt: skip
+    return float(x.mean() - y.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
 def summarize(steps: dict[str, list[dict[str, float]]]) -> dict:
-    """Per condition: the median of each phase over its steps, and step_total's mean ratio against GRPO with its CI."""
+    """Per condition: the median of each phase over its steps; against GRPO, step_total's mean ratio and the mean
+    difference of make_experience (where SALT's features, Gram and solve and GeoAlign's hidden states and curation
+    run), in seconds and as a share of GRPO's mean step, each with its 95 % CI."""
     out = {}
+    grpo = steps.get("grpo")
     for name, rows in steps.items():
         tags = sorted({t for r in rows for t in r})
         entry = {"steps": len(rows), "median_s": {t: float(np.median([r[t] for r in rows if t in r])) for t in tags}}
-        if name != "grpo" and steps.get("grpo"):
-            ratio, low, high = ratio_ci([r["step_total"] for r in rows], [r["step_total"] for r in steps["grpo"]])
+        if name != "grpo" and grpo:
+            ratio, low, high = ratio_ci([r["step_total"] for r in rows], [r["step_total"] for r in grpo])
             entry["step_ratio"] = {"ratio": ratio, "ci95": [low, high], "overhead_pct": 100 * (ratio - 1)}
+            if all("make_experience" in r for r in (*rows, *grpo)):
+                diff = difference_ci([r["make_experience"] for r in rows], [r["make_experience"] for r in grpo])
+                step = float(np.mean([r["step_total"] for r in grpo]))
+                entry["experience_delta"] = {"s": diff[0], "ci95": list(diff[1:]),
+                                             "pct_of_grpo_step": [100 * d / step for d in diff]}  # fmt: skip
         out[name] = entry
     return out
 
@@ -91,7 +116,7 @@ def summarize(steps: dict[str, list[dict[str, float]]]) -> dict:
 def render(summary: dict) -> str:
     tags = [*PHASES, *FORK_TIMERS]
     header = " ".join(f"{t.split('/')[-1][:14]:>15}" for t in tags)
-    lines = [f"condition      steps {header}   step vs GRPO [95% CI]"]
+    lines = [f"condition      steps {header}   step vs GRPO [95% CI]   make_experience - GRPO's, % of its step"]
     for name, entry in summary.items():
         cells = " ".join(f"{entry['median_s'].get(t, math.nan):15.3f}" for t in tags)
         ratio = entry.get("step_ratio")
@@ -99,6 +124,9 @@ def render(summary: dict) -> str:
         if ratio:
             low, high = ratio["ci95"]
             note = f"   {ratio['overhead_pct']:+.1f} % [{100 * (low - 1):+.1f}, {100 * (high - 1):+.1f}]"
+            if "experience_delta" in entry:
+                pct = entry["experience_delta"]["pct_of_grpo_step"]
+                note += f"   experience {pct[0]:+.2f} % [{pct[1]:+.2f}, {pct[2]:+.2f}]"
             note += "".join(f"  ({ANCHORS[k]})" for k in ANCHORS if name == k)
         lines.append(f"{name:<14} {entry['steps']:5d} {cells}{note}")
     return "\n".join(lines) + "\n(median seconds per step; salt/solve_ms and geo/time_s converted to seconds)"
@@ -129,7 +157,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: runs stopped by handle
     try:
         check_cpu_engines()
-        with claim_output(args.out.resolve(), "benchmarks/fork_step_time.py", "OUT") as out:
+        # a rerun with the same model and episodes reads the runs it finished and runs the rest
+        command = f"benchmarks/fork_step_time.py --model {args.model} --episodes {args.episodes}"
+        with claim_output(args.out.resolve(), command, "OUT") as out:
             if args.model == "smollm2":
                 assets = out / "assets_smollm2"
                 smoke.build_smollm2_assets(assets)
@@ -143,7 +173,13 @@ def main(argv=None) -> int:
                 shift = rnd % len(names)  # rotated: no condition always runs first
                 for name in names[shift:] + names[:shift]:
                     run = out / f"{name}-{rnd}"
-                    run.mkdir(exist_ok=True)
+                    if (run / "final").is_dir():  # finished by an earlier invocation (its model saved): read again
+                        rows = step_times(smoke.read_scalars(run / "tensorboard"))
+                        steps[name] += rows.values()
+                        print(f"{name} round {rnd}: {len(rows)} steps, read from {run}", flush=True)
+                        continue
+                    shutil.rmtree(run, ignore_errors=True)  # an unfinished run's events would mix with the new ones
+                    run.mkdir()
                     flags = CONDITIONS[name]
                     if args.model == "smollm2" and "--geoalign.enable" in flags:
                         flags = [*flags, *REAL_LM_GEOALIGN]  # argparse keeps the last value

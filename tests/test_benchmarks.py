@@ -131,3 +131,41 @@ def test_fork_step_time_without_the_cpu_engines_is_one_line(tmp_path, capsys, mo
         assert fst.main([str(tmp_path / model), "--model", model]) == 1
         assert capsys.readouterr().err == "fork_step_time: the CPU engines are not installed\n"
     assert not (tmp_path / "tiny").exists()  # nothing claimed before the check
+
+
+def test_fork_step_time_takes_the_experience_phase_difference_against_grpo():
+    fst = load_fork_step_time()
+    grpo = [{"step_total": t, "make_experience": e} for t, e in ((10.0, 1.0), (11.0, 1.2), (9.0, 0.8), (10.0, 1.0))]
+    salt = [{"step_total": t, "make_experience": e} for t, e in ((10.5, 1.1), (10.0, 1.3), (11.0, 0.9), (10.5, 1.1))]
+    summary = fst.summarize({"grpo": grpo, "salt": salt})
+    delta = summary["salt"]["experience_delta"]
+    assert delta["s"] == pytest.approx(0.1) and delta["ci95"][0] < 0.1 < delta["ci95"][1]
+    assert delta["pct_of_grpo_step"][0] == pytest.approx(1.0)  # 0.1 s of GRPO's 10 s mean step
+    assert "experience +1.00 % [" in fst.render(summary)
+
+
+def test_fork_step_time_reads_the_runs_an_earlier_invocation_finished(tmp_path, monkeypatch):
+    from openrlhf_geo.fork import launch
+
+    fst = load_fork_step_time()
+    ran = []
+
+    def run_group(command, log, env, run, timeout):
+        ran.append(run.name)
+        (run / "final").mkdir()  # upstream's final model: the run finished
+        return 0, []
+
+    scalars = {"train/timing/step_total": {1: 5.0, 2: 1.0, 3: 1.1}, "train/timing/make_experience": {2: 0.2, 3: 0.3}}
+    monkeypatch.setattr(launch, "check_cpu_engines", lambda: None)
+    monkeypatch.setattr(fst.smoke, "build_assets", lambda out: None)
+    monkeypatch.setattr(fst.smoke, "run_group", run_group)
+    monkeypatch.setattr(fst.smoke, "read_scalars", lambda path: scalars)
+    argv = [str(tmp_path / "out"), "--conditions", "grpo,salt", "--rounds", "1"]
+    assert fst.main(argv) == 0 and ran == ["grpo-0", "salt-0"]
+    first = json.loads((tmp_path / "out" / "fork_step_time.json").read_text())
+    (tmp_path / "out" / "salt-0" / "final").rmdir()  # an unfinished run is run again, from an empty folder
+    (tmp_path / "out" / "salt-0" / "stale").write_text("")
+    assert fst.main(argv) == 0 and ran == ["grpo-0", "salt-0", "salt-0"]
+    assert not (tmp_path / "out" / "salt-0" / "stale").exists()
+    assert json.loads((tmp_path / "out" / "fork_step_time.json").read_text()) == first
+    assert fst.main([*argv, "--episodes", "3"]) == 1  # the folder holds runs of another length

@@ -8,7 +8,7 @@ The faults: SIGKILL of the driver mid-step and mid-checkpoint-save (tests/fixtur
 DeepSpeed has written the tag's files, before `latest` names it); SIGKILL of the vLLM engine's actor and of the policy
 actor mid-step (found in the run's own session by Ray's process title); a full disk (a small tmpfs where the test may
 mount one, else ENOSPC injected at the same point) and a read-only checkpoint folder. About 12 min on an idle 2-core
-VM with OPENRLHF_GEO_FAULTS=full, about 6 min without (FULL below). Needs the CPU engines (scripts/setup_cpu.sh
+VM with OPENRLHF_GEO_FAULTS=full, about 4.5 min without (FULL below). Needs the CPU engines (scripts/setup_cpu.sh
 test); without them the module is skipped, except in CI.
 """
 
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.fork, pytest.mark.slow, pytest.mark.engines]
 # SALT (entropy-alpha: the entropy range is state) + GeoAlign + flips: every piece of pipeline state a resume restores;
 # a checkpoint after every step (8 prompts x 4 per step, 2 steps per episode), only the newest one kept
 STATEFUL = [*SCRIPT.RESUMED, "--ckpt.save_steps", "1", "--ckpt.max_num", "1"]
-# the README's test command runs the faults whose paths nothing else exercises (about 4 min on an idle 2-core VM):
+# the README's test command runs the faults whose paths nothing else exercises (about 4.5 min on an idle 2-core VM):
 # the driver killed mid-save and the resume, the vLLM engine actor killed, the read-only folder;
 # OPENRLHF_GEO_FAULTS=full adds the driver killed mid-step before them (its resume is the mid-save run), the policy
 # actor killed and the full disk (about 12 min)
