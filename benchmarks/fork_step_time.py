@@ -68,28 +68,18 @@ def step_times(scalars: dict[str, dict[int, float]]) -> dict[int, dict[str, floa
     return {s: r for s, r in sorted(rows.items()) if s > min(rows)} if rows else {}
 
 
-def ratio_ci(x, y, seed=0) -> tuple[float, float, float]:
-    """mean(x) / mean(y) and its 95 % percentile bootstrap CI, steps resampled within each condition."""
+def means_ci(x, y, op, seed=0) -> tuple[float, float, float]:
+    """op(mean(x), mean(y)) (np.divide: a ratio, np.subtract: a difference) and its 95 % percentile bootstrap CI,
+    steps resampled within each condition."""
     from scipy.stats import bootstrap
 
     x, y = np.asarray(x, float), np.asarray(y, float)
-    if min(len(x), len(y)) < 2:  # one step each: a ratio, no interval
-        return float(x.mean() / y.mean()), math.nan, math.nan
-    res = bootstrap((x, y), lambda a, b, axis=-1: a.mean(axis) / b.mean(axis), n_resamples=4000, method="percentile",
-                    vectorized=True, random_state=seed)  # fmt: skip
-    return float(x.mean() / y.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
-
-
-def difference_ci(x, y, seed=0) -> tuple[float, float, float]:
-    """mean(x) - mean(y) and its 95 % percentile bootstrap CI, steps resampled within each condition."""
-    from scipy.stats import bootstrap
-
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if min(len(x), len(y)) < 2:
-        return float(x.mean() - y.mean()), math.nan, math.nan
-    res = bootstrap((x, y), lambda a, b, axis=-1: a.mean(axis) - b.mean(axis), n_resamples=4000, method="percentile",
-                    vectorized=True, random_state=seed)  # fmt: skip
-    return float(x.mean() - y.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
+    value = float(op(x.mean(), y.mean()))
+    if min(len(x), len(y)) < 2:  # one step each: a value, no interval
+        return value, math.nan, math.nan
+    res = bootstrap((x, y), lambda a, b, axis=-1: op(a.mean(axis), b.mean(axis)), n_resamples=4000,
+                    method="percentile", vectorized=True, random_state=seed)  # fmt: skip
+    return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def summarize(steps: dict[str, list[dict[str, float]]]) -> dict:
@@ -102,10 +92,11 @@ def summarize(steps: dict[str, list[dict[str, float]]]) -> dict:
         tags = sorted({t for r in rows for t in r})
         entry = {"steps": len(rows), "median_s": {t: float(np.median([r[t] for r in rows if t in r])) for t in tags}}
         if name != "grpo" and grpo:
-            ratio, low, high = ratio_ci([r["step_total"] for r in rows], [r["step_total"] for r in grpo])
+            ratio, low, high = means_ci([r["step_total"] for r in rows], [r["step_total"] for r in grpo], np.divide)
             entry["step_ratio"] = {"ratio": ratio, "ci95": [low, high], "overhead_pct": 100 * (ratio - 1)}
             if all("make_experience" in r for r in (*rows, *grpo)):
-                diff = difference_ci([r["make_experience"] for r in rows], [r["make_experience"] for r in grpo])
+                phase = [r["make_experience"] for r in rows], [r["make_experience"] for r in grpo]
+                diff = means_ci(*phase, np.subtract)
                 step = float(np.mean([r["step_total"] for r in grpo]))
                 entry["experience_delta"] = {"s": diff[0], "ci95": list(diff[1:]),
                                              "pct_of_grpo_step": [100 * d / step for d in diff]}  # fmt: skip

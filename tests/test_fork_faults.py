@@ -188,11 +188,12 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
         assert (ckpt / "_actor" / "global_step2").is_dir() and (ckpt / "_actor" / "global_step1").is_dir()
         second_left = second.kill_driver()
     assert latest(ckpt) == "global_step1", "a resume would read a half-written checkpoint"
+    second_dumps = dumps(second)
     if not FULL:
-        saved = dumps(second)[1]["state_after"]  # what global_step1 holds
+        saved = second_dumps[1]["state_after"]  # what global_step1 holds
     assert saved["projector"] is not None and saved["entropy_range"] is not None  # there is state to restore
-    SMOKE._assert_state_equal(dumps(second)[2]["state"], saved)
-    SMOKE.assert_steps_replay("kill_mid_save", dumps(second))
+    SMOKE._assert_state_equal(second_dumps[2]["state"], saved)
+    SMOKE.assert_steps_replay("kill_mid_save", second_dumps)
 
     # 3. resumed again: from global_step1 with its pipeline state, to the end
     with running(assets, "resume", ckpt, [*STATEFUL, "--ckpt.load_enable"]) as third:
@@ -200,8 +201,9 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
         assert code == 0, third.tail()
     assert left == []
     assert third.steps() == [2], "the resumed run continues at step 2, after the last complete checkpoint"
-    SMOKE._assert_state_equal(dumps(third)[2]["state"], saved)
-    SMOKE.assert_steps_replay("resume", dumps(third))  # the restored pipeline computes what the real step did
+    third_dumps = dumps(third)
+    SMOKE._assert_state_equal(third_dumps[2]["state"], saved)
+    SMOKE.assert_steps_replay("resume", third_dumps)  # the restored pipeline computes what the real step did
     assert latest(ckpt) == "global_step2"
     # global_step1 was kept while global_step2 was written (--ckpt.max_num 1 + 1); the next save rotates it out
     assert sorted(p.name for p in (ckpt / "_actor").iterdir() if p.is_dir()) == ["global_step1", "global_step2"]
