@@ -197,7 +197,13 @@ def render(summary):
         f"- SFT warm-up: {config.get('per_prompt')} demonstrations per training prompt, a share "
         f"{config.get('shortcut_rate')} of them the carry-dropping shortcut, the rest worked solutions (strategies "
         f"{config.get('strategies')}); {sft['steps']} steps ({sft['wall_s']:.0f} s), held-out accuracy "
-        f"{_fmt(sft['accuracy'])}. Model: Qwen2-style, {sft['params']:,} parameters.",
+        f"{_fmt(sft['accuracy'])}. Model: Qwen2-style, {sft['params']:,} parameters."
+        + (
+            " The package's copy of this warm-up (the same bytes as training it, key "
+            f"{sft['key']}; the time is its training's; `--sft-from-scratch` retrains it)."
+            if sft.get("source") == "shipped"
+            else ""
+        ),
         f"- RL: {setup['steps']} steps per run, seeds {list(setup['seeds'])}, same prompts per step for every method "
         f"of a seed; all runs took {setup['wall_s']:.0f} s. Each run is one `openrlhf-geo train` command:",
         "",

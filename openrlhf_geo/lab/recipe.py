@@ -5,12 +5,15 @@ process pool with one progress bar.
 
 import hashlib
 import json
+import shutil
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
+from openrlhf_geo import GeoWarning
 from openrlhf_geo.local.rundir import save_model
 
 NOISE = ["--reward.noise.type", "flip", "--reward.noise.rate", "0.1"]
@@ -30,7 +33,7 @@ METHOD_FLAGS = {
     ],
 }
 # fmt: on
-# the demo's full size; workers: runs in parallel processes (one thread each)
+# the studies' size, the demo's with --steps 60 (demo.DEFAULT); workers: runs in parallel processes (one thread each)
 FULL = {"seeds": 5, "steps": 60, "eval_steps": 10, "sft_max_steps": 600, "workers": 2}
 # per_prompt: solutions drawn per training prompt; shortcut_rate: share of them that follow the flawed procedure;
 # strategies: the correct ones drawn (only "digits": the tiny model learns it to >90 % in the SFT budget, so that
@@ -41,6 +44,11 @@ SFT = {"hidden_size": 64, "num_layers": 2, "lr": 3e-3, "batch_size": 128, "seed"
        "task": "carry-shortcut-v2"}  # fmt: skip
 N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
 MAX_NEW_TOKENS = 48  # the longest worked solution is 40 tokens + EOS
+# The demo's SFT warm-up as `warm_up` trains it (the files of its <out>/sft): with the same configuration key (SFT,
+# its step budget, torch 2.13.0+cpu and the pinned kernels of local.kernels) training gives these bytes on any CPU
+# that runs the pinned kernels, so `warm_up` copies them instead of training for 3-4 min (tests/test_demo_sft.py
+# retrains and compares). After a change to SFT: `openrlhf-geo demo --sft-from-scratch`, then copy runs/demo/sft here.
+SHIPPED_SFT = Path(__file__).resolve().parents[1] / "assets" / "demo_sft"
 
 
 # 128 rollouts per step as 8 prompts x G = 16: more within-prompt pairs per rollout for GeoAlign's GDI than 16 x 8
@@ -80,10 +88,14 @@ def prepare_data(out, max_operand=99):
     return train, held_out
 
 
-def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print, sft_config=SFT):
+def warm_up(
+    out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], log=print, sft_config=SFT, shipped=True
+):
     """SFT for `max_steps` steps (the learning rate decays over them), or until the held-out accuracy (T = 1) reaches
     `target` when one is given (checked every sft_config["eval_every"] steps); cached per configuration in <out>/sft.
-    `sft_config`: the SFT dict's keys (default SFT; the studies vary the model size and the strategies)."""
+    `sft_config`: the SFT dict's keys (default SFT; the studies vary the model size and the strategies). `shipped`:
+    copy SHIPPED_SFT when its key is this configuration's (a copy whose model file fails its sha256 is not used:
+    a GeoWarning, then training); False trains here (and retrains a copied <out>/sft)."""
     from openrlhf_geo.lab.task import build_model, build_tokenizer, sft, sft_rows
     from openrlhf_geo.local import kernels
     from openrlhf_geo.local.engine import evaluate
@@ -101,9 +113,26 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
     info_path = out / "sft" / "sft.json"
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if info.get("key") == key:
+        if info.get("key") == key and (shipped or info.get("source") != "shipped"):
             log(f"SFT: reusing {out / 'sft'} ({info['steps']} steps, held-out accuracy {info['accuracy']:.3f})")
             return info
+    copy = json.loads((SHIPPED_SFT / "sft.json").read_text()) if shipped else {}
+    if copy.get("key") == key:
+        digest = hashlib.sha256((SHIPPED_SFT / "model.safetensors").read_bytes()).hexdigest()
+        if digest == copy["sha256"]:
+            shutil.rmtree(out / "sft", ignore_errors=True)
+            shutil.copytree(SHIPPED_SFT, out / "sft")
+            info = {**copy, "source": "shipped"}
+            info_path.write_text(json.dumps(info, indent=1))
+            log(f"SFT: the shipped warm-up ({info['steps']} steps, held-out accuracy {info['accuracy']:.3f}; "
+                "--sft-from-scratch trains it here)")  # fmt: skip
+            return info
+        warnings.warn(
+            f"{SHIPPED_SFT / 'model.safetensors'} does not match its sha256 in sft.json (a damaged install?): "
+            "training the SFT warm-up instead",
+            GeoWarning,
+            stacklevel=2,
+        )
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, sft_config["hidden_size"], sft_config["num_layers"], seed=sft_config["seed"])
     reward_fn = shared_reward_fn("math_verify")
@@ -142,6 +171,8 @@ def warm_up(out, train, held_out, target=None, max_steps=FULL["sft_max_steps"], 
     tokenizer.save_pretrained(out / "sft")
     info = {
         "key": key,
+        "source": "trained",
+        "sha256": hashlib.sha256((out / "sft" / "model.safetensors").read_bytes()).hexdigest(),
         "config": config,
         "steps": state["steps"],
         "accuracy": state["accuracy"],

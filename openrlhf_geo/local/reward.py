@@ -58,10 +58,12 @@ def load_python_reward(path):
 
 
 class CachedMathVerify:
-    """math-verify verdicts (1/0) memoised per (response, answer): rollouts of a sharpening policy repeat a lot.
+    """math-verify verdicts (1/0) memoised per `math_verify.prepare` key: a verdict depends only on the last box's
+    content and the gold LaTeX, so responses that differ elsewhere (a sharpening policy's many wordings of a few
+    answers) share one math-verify call, and the verdicts are those of scoring every response.
 
     Timed-out or failed items score 0 and are not memoised (a retry may succeed); the memo is cleared when it
-    exceeds `max_entries` so long runs with unique responses stay bounded in memory. `last_statuses`: the verdict
+    exceeds `max_entries` so long runs with unique answers stay bounded in memory. `last_statuses`: the verdict
     status (math_verify.STATUSES) of each item of the last call, which the engine counts (math_verify/<status>).
     """
 
@@ -73,15 +75,21 @@ class CachedMathVerify:
         self.last_statuses = []
 
     def __call__(self, prompts, responses, answers):
-        keys = list(zip(responses, answers))
+        from openrlhf_geo.rewards.math_verify import prepare
+
+        # (box content, gold LaTeX), or prepare's own Verdict for input it settles (no box, bad types): hashable
+        keys = [prepare(r, a) for r, a in zip(responses, answers)]
         known = {k: self.cache[k] for k in keys if k in self.cache}  # taken before a clear below can drop them
-        missing = list(dict.fromkeys(k for k in keys if k not in known))  # first-seen order, no sort
+        missing = {}  # key -> its first (response, answer), scored for all that share the key
+        for key, pair in zip(keys, zip(responses, answers)):
+            if key not in known:
+                missing.setdefault(key, pair)
         if missing:
-            verdicts = self.scorer.verdicts([r for r, _ in missing], [a for _, a in missing])
+            verdicts = self.scorer.verdicts([r for r, _ in missing.values()], [a for _, a in missing.values()])
             fresh = {key: v.status for key, v in zip(missing, verdicts)}
             if len(self.cache) + len(fresh) > self.max_entries:
                 self.cache.clear()
-            self.cache.update({k: fresh[k] for k, v in zip(missing, verdicts) if v.status not in ("timeout", "error")})
+            self.cache.update({k: s for k, s in fresh.items() if s not in ("timeout", "error")})
             known.update(fresh)
         self.last_statuses = [known[k] for k in keys]
         return torch.tensor([float(status == "correct") for status in self.last_statuses])

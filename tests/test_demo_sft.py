@@ -1,0 +1,119 @@
+"""The demo's SFT warm-up shipped with the package (`recipe.SHIPPED_SFT`) is what `recipe.warm_up` trains.
+
+The copy is used only where its configuration key is the run's (SFT, step budget, torch 2.13.0+cpu, the pinned
+kernels), so these tests run `openrlhf-geo demo`, which pins the kernels before torch computes, in a subprocess.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from openrlhf_geo import GeoWarning
+from openrlhf_geo.lab import recipe
+from openrlhf_geo.local import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_pin = pytest.mark.skipif(
+    not kernels.NEEDS <= kernels.cpu_flags(), reason="the shipped warm-up is the pinned kernels' (AVX2 and FMA)"
+)
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def demo(out, *flags, timeout):
+    """`openrlhf-geo demo` for seed 0 and one RL step into `out` -> (its sft.json, {method: step-0 eval accuracy})."""
+    argv = ["demo", "--seeds", "1", "--steps", "1", "--workers", "1", "--out", str(out), *flags]
+    env = {k: v for k, v in os.environ.items() if k not in kernels.PINNED}  # the demo pins them itself
+    done = subprocess.run(
+        [sys.executable, "-m", "openrlhf_geo.cli", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = {}
+    for method in ("grpo", "salt", "grpo_noise", "geoalign_noise"):
+        rows = [json.loads(line) for line in open(out / "runs" / method / "seed0" / "metrics.jsonl")]
+        evals[method] = next(r["eval/accuracy"] for r in rows if r["step"] == 0)
+    return json.loads((out / "sft" / "sft.json").read_text()), evals, (out / "report.md").read_text()
+
+
+def test_the_shipped_files_match_their_manifest():
+    info = json.loads((recipe.SHIPPED_SFT / "sft.json").read_text())
+    assert sha256(recipe.SHIPPED_SFT / "model.safetensors") == info["sha256"]
+    assert info["steps"] == recipe.FULL["sft_max_steps"] and info["config"]["max_steps"] == info["steps"]
+    # a change to the recipe's SFT keys changes the key: the copy must then be retrained (the key test below fails)
+    assert {k: info["config"][k] for k in recipe.SFT} == recipe.SFT
+    assert info["config"]["torch"] == "2.13.0+cpu" and info["config"]["kernels"] == {"aten": "AVX2", "pinned": True}
+
+
+@needs_pin
+def test_the_demo_copies_the_shipped_warm_up_and_it_scores_its_recorded_accuracy(tmp_path):
+    info, evals, report = demo(tmp_path / "demo", timeout=900)
+    shipped = json.loads((recipe.SHIPPED_SFT / "sft.json").read_text())
+    assert info["source"] == "shipped" and info["key"] == shipped["key"]  # this recipe's key is the copy's
+    assert sha256(tmp_path / "demo" / "sft" / "model.safetensors") == shipped["sha256"]
+    # every run's step-0 evaluation (256 prompts x 2 samples, seed 0) is the warm-up's own held-out evaluation
+    assert evals == dict.fromkeys(evals, shipped["accuracy"])
+    assert "The package's copy of this warm-up" in report
+
+
+@pytest.mark.slow
+@needs_pin
+def test_training_the_warm_up_from_scratch_gives_the_shipped_bytes(tmp_path):
+    """600 SFT steps on one thread (3-4 min on a 2-core VM): the copy is what this CPU trains, byte for byte."""
+    info, evals, report = demo(tmp_path / "demo", "--sft-from-scratch", timeout=1800)
+    shipped = json.loads((recipe.SHIPPED_SFT / "sft.json").read_text())
+    assert info["source"] == "trained" and info["key"] == shipped["key"]
+    assert info["sha256"] == sha256(tmp_path / "demo" / "sft" / "model.safetensors") == shipped["sha256"]
+    assert info["accuracy"] == shipped["accuracy"] and info["params"] == shipped["params"]
+    assert "The package's copy" not in report
+
+
+def small_warm_up(out, shipped):
+    """A 2-step warm-up of the demo's model in this process (its key is not the shipped copy's)."""
+    train, held_out = recipe.prepare_data(out)
+    return recipe.warm_up(out, train, held_out[:8], max_steps=2, log=lambda line: None, shipped=shipped)
+
+
+def fake_shipped(tmp_path, monkeypatch, damaged=False):
+    """A shipped copy whose key is `small_warm_up`'s (trained once into tmp_path/source), optionally damaged."""
+    small_warm_up(tmp_path / "source", shipped=False)
+    copy = tmp_path / "shipped"
+    copy.mkdir()
+    for path in (tmp_path / "source" / "sft").iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    if damaged:
+        data = bytearray((copy / "model.safetensors").read_bytes())
+        data[-1] ^= 1  # one bit of the last weight
+        (copy / "model.safetensors").write_bytes(bytes(data))
+    monkeypatch.setattr(recipe, "SHIPPED_SFT", copy)
+    return copy
+
+
+def test_a_matching_copy_is_used_and_sft_from_scratch_retrains_it(tmp_path, monkeypatch):
+    copy = fake_shipped(tmp_path, monkeypatch)
+    info = small_warm_up(tmp_path / "run", shipped=True)
+    assert info["source"] == "shipped"
+    assert sha256(tmp_path / "run" / "sft" / "model.safetensors") == sha256(copy / "model.safetensors")
+    assert small_warm_up(tmp_path / "run", shipped=True)["source"] == "shipped"  # the cached copy is reused
+    retrained = small_warm_up(tmp_path / "run", shipped=False)  # a copied <out>/sft is not taken for a trained one
+    assert retrained["source"] == "trained" and retrained["sha256"] == info["sha256"]  # same CPU, same bytes
+
+
+def test_a_damaged_copy_warns_and_the_warm_up_is_trained(tmp_path, monkeypatch):
+    copy = fake_shipped(tmp_path, monkeypatch, damaged=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = small_warm_up(tmp_path / "run", shipped=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, GeoWarning)] == [
+        f"{copy / 'model.safetensors'} does not match its sha256 in sft.json (a damaged install?): training the SFT "
+        "warm-up instead"
+    ]
+    assert info["source"] == "trained" and info["sha256"] != sha256(copy / "model.safetensors")
