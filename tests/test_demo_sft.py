@@ -117,3 +117,16 @@ def test_a_damaged_copy_warns_and_the_warm_up_is_trained(tmp_path, monkeypatch):
         "warm-up instead"
     ]
     assert info["source"] == "trained" and info["sha256"] != sha256(copy / "model.safetensors")
+
+
+def test_the_wheel_ships_the_warm_up(tmp_path):
+    """A non-editable install (pip install git+...) has the copy too: setup.py lists it as package data."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("openrlhf_geo-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"openrlhf_geo/assets/demo_sft/{p.name}" for p in recipe.SHIPPED_SFT.iterdir()} <= names

@@ -630,6 +630,27 @@ def test_reward_memo_that_overflows_mid_batch_still_scores_every_rollout():
     assert len(reward.cache) <= 3
 
 
+def test_reward_memo_scores_each_box_and_gold_once_with_the_verdicts_of_scoring_every_response():
+    """The memo's key is math_verify.prepare's (last box's content, gold LaTeX): responses that word the same answer
+    differently share one math-verify call, and every verdict is the unmemoised scorer's."""
+    from openrlhf_geo.local.reward import CachedMathVerify
+
+    reward = CachedMathVerify()
+    scored = []
+    verdicts = reward.scorer.verdicts
+    reward.scorer.verdicts = lambda responses, golds: scored.append(list(responses)) or verdicts(responses, golds)
+    responses = ["so \\boxed{12}", "12 it is: \\boxed{12}", "\\boxed{13}", "\\boxed{12}", "no box", "\\boxed{12}"]
+    answers = ["12", "12", "12", "\\boxed{12}", "12", "13"]
+    got = reward([""] * 6, responses, answers)
+    expected = [1.0 if v.correct else 0.0 for v in verdicts(responses, answers)]
+    assert got.tolist() == expected == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    # one call per distinct key, in first-seen order: (12, 12), (13, 12), no box, (12, 13); "\\boxed{12}" as gold is 12
+    assert scored == [["so \\boxed{12}", "\\boxed{13}", "no box", "\\boxed{12}"]]
+    assert reward.last_statuses == ["correct", "correct", "wrong", "correct", "no_box", "wrong"]
+    assert reward(["", ""], ["again \\boxed{13}", "\\boxed{12}"], ["12", "12"]).tolist() == [0.0, 1.0]
+    assert len(scored) == 1  # both keys are memoised
+
+
 class ReportingReward:
     """A reward that reports math-verify verdict kinds, as train.CachedMathVerify does: prompt "bad" has no gold."""
 
