@@ -7,9 +7,11 @@ kernels), so these tests run `openrlhf-geo demo`, which pins the kernels before 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -121,12 +123,12 @@ def test_a_damaged_copy_warns_and_the_warm_up_is_trained(tmp_path, monkeypatch):
 
 def test_the_wheel_ships_the_warm_up(tmp_path):
     """A non-editable install (pip install git+...) has the copy too: setup.py lists it as package data."""
+    source = tmp_path / "source"  # a copy: the build leaves build/ and *.egg-info next to setup.py
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
-        cwd=ROOT, check=True, capture_output=True, timeout=600,
+        cwd=source, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     (wheel,) = tmp_path.glob("openrlhf_geo-*.whl")
-    import zipfile
-
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"openrlhf_geo/assets/demo_sft/{p.name}" for p in recipe.SHIPPED_SFT.iterdir()} <= names

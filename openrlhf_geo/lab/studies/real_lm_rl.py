@@ -103,7 +103,7 @@ def summarize(out, sizes, seconds, setup) -> dict:
         }
     timed = [runs[n]["seconds"] / sizes["steps"] for n in runs if runs[n]["seconds"]]
     per_step = sum(timed) / len(timed) if timed else math.nan
-    # a 5-seed comparison of one pair at 60 steps (the demo's length) on this machine
+    # a 5-seed comparison of one pair at 60 steps (the studies' length, recipe.FULL) on this machine
     need = 2 * 5 * 60 * per_step
     return {"study": "real-lm-rl", "setup": setup, "runs": runs, "comparisons": [list(c) for c in COMPARISONS],
             "seconds_per_step": per_step, "comparison_estimate_s": need}  # fmt: skip
