@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -431,8 +432,14 @@ def test_a_driver_blocked_after_an_actor_died_ends_in_one_line(monkeypatch, caps
     monkeypatch.setattr(launch.runpy, "run_module", lambda *a, **k: time.sleep(30))  # blocked, as in ray.get
     monkeypatch.setenv("RAY_process_group_cleanup_enabled", "")  # restored (unset) after the test
     monkeypatch.delenv("RAY_process_group_cleanup_enabled")
+    # Python's own SIGINT handler, as in a fresh `openrlhf-geo` driver: in one full run a handler left in this pytest
+    # worker by an earlier test swallowed the watchdog's SIGINT (the sleep ran its 30 s)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.time()
-    assert launch.main([]) == 1
+    try:
+        assert launch.main([]) == 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.time() - start < 10
     assert capsys.readouterr().err.strip().splitlines() == [f"openrlhf-geo: {line}"]
     # a head this driver starts gives each worker its own process group, killed with it (vLLM's EngineCore too)
