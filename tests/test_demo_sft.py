@@ -31,7 +31,8 @@ def sha256(path):
 
 
 def demo(out, *flags, timeout):
-    """`openrlhf-geo demo` for seed 0 and one RL step into `out` -> (its sft.json, {method: step-0 eval accuracy})."""
+    """`openrlhf-geo demo` for seed 0 and one RL step into `out` -> (its sft.json, {method: step-0 eval accuracy},
+    report.md)."""
     argv = ["demo", "--seeds", "1", "--steps", "1", "--workers", "1", "--out", str(out), *flags]
     env = {k: v for k, v in os.environ.items() if k not in kernels.PINNED}  # the demo pins them itself
     done = subprocess.run(
