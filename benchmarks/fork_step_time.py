@@ -141,6 +141,7 @@ def main(argv=None) -> int:
         parser.error(f"--conditions: a subset of {', '.join(CONDITIONS)} that includes grpo")
     if args.rounds < 1 or args.episodes < 1:
         parser.error("--rounds and --episodes must be at least 1")
+    from openrlhf_geo.fork.hooks import DUMP_ENV
     from openrlhf_geo.fork.install import ForkError
     from openrlhf_geo.fork.launch import check_cpu_engines
     from openrlhf_geo.local.rundir import OutputClaimed, claim_output
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
                         assets / "model", assets / "prompts.jsonl", reward, args.model,
                     )  # fmt: skip
                     env = smoke.run_env(run, args.model)
+                    env.pop(DUMP_ENV)  # the smoke's replay dump is a test hook: users' runs do not write it
                     code, left = smoke.run_group(command, run / "train.log", env, run, timeout)
                     if code != 0 or left:
                         print(f"fork_step_time: {name} round {rnd} failed (exit {code}, left {left}): {run}/train.log",

@@ -146,11 +146,13 @@ def test_fork_step_time_takes_the_experience_phase_difference_against_grpo():
 
 def test_fork_step_time_reads_the_runs_an_earlier_invocation_finished(tmp_path, monkeypatch):
     from openrlhf_geo.fork import launch
+    from openrlhf_geo.fork.hooks import DUMP_ENV
 
     fst = load_fork_step_time()
     ran = []
 
     def run_group(command, log, env, run, timeout):
+        assert DUMP_ENV not in env  # the step time users pay: no replay dump
         ran.append(run.name)
         (run / "final").mkdir()  # upstream's final model: the run finished
         return 0, []
