@@ -171,3 +171,18 @@ def test_fork_step_time_reads_the_runs_an_earlier_invocation_finished(tmp_path, 
     assert not (tmp_path / "out" / "salt-0" / "stale").exists()
     assert json.loads((tmp_path / "out" / "fork_step_time.json").read_text()) == first
     assert fst.main([*argv, "--episodes", "3"]) == 1  # the folder holds runs of another length
+
+
+def test_geoalign_threads_prints_one_row_per_shape_and_restores_the_thread_count(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("geoalign_threads", ROOT / "benchmarks" / "geoalign_threads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "SHAPES", ((2, 4, 16), (3, 4, 8)))
+    before = torch.get_num_threads()
+    assert module.main(["--threads", "2", "--reps", "1"]) == 0
+    assert torch.get_num_threads() == before
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split()[:4] for row in rows] == [["2", "x", "4", "16"], ["3", "x", "4", "8"]]
+    for row in rows:
+        pairs, one, many, ratio = map(float, row.split()[4:])
+        assert pairs >= 1 and one > 0 and many > 0 and ratio == pytest.approx(one / many, rel=0.05)
