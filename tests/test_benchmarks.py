@@ -185,4 +185,6 @@ def test_geoalign_threads_prints_one_row_per_shape_and_restores_the_thread_count
     assert [row.split()[:4] for row in rows] == [["2", "x", "4", "16"], ["3", "x", "4", "8"]]
     for row in rows:
         pairs, one, many, ratio = map(float, row.split()[4:])
-        assert pairs >= 1 and one > 0 and many > 0 and ratio == pytest.approx(one / many, rel=0.05)
+        assert pairs >= 1 and one > 0 and many > 0
+        # every column is printed to 2 decimals: the ratio of the unrounded times, rounded, lies in this interval
+        assert (one - 0.005) / (many + 0.005) - 0.005 <= ratio <= (one + 0.005) / max(many - 0.005, 1e-9) + 0.005
