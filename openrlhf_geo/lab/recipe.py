@@ -180,6 +180,7 @@ def warm_up(
         "target": target,
         "params": sum(p.numel() for p in model.parameters()),
         "wall_s": time.perf_counter() - start,
+        "environment": kernels.environment(),  # not in the key: the same key gave other bytes on other CPUs
     }
     info_path.write_text(json.dumps(info, indent=1))
     return info

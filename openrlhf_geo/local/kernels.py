@@ -12,7 +12,9 @@ reads them when it first computes, so `pin` runs before any tensor is computed (
 and `study`).
 """
 
+import importlib.metadata
 import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -28,6 +30,8 @@ PINNED = {
     "OPENBLAS_NUM_THREADS": "1",
 }
 NEEDS = {"avx2", "fma"}  # CPU flags the pinned kernels run on
+# the libraries whose arithmetic a run's numbers depend on (math-verify and sympy: the reward's verdicts)
+COMPUTING = ("torch", "numpy", "scipy", "transformers", "tokenizers", "safetensors", "math-verify", "sympy")
 
 
 def cpu_flags():
@@ -37,6 +41,38 @@ def cpu_flags():
     except OSError:
         return set()
     return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+def environment():
+    """What a run's numbers depend on besides the code and the kernels: {"versions": {library: version or None},
+    "python", "libc", "cpu": {"vendor", "model", "family", "model_number", "simd" flags}} (recorded in summary.json and
+    sft.json; requirements/lock/ fixes the versions, docs/results.md says where the numbers were measured)."""
+    versions = {}
+    for name in COMPUTING:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())  # the first processor's
+    except OSError:
+        pass
+    cpu = {
+        "vendor": info.get("vendor_id"),
+        "model": info.get("model name", platform.processor() or platform.machine()),
+        "family": info.get("cpu family"),
+        "model_number": info.get("model"),
+        "simd": sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "fma", "amx", "f16c"))),
+    }
+    return {
+        "versions": versions,
+        "python": platform.python_version(),
+        "libc": " ".join(platform.libc_ver()),
+        "cpu": cpu,
+    }
 
 
 def pin():

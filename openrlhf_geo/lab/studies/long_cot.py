@@ -445,6 +445,7 @@ def run(args, out, workers, execute=True):
             "seeds_phase2": list(seeds2),
             "workers": workers,
             "kernels": used,
+            "environment": kernels.environment(),
             "sft": {k: v for k, v in sft.items() if k != "recipe"},
             "recipe": sft.get("recipe"),
             "sft_wall_s": sft_s,

@@ -373,6 +373,7 @@ def run(design, args, out, workers):
         "wall_s": time.perf_counter() - start,
         "estimate_s": estimate,
         "kernels": used,
+        "environment": kernels.environment(),
         "sft": sft,
         "commands": {
             "common": common_command(out, steps, eval_steps),
