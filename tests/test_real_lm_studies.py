@@ -1,7 +1,14 @@
 """The real-LM task and studies' machinery (local.word_task, studies.real_lm and the real-lm-* studies): each piece
 against an independent direct computation, on a tiny random Llama (the studies' real SmolLM2 runs are the studies)."""
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,3 +287,201 @@ def test_real_lm_rl_conditions_parse_as_train_commands(tmp_path):
         assert (args.algo.advantage.estimator == "salt") == (name == "salt") or args.salt.enable == (name == "salt")
         assert args.geoalign.enable == (name == "geoalign_flip")
         assert (args.reward.noise.type == "flip") == name.endswith("_flip")
+
+
+# ---------------------------------------------------------------- the vLLM child process
+
+FAKE_VLLM = '''
+"""A stand-in for vLLM: LLM() starts an engine process that, as vLLM's EngineCore, does not watch its parent; generate
+never returns."""
+import multiprocessing, os, time
+from pathlib import Path
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        pass
+
+
+def TokensPrompt(prompt_token_ids):
+    return prompt_token_ids
+
+
+def _engine():
+    time.sleep(600)
+
+
+class LLM:
+    def __init__(self, *args, **kwargs):
+        engine = multiprocessing.get_context("fork").Process(target=_engine)
+        engine.start()
+        pids = Path(os.environ["FAKE_VLLM_PIDS"])
+        pids.with_suffix(".tmp").write_text(f"{os.getpid()} {engine.pid}")
+        os.replace(pids.with_suffix(".tmp"), pids)
+
+    def generate(self, prompts, params):
+        time.sleep(600)
+'''
+
+
+def _alive(pid):
+    """Whether `pid` runs (a zombie left to an init that does not reap counts as gone)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_vllm_child_and_its_engine_die_with_a_killed_study(tmp_path):
+    """kill -9 of the study while vLLM samples: its child process (own session) and the engine processes vLLM started
+    are gone within seconds, not left sampling for up to VLLM_TIMEOUT_S."""
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    pids_file = tmp_path / "pids"
+    code = ("import sys; from pathlib import Path; from openrlhf_geo.lab.studies import real_lm; "
+            "real_lm._sample_vllm('/model', [[1, 2]], real_lm.Collection(), 2, Path(sys.argv[1]))")  # fmt: skip
+    path = os.pathsep.join(p for p in (str(tmp_path / "fake"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "FAKE_VLLM_PIDS": str(pids_file)}
+    study = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "work")], env=env, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while not pids_file.exists():
+            assert study.poll() is None, f"the stand-in study exited {study.returncode}"
+            assert time.monotonic() < deadline, "the vLLM stand-in did not start"
+            time.sleep(0.2)
+        pids = [int(p) for p in pids_file.read_text().split()]  # the child, its engine
+        os.kill(study.pid, signal.SIGKILL)
+        study.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)], "the vLLM child or its engine outlived the killed study"
+    finally:
+        for pid in [study.pid, *pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        study.wait()
+
+
+# ---------------------------------------------------------------- the command line: --seeds, Ctrl-C
+
+
+def _fake_real_lm_rl(monkeypatch, tmp_path, train):
+    """real-lm-rl with `train` in place of `openrlhf-geo train`'s run (no model, no data)."""
+    import transformers
+
+    from openrlhf_geo.local import training
+
+    monkeypatch.setattr(real_lm, "model_dir", lambda: tmp_path / "model")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: None)
+    monkeypatch.setattr(real_lm_rl, "write_data", lambda out, sizes, tokenizer: Path(out) / "data")
+    monkeypatch.setattr(training, "train", train)
+
+
+def _metrics_run(seen):
+    def train(args):
+        seen.append((args.train.seed, args.reward.noise.seed))
+        run = Path(args.ckpt.output_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "accuracy": 0.5, "eval/accuracy": 0.5}) + "\n")
+        return 0
+
+    return train
+
+
+@pytest.mark.parametrize("seeds, seed, flag", [([], 0, ""), (["--seeds", "7"], 7, " --seeds 7")])
+def test_real_lm_rl_runs_the_seed_given_and_its_out_records_it(tmp_path, monkeypatch, seeds, seed, flag):
+    from openrlhf_geo import cli
+
+    seen = []
+    _fake_real_lm_rl(monkeypatch, tmp_path, _metrics_run(seen))
+    out = tmp_path / "out"
+    assert cli.main(["study", "real-lm-rl", "--quick", *seeds, "--out", str(out)]) == 0
+    assert seen == [(seed, seed)] * len(real_lm_rl.CONDITIONS)
+    assert json.loads((out / "command.json").read_text())["command"] == f"openrlhf-geo study real-lm-rl{flag} --quick"
+    assert json.loads((out / "summary.json").read_text())["setup"]["seed"] == seed
+
+
+@pytest.mark.parametrize("name", ["real-lm-geometry", "real-lm-geoalign", "real-lm-proxy"])
+def test_the_collection_studies_sample_with_the_seed_given_and_their_out_records_it(name, tmp_path, monkeypatch):
+    from openrlhf_geo import cli
+
+    class Collected(Exception):
+        pass
+
+    for seeds, seed, flag in (([], 0, ""), (["--seeds", "7"], 7, " --seeds 7")):
+        out = tmp_path / f"out{seed}"
+
+        def collect(collection, cache=None, log=print, out=out):
+            raise Collected(collection, json.loads((out / "command.json").read_text())["command"])
+
+        monkeypatch.setattr(real_lm, "cached", lambda collection, cache=None: False)
+        monkeypatch.setattr(real_lm, "collect", collect)
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # real-lm-proxy's, for this test process
+        with pytest.raises(Collected) as collected:
+            cli.main(["study", name, "--quick", *seeds, "--out", str(out)])
+        assert collected.value.args == (collected.value.args[0], f"openrlhf-geo study {name}{flag} --quick")
+        assert collected.value.args[0].seed == seed
+
+
+@pytest.mark.parametrize("name", ["real-lm-geometry", "real-lm-geoalign", "real-lm-proxy", "real-lm-rl"])
+def test_a_real_lm_study_refuses_several_seeds_naming_the_flag(name, tmp_path, monkeypatch, capsys):
+    from openrlhf_geo import cli
+    from openrlhf_geo.lab.studies import REGISTRY
+
+    monkeypatch.setattr(REGISTRY[name], "run", lambda *args: pytest.fail(f"{name} ran with several seeds"))
+    assert cli.main(["study", name, "--seeds", "1", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("openrlhf-geo study: error: --seeds") and "one seed" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_in_real_lm_rl_is_one_line_naming_the_out_and_that_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    from openrlhf_geo import cli
+
+    def train(args):
+        raise KeyboardInterrupt
+
+    _fake_real_lm_rl(monkeypatch, tmp_path, train)
+    out = tmp_path / "out"
+    assert cli.main(["study", "real-lm-rl", "--quick", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openrlhf-geo study: interrupted")
+    assert f"--out {out}" in err[0] and "resumes" in err[0] and "train.log" not in err[0]
+    # the rerun resumes: the same command is accepted in that --out and finishes
+    seen = []
+    _fake_real_lm_rl(monkeypatch, tmp_path, _metrics_run(seen))
+    assert cli.main(["study", "real-lm-rl", "--quick", "--out", str(out)]) == 0 and len(seen) == 4
+
+
+def test_ctrl_c_while_a_collection_is_sampled_is_one_line(tmp_path, monkeypatch, capsys):
+    from openrlhf_geo import cli
+
+    def collect(collection, cache=None, log=print):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(real_lm, "cached", lambda collection, cache=None: False)
+    monkeypatch.setattr(real_lm, "collect", collect)
+    out = tmp_path / "out"
+    assert cli.main(["study", "real-lm-geometry", "--quick", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openrlhf-geo study: interrupted") and f"--out {out}" in err[0]
+
+
+def test_a_real_lm_rl_run_that_stops_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from openrlhf_geo import cli
+
+    def train(args):
+        raise ValueError("the weights are NaN after step 1")
+
+    _fake_real_lm_rl(monkeypatch, tmp_path, train)
+    out = tmp_path / "out"
+    assert cli.main(["study", "real-lm-rl", "--quick", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openrlhf-geo study: real-lm-rl: run grpo ({out / 'runs' / 'grpo'}) stopped: the weights are NaN "
+                   "after step 1"]  # fmt: skip

@@ -423,3 +423,22 @@ def test_step_must_be_an_integer(tmp_path, step):
     path.write_text('{"step": 0, "reward": 1}\n{"step": ' + step + ', "reward": 1}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: .*integer 'step'"):
         report.read_metrics_jsonl(path)
+
+
+def test_out_is_a_new_directory_or_a_previous_report_never_another_file(runs_dir, tmp_path, capsys):
+    argv = [str(runs_dir), "--baseline", "grpo", "--n-resamples", "200", "--out"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    _fails([*argv, a_file], capsys, f"--out {a_file}")
+    _fails([*argv, a_file / "sub"], capsys, f"--out {a_file / 'sub'}")
+    study = tmp_path / "study"  # a study's output: its own report.md and a plot of the name a curve would get
+    study.mkdir()
+    (study / "report.md").write_text("the study's report")
+    (study / "accuracy.png").write_text("the study's plot")
+    _fails([*argv, study], capsys, f"--out {study}", "report.md", "accuracy.png")
+    assert a_file.read_text() == "keep" and (study / "report.md").read_text() == "the study's report"
+    assert sorted(p.name for p in study.iterdir()) == ["accuracy.png", "report.md"]
+    out = tmp_path / "report"
+    assert report.main([*argv, str(out)]) == 0
+    assert report.main([*argv, str(out), "--confidence", "0.9"]) == 0  # a previous report is rewritten
+    assert "90% CI" in (out / "report.md").read_text()

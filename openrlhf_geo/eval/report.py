@@ -9,7 +9,9 @@ Input layout (one directory per method, one per seed; any file may be absent)::
 Every method is compared with ``--baseline`` on each scalar metric (summary.json's ``metrics`` and, for curve
 metrics named with ``--final-metrics``, the ``--final`` aggregate of the curve): mean paired gain over the seeds both
 have, with a bootstrap CI of the mean per-seed difference (seeds only one of the two has are a warning naming the
-method and those seeds). Writes ``report.md``, ``comparison.json`` and one PNG per curve metric.
+method and those seeds). Writes ``report.md``, ``comparison.json`` and one PNG per curve metric into ``--out``: a new
+directory or a previous report's (rewritten); one holding any of those files from elsewhere (a study's report.md, say)
+is refused, as is a file.
 
 ``--final`` aggregates a curve over its last logged steps, the same steps for every run: ``last`` (the final step),
 ``last-n 5`` (GeoAlign, arXiv 2606.26917 §5.1 and App. B.2: the mean of the last five evaluations, run every 10 steps)
@@ -416,7 +418,7 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="openrlhf-geo report", description=__doc__.split("\n")[0])
     parser.add_argument("runs", help="directory laid out as RUNS/<method>/seed<k>/")
     parser.add_argument("--baseline", required=True, help="method every other method is compared with")
-    parser.add_argument("--out", default=None, help="output directory (default: RUNS/report)")
+    parser.add_argument("--out", default=None, help="new directory or a previous report's (default: RUNS/report)")
     parser.add_argument("--curves", nargs="*", default=None, help="curve metrics to plot (default: all)")
     parser.add_argument("--final-metrics", nargs="*", default=[], help="curve metrics compared by their --final value")
     parser.add_argument(
@@ -441,6 +443,30 @@ def build_parser():
     return parser
 
 
+def is_report(out):
+    """Whether directory `out` holds a report this command wrote (its comparison.json)."""
+    try:
+        previous = json.loads((Path(out) / "comparison.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(previous, dict) and {"baseline", "final", "rows"} <= previous.keys()
+
+
+def claim_out(out, names):
+    """Create directory `out` for the report's files `names`; ValueError naming --out when it is a file or would
+    overwrite a file of `names` that is not a previous report's (a study's report.md, say)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a directory (a new one or a previous report's)")
+    taken = [] if is_report(out) else [name for name in names if (out / name).exists()]
+    if taken:
+        raise ValueError(f"--out {out} holds {', '.join(taken)} not written by `openrlhf-geo report`; choose another "
+                         "--out (a new directory or a previous report's)")  # fmt: skip
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. a file where a parent directory should be
+        raise ValueError(f"--out {out}: {error.strerror}") from None
+
+
 def write_report(args):
     """report.md, comparison.json and the plots for parsed ``build_parser`` arguments."""
     final = parse_final(args.final)
@@ -451,18 +477,17 @@ def write_report(args):
     windows = final_scalars(runs, args.final_metrics, final, sources)
     notes = [*notes, *unpaired_seeds(runs, args.baseline)]
     rows = compare(runs, args.baseline, args.confidence, args.n_resamples, args.seed, args.ci_method)
-    out.mkdir(parents=True, exist_ok=True)
     available = sorted({k for seeds in runs.values() for run in seeds.values() for k in run.curves})
     missing = sorted(set(args.curves or []) - set(available))
     if missing:
         raise ValueError(f"--curves: no run logs {missing}; available: {available}")
+    plots = [(metric, re.sub(r"[^A-Za-z0-9_.-]+", "_", metric) + ".png")
+             for metric in (args.curves if args.curves is not None else available)]  # fmt: skip
+    claim_out(out, ["report.md", "comparison.json", *(name for _, name in plots)])
     for note in notes:  # after the last check: an error stays the one line main prints
         print(f"warning: {note}", file=sys.stderr)
-    plots = []
-    for metric in args.curves if args.curves is not None else available:
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", metric) + ".png"
+    for metric, name in plots:
         plot_curve(runs, metric, out / name, smooth=args.smooth_ema)
-        plots.append((metric, name))
 
     seeds = {m: sorted(s) for m, s in runs.items()}
     lines = [

@@ -20,6 +20,7 @@ command line: it checks the options, claims --out for the command (`rundir.claim
 import os
 import signal
 import sys
+from pathlib import Path
 
 from openrlhf_geo.lab.studies.registry import REGISTRY
 from openrlhf_geo.local import rundir
@@ -63,22 +64,32 @@ def main(argv=None):
             raise ValueError(f"--workers must be >= 1 (got {workers})")
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ValueError(f"--seeds must be distinct (got {' '.join(map(str, args.seeds))})")
+        if args.seeds is not None and study.seed is not None and len(args.seeds) != 1:
+            raise ValueError(f"--seeds: {args.name} runs one seed (got {' '.join(map(str, args.seeds))}); run it once "
+                             "per seed, each with its own --out")  # fmt: skip
     except ValueError as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
-    # what the runs depend on (not --seeds: each run records its own command, `runner.finished`)
+    # what the runs depend on (not the --seeds of a study of several: each run records its own command,
+    # `runner.finished`)
     given = "".join(f" --{key} {value}" for key, value in options.items() if value != OPTIONS[key])
+    if study.seed is not None:
+        args.seeds = args.seeds or [study.seed]
+        given += f" --seeds {args.seeds[0]}" if args.seeds[0] != study.seed else ""
     command = f"openrlhf-geo study {args.name}{given}" + (" --quick" if args.quick else "")
     # SIGTERM unwinds like Ctrl-C, so what a study started (the real-LM studies' vLLM sampler, its own process
     # group) is stopped by its handle; the default SIGTERM exits without running a `finally`
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with rundir.claim_output(
-            args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""), command
-        ) as out:
+        out = Path(args.out or f"runs/studies/{args.name}" + ("-quick" if args.quick else ""))
+        with rundir.claim_output(out, command):
             return study.run(args, out, workers)
     except rundir.OutputClaimed as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what finished is kept (runs, checkpoints, cached rollouts): the study resumes from it
+        print(f"openrlhf-geo study: interrupted; the same command with --out {out} resumes where it stopped",
+              file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -18,6 +18,9 @@ class Study(ABC):
 
     name: ClassVar[str]
     options: ClassVar[tuple] = ()
+    # a study of one seed: its default; `--seeds` then takes one value, which its outputs (and so the command its --out
+    # is claimed for) depend on. None: `--seeds` lists the seeds to run, and each run records its own command.
+    seed: ClassVar[int | None] = None
 
     def check(self, **options):
         """Refuse bad option values before --out is claimed (ValueError naming the option)."""
@@ -25,7 +28,8 @@ class Study(ABC):
 
     @abstractmethod
     def run(self, args, out, workers):
-        """The study in its claimed `out` (the options checked) -> exit status."""
+        """The study in its claimed `out` (the options checked; a study of one seed has `args.seeds == [seed]`) -> exit
+        status."""
 
 
 class ConditionStudy(Study):

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,8 +101,22 @@ def _sample_hf(model_path, prompt_ids, collection):
     return out
 
 
-def _vllm_child(request_path, result_path):
+def _die_with_parent(watch_fd):
+    """In the child: when the parent dies (kill -9 included) the kernel closes its end of the pipe; a thread waiting
+    for that EOF then kills the child's process group: the child and vLLM's engine processes, which do not watch
+    their parent (vLLM 0.29's EngineCore does not; its workers watch only the EngineCore)."""
+
+    def watch():
+        while os.read(watch_fd, 1):  # the parent never writes: only EOF ends the wait
+            pass
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def _vllm_child(request_path, result_path, watch_fd):
     """The child process: vLLM's CPU engine on the converted model -> token ids per sample (EOS included)."""
+    _die_with_parent(watch_fd)  # before vLLM starts its engine: nothing of it outlives the parent
     from vllm import LLM, SamplingParams, TokensPrompt
 
     request = json.loads(Path(request_path).read_text())
@@ -127,7 +142,8 @@ def _vllm_child(request_path, result_path):
 
 def _sample_vllm(model_path, prompt_ids, collection, eos, work):
     """vLLM in a child process of its own session: its engine processes are stopped with it, on success, failure,
-    timeout or Ctrl-C (the process group is killed), and a failure is one line naming vLLM and its last log line."""
+    timeout or Ctrl-C (the process group is killed) and when this process is killed outright (`_die_with_parent`);
+    a failure is one line naming vLLM and its last log line."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -142,10 +158,14 @@ def _sample_vllm(model_path, prompt_ids, collection, eos, work):
     result, log = work / "result.json", work / "vllm.log"
     result.unlink(missing_ok=True)
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    code = f"from {__name__} import _vllm_child; _vllm_child({str(work / 'request.json')!r}, {str(result)!r})"
-    with open(log, "w") as out:
+    # a pipe whose write end only this process holds: the kernel closes it when this process dies, and the child
+    # watches its read end (`_die_with_parent`); the `open`s close both ends here when the child is done
+    watch, alive = os.pipe()
+    code = (f"from {__name__} import _vllm_child; "
+            f"_vllm_child({str(work / 'request.json')!r}, {str(result)!r}, {watch})")  # fmt: skip
+    with open(log, "w") as out, open(watch, "rb"), open(alive, "wb"):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, pass_fds=(watch,))  # fmt: skip
         try:
             proc.wait(timeout=VLLM_TIMEOUT_S)
         except BaseException:

@@ -169,10 +169,10 @@ def render(summary) -> str:
         "# GeoAlign's geometry on a real pretrained LM's hidden states (`openrlhf-geo study real-lm-geoalign`)",
         "",
         f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Rollouts: real-lm-geometry's "
-        f"T = {setup['temperature']} collection, full responses (cap {setup['cap']}), {setup['batches']} disjoint "
-        f"batches of {setup['prompts_per_batch']} prompts x {setup['samples']}; `geoalign.curate`, math preset, a "
-        f"fresh projector per call. Protocol: docs/studies/real-lm-geoalign.md. Wall time "
-        f"{setup['wall_s'] / 60:.1f} min (estimate {setup['estimate_s'] / 60:.0f} min).",
+        f"T = {setup['temperature']} collection (seed {setup['seed']}), full responses (cap {setup['cap']}), "
+        f"{setup['batches']} disjoint batches of {setup['prompts_per_batch']} prompts x {setup['samples']}; "
+        "`geoalign.curate`, math preset, a fresh projector per call. Protocol: docs/studies/real-lm-geoalign.md. "
+        f"Wall time {setup['wall_s'] / 60:.1f} min (estimate {setup['estimate_s'] / 60:.0f} min).",
         "",
         "Mean over batches [95 % percentile-bootstrap CI] (a batch's flip draws averaged first); flip rate 0: clean "
         "rewards.",
@@ -205,7 +205,7 @@ def run(args, out, workers, cache=None):
     per_batch = PROMPTS_PER_BATCH["quick" if args.quick else "full"]
     draws = 2 if args.quick else DRAWS
     collection = real_lm.Collection(prompts=sizes["prompts"], samples=sizes["samples"], temperature=TEMPERATURE,
-                                    max_tokens=sizes["max_tokens"], caps=sizes["caps"],
+                                    max_tokens=sizes["max_tokens"], caps=sizes["caps"], seed=args.seeds[0],
                                     generator=args.generator or "vllm")  # fmt: skip
     calls = (sizes["prompts"] // per_batch) * (1 + len(RATES) * draws)
     from openrlhf_geo.lab.studies.real_lm_geometry import estimate_seconds
@@ -217,7 +217,7 @@ def run(args, out, workers, cache=None):
     start = time.perf_counter()
     data = real_lm.collect(collection, cache)
     records = analyse(data, per_batch, draws)
-    setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, "cap": sizes["caps"][-1],
+    setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, "seed": args.seeds[0], "cap": sizes["caps"][-1],
              "samples": sizes["samples"], "prompts_per_batch": per_batch,
              "batches": sizes["prompts"] // per_batch, "rates": list(RATES), "draws": draws,
              "wall_s": time.perf_counter() - start, "estimate_s": estimate, "collection": data["key"]}  # fmt: skip
@@ -232,6 +232,7 @@ def run(args, out, workers, cache=None):
 class RealLmGeoAlign(Study):
     name = "real-lm-geoalign"
     options = ("generator",)
+    seed = 0  # the rollouts' sampling seed (real-lm-geometry's collection at that seed)
 
     def run(self, args, out, workers):
         return run(args, out, workers)

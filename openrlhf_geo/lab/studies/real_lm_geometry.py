@@ -189,7 +189,8 @@ def render(summary) -> str:
         "",
         f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Task: one-step "
         "addition word problems in the chat template (docs/real-lm.md). Protocol: docs/studies/real-lm-geometry.md.",
-        f"- {setup['prompts']} prompts x {setup['samples']} samples per temperature, caps {setup['caps']}, batches "
+        f"- {setup['prompts']} prompts x {setup['samples']} samples per temperature (sampled by "
+        f"{setup['generator']}, seed {setup['seed']}), caps {setup['caps']}, batches "
         f"of m = {setup['m']} (B = m / G prompts x G), {setup['replicates']} disjoint batches per condition; "
         f"features: SALT's default proxy ({setup['features']}).",
         f"- Wall time {setup['wall_s'] / 60:.1f} min (estimate {setup['estimate_s'] / 60:.0f} min); per collection: "
@@ -291,6 +292,7 @@ def run(args, out, workers, cache=None):
             temperature=T,
             max_tokens=sizes["max_tokens"],
             caps=sizes["caps"],
+            seed=args.seeds[0],
             generator=generator,
         )  # fmt: skip
         for T in temperatures
@@ -309,8 +311,8 @@ def run(args, out, workers, cache=None):
     from openrlhf_geo.salt import SaltConfig
 
     config = SaltConfig()
-    setup = {**sizes, "temperatures": list(temperatures), "generator": generator, "model": real_lm.MODEL_NAME,
-             "features": f"{config.features}, D = {config.dim}, seed {config.seed}",
+    setup = {**sizes, "temperatures": list(temperatures), "generator": generator, "seed": args.seeds[0],
+             "model": real_lm.MODEL_NAME, "features": f"{config.features}, D = {config.dim}, seed {config.seed}",
              "replicates": len(replicates(sizes["prompts"], sizes["samples"], sizes["groups"][0], sizes["m"])),
              "wall_s": time.perf_counter() - start, "estimate_s": estimate, "seconds": seconds}  # fmt: skip
     summary = summarize(records, setup)
@@ -326,6 +328,7 @@ def run(args, out, workers, cache=None):
 class RealLmGeometry(Study):
     name = "real-lm-geometry"
     options = ("generator",)
+    seed = 0  # the rollouts' sampling seed (`real_lm.Collection.seed`)
 
     def check(self, generator=None):
         if generator not in (None, "vllm", "hf"):

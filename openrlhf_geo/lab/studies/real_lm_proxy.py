@@ -244,9 +244,10 @@ def render(summary) -> str:
         "# SALT's LM-head proxy on a real pretrained LM (`openrlhf-geo study real-lm-proxy`)",
         "",
         f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Rollouts: the study's own "
-        f"T = {setup['temperature']} collection, full responses. {setup['blocks_run']} block(s) of "
-        f"{setup['prompts']} prompts x {setup['samples']} (m = {setup['prompts'] * setup['samples']}), each split "
-        f"into {setup['small']} mini-batches of m = {setup['prompts'] * setup['samples'] // setup['small']}. "
+        f"T = {setup['temperature']} collection (seed {setup['seed']}), full responses. {setup['blocks_run']} "
+        f"block(s) of {setup['prompts']} prompts x {setup['samples']} (m = {setup['prompts'] * setup['samples']}), "
+        f"each split into {setup['small']} mini-batches of m = "
+        f"{setup['prompts'] * setup['samples'] // setup['small']}. "
         f"Reference Grams: CountSketch of the full per-sample gradients to {setup['ref_dim']:,} coordinates. "
         f"Protocol: docs/studies/real-lm-proxy.md. Wall time {setup['wall_s'] / 60:.1f} min (estimate "
         f"{setup['estimate_s'] / 60:.0f} min).",
@@ -297,7 +298,7 @@ def run(args, out, workers, cache=None):
     sizes = SIZES["quick" if quick else "full"]
     base = QUICK if quick else COLLECTION
     collection = real_lm.Collection(prompts=base["prompts"], samples=base["samples"], temperature=TEMPERATURE,
-                                    max_tokens=base["max_tokens"], caps=base["caps"],
+                                    max_tokens=base["max_tokens"], caps=base["caps"], seed=args.seeds[0],
                                     generator=args.generator or "vllm")  # fmt: skip
     n_grad = sizes["blocks"] * sizes["prompts"] * sizes["samples"]
     grams = sizes["blocks"] * EXACT_GRAM_S_PER_MTOKEN2 * (256 * 60 / 1e3) ** 2 / 1e3
@@ -331,8 +332,8 @@ def run(args, out, workers, cache=None):
                            "protocol, second amendment)")  # fmt: skip
                 print(f"study real-lm-proxy: {stopped}")
                 break
-    setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, **sizes, "ref_dim": REF_DIM,
-             "blocks_run": len(blocks), "stopped": stopped, "wall_s": time.perf_counter() - start,
+    setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, "seed": args.seeds[0], **sizes,
+             "ref_dim": REF_DIM, "blocks_run": len(blocks), "stopped": stopped, "wall_s": time.perf_counter() - start,
              "estimate_s": estimate, "collection": data["key"],
              "collection_seconds": data["seconds"]}  # fmt: skip
     summary = strict_json(summarize(blocks, setup))
@@ -345,6 +346,7 @@ def run(args, out, workers, cache=None):
 class RealLmProxy(Study):
     name = "real-lm-proxy"
     options = ("generator",)
+    seed = 0  # the rollouts' sampling seed (`real_lm.Collection.seed`)
 
     def run(self, args, out, workers):
         return run(args, out, workers)

@@ -10,6 +10,7 @@ first and last step, and the measured cost per step with what a comparison with 
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def write_data(out, sizes, tokenizer):
     return data
 
 
-def train_argv(model, data, run, sizes, condition):
+def train_argv(model, data, run, sizes, condition, seed=0):
     return [
         "--actor.model_name_or_path", str(model),
         "--data.prompt_dataset", str(data / "train.jsonl"), "--eval.dataset", str(data / "eval.jsonl"),
@@ -60,7 +61,7 @@ def train_argv(model, data, run, sizes, condition):
         "--rollout.max_new_tokens", str(sizes["max_new_tokens"]), "--rollout.temperature", str(word_task.TEMPERATURE),
         "--rollout.micro_batch_size", "8", "--train.micro_batch_size", "8",
         "--actor.adam.lr", str(LR), "--train.steps", str(sizes["steps"]),
-        "--train.device", "cpu", "--train.threads", "2", "--train.seed", "0", "--reward.noise.seed", "0",
+        "--train.device", "cpu", "--train.threads", "2", "--train.seed", str(seed), "--reward.noise.seed", str(seed),
         "--ckpt.output_dir", str(run), "--ckpt.save_steps", "2",
         *CONDITIONS[condition],
     ]  # fmt: skip
@@ -72,9 +73,12 @@ def last_step(run):
 
 
 def run_condition(argv, run, steps):
-    """`openrlhf-geo train ARGV` in this process, unless its metrics already reach `steps` for this command."""
+    """`openrlhf-geo train ARGV` in this process, unless its metrics already reach `steps` for this command.
+    ValueError: a run that had to stop (as `openrlhf-geo train` reports it); Ctrl-C reaches the study's command,
+    which says how to resume (`training.train`, not the train command's `main`, which would print its own line)."""
+    from openrlhf_geo.local.flags import parse_args
     from openrlhf_geo.local.rundir import CHECKPOINT
-    from openrlhf_geo.local.training import main as train_main
+    from openrlhf_geo.local.training import train
 
     marker = Path(run).with_suffix(".json")  # beside the run: its directory is the train command's
     same = marker.exists() and json.loads(marker.read_text()).get("argv") == argv
@@ -84,9 +88,7 @@ def run_condition(argv, run, steps):
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps({"argv": argv}) + "\n")
     start = time.perf_counter()
-    code = train_main([*argv, "--ckpt.load_enable" if resume else "--ckpt.overwrite"])
-    if code not in (0, None):
-        raise RuntimeError(f"openrlhf-geo train exited {code} ({run}/train.log)")
+    train(parse_args([*argv, "--ckpt.load_enable" if resume else "--ckpt.overwrite"]))
     return time.perf_counter() - start
 
 
@@ -116,7 +118,8 @@ def _f(x, digits=3):
 def render(summary) -> str:
     setup = summary["setup"]
     lines = [
-        "# RL on a real pretrained LM (`openrlhf-geo study real-lm-rl`): descriptive, one seed per condition",
+        f"# RL on a real pretrained LM (`openrlhf-geo study real-lm-rl`): descriptive, one seed ({setup['seed']}) per "
+        "condition",
         "",
         f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Local engine, full "
         f"fine-tuning, AdamW lr {setup['lr']}, {setup['steps']} steps of {setup['prompts']} prompts x "
@@ -155,12 +158,17 @@ def run(args, out, workers):
           f"{estimate / 60:.0f} min (docs/studies/real-lm-rl.md)")  # fmt: skip
     start = time.perf_counter()
     data = write_data(out, sizes, AutoTokenizer.from_pretrained(model))
-    seconds = {}
+    seconds, seed = {}, args.seeds[0]
     for name in CONDITIONS:
         run_dir = Path(out) / "runs" / name
         print(f"real-lm-rl: {name}")
-        seconds[name] = run_condition(train_argv(model, data, run_dir, sizes, name), run_dir, sizes["steps"])
-    setup = {"model": real_lm.MODEL_NAME, "lr": LR, "temperature": word_task.TEMPERATURE, **sizes,
+        argv = train_argv(model, data, run_dir, sizes, name, seed)
+        try:
+            seconds[name] = run_condition(argv, run_dir, sizes["steps"])
+        except ValueError as error:
+            print(f"openrlhf-geo study: real-lm-rl: run {name} ({run_dir}) stopped: {error}", file=sys.stderr)
+            return 1
+    setup = {"model": real_lm.MODEL_NAME, "lr": LR, "temperature": word_task.TEMPERATURE, "seed": seed, **sizes,
              "wall_s": time.perf_counter() - start, "estimate_s": estimate}  # fmt: skip
     summary = strict_json(summarize(out, sizes, seconds, setup))
     (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -171,6 +179,7 @@ def run(args, out, workers):
 
 class RealLmRl(Study):
     name = "real-lm-rl"
+    seed = 0  # --train.seed and --reward.noise.seed of every run
 
     def run(self, args, out, workers):
         return run(args, out, workers)
