@@ -26,12 +26,14 @@ import copy
 import math
 import random
 import time
+import warnings
+from array import array
 from dataclasses import dataclass, fields
 
 import torch
 from transformers import GenerationConfig
 
-from openrlhf_geo import baselines
+from openrlhf_geo import GeoWarning, baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.pipeline import (
     GeometryPipeline,
@@ -47,6 +49,12 @@ from openrlhf_geo.rewards.math_verify import PROBLEMS
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
 MAX_FILTER_ROUNDS = 4
+# The longest prompt the engine trains on, in tokens after the truncation to the model's positions (`check_prompts`):
+# its forward holds (rows, tokens, vocabulary) float32 logits, 17 GB a row at 128k tokens and a 32k vocabulary.
+MAX_PROMPT_TOKENS = 131072
+# Prompts tokenized together when they are measured (`check_prompts`): at most this many, or this many characters
+# (a tokenizer holds ~150 bytes a character), so that the memory it takes stays small whatever the dataset
+MEASURE_ROWS, MEASURE_CHARS = 1024, 1_000_000
 
 
 @dataclass
@@ -143,13 +151,36 @@ def position_ids(attention_mask):
 
 
 @torch.no_grad()
-def generate_rollouts(model, tokenizer, prompts, answers, n_samples, max_new_tokens, temperature=1.0, top_p=1.0):
+def generate_rollouts(
+    model,
+    tokenizer,
+    prompts,
+    answers,
+    n_samples,
+    max_new_tokens,
+    temperature=1.0,
+    top_p=1.0,
+    max_prompt_tokens=None,
+):
     """HF `generate` with `n_samples` samples per prompt -> Rollouts (rows i*G .. i*G+G-1 belong to prompt i).
 
-    Sampling uses the global torch RNG (the trainer seeds it and checkpoints its state).
+    A prompt longer than `max_prompt_tokens` (`prompt_budget`) is truncated on the left (`check_prompts`); the
+    Rollouts keep its text as written. Sampling uses the global torch RNG (the trainer seeds it and checkpoints its
+    state).
     """
     device = next(model.parameters()).device
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
+    side, tokenizer.truncation_side = tokenizer.truncation_side, "left"  # restored: it is saved with the model
+    try:
+        enc = tokenizer(
+            list(prompts),
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            truncation=max_prompt_tokens is not None,
+            max_length=max_prompt_tokens,
+        )
+    finally:
+        tokenizer.truncation_side = side
     input_ids = enc["input_ids"].repeat_interleave(n_samples, 0).to(device)
     prompt_mask = enc["attention_mask"].repeat_interleave(n_samples, 0).to(device)
     eos = tokenizer.eos_token_id
@@ -288,8 +319,20 @@ def dynamic_filter(rewards, group_ids):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, reward_fn, n_samples=1, max_new_tokens=16, temperature=1.0, top_p=1.0, seed=0):
-    """Mean reward-function verdict over `rows` ({"prompt", "answer"}), `n_samples` samples each.
+def evaluate(
+    model,
+    tokenizer,
+    rows,
+    reward_fn,
+    n_samples=1,
+    max_new_tokens=16,
+    temperature=1.0,
+    top_p=1.0,
+    seed=0,
+    max_prompt_tokens=None,
+):
+    """Mean reward-function verdict over `rows` ({"prompt", "answer"}), `n_samples` samples each (prompts truncated
+    to `max_prompt_tokens` as in `generate_rollouts`).
 
     Samples under a forked torch RNG seeded with `seed`, so evaluating never shifts the caller's random stream.
     """
@@ -305,17 +348,94 @@ def evaluate(model, tokenizer, rows, reward_fn, n_samples=1, max_new_tokens=16, 
             max_new_tokens,
             temperature,
             top_p,
+            max_prompt_tokens,
         )
     return torch.as_tensor(reward_fn(batch.prompts, batch.responses, batch.answers), dtype=torch.float32).mean().item()
 
 
+def model_source(args, tokenizer=False):
+    """The flag and value that named the model (or, with `tokenizer`, its tokenizer), for messages."""
+    if tokenizer and args.actor.tokenizer is not None:
+        return f"--actor.tokenizer {args.actor.tokenizer}"
+    if args.actor.model_name_or_path is not None:
+        return f"--actor.model_name_or_path {args.actor.model_name_or_path}"
+    return f"--actor.config {args.actor.config}"
+
+
+def prompt_budget(args, model, tokenizer):
+    """The most tokens a prompt may have so that it and --rollout.max_new_tokens fit the model's positions
+    (max_position_embeddings; None for a model without that limit); ValueError when no prompt fits."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None:
+        return None
+    new = args.rollout.max_new_tokens
+    if positions - new < len(tokenizer("")["input_ids"]) + 1:  # the special tokens every prompt gets, and one more
+        raise ValueError(
+            f"--rollout.max_new_tokens {new} leaves no room for a prompt in the {positions} positions "
+            f"(max_position_embeddings) of {model_source(args)}"
+        )
+    return positions - new
+
+
+def check_prompts(rows, tokenizer, budget, args, name):
+    """Tokenize every prompt of `rows` once, a few at a time (a dataset streams from its file). ValueError naming
+    the prompt's file and line (`rows.where`; else its row in `name`) for a prompt longer than MAX_PROMPT_TOKENS once
+    truncated to `budget`, or one the tokenizer gives no tokens. The prompts longer than `budget` get one GeoWarning
+    saying how many and how `generate_rollouts` cuts them: on the left, as upstream OpenRLHF cuts a prompt longer
+    than its budget, so that the prompt's end, which the response continues, stays (and so does a leading <bos>)."""
+    longer, batch, chars = 0, [], 0
+
+    def where(i):
+        return rows.where(i) if hasattr(rows, "where") else f"{name} row {i + 1}"
+
+    def measure():
+        nonlocal longer
+        if not batch:
+            return
+        for (i, _), ids in zip(batch, tokenizer([prompt for _, prompt in batch])["input_ids"]):
+            if min(len(ids), budget or len(ids)) > MAX_PROMPT_TOKENS:
+                raise ValueError(
+                    f"{where(i)}: the prompt is {len(ids)} tokens, over the local engine's limit of "
+                    f"{MAX_PROMPT_TOKENS} (MAX_PROMPT_TOKENS)"
+                )
+            if not ids:
+                raise ValueError(
+                    f"{model_source(args, tokenizer=True)}: its tokenizer gives no tokens for the prompt of "
+                    f"{where(i)} (an empty prompt, or a tokenizer without its vocabulary, e.g. no tokenizer.json)"
+                )
+            longer += budget is not None and len(ids) > budget
+        batch.clear()
+
+    for i, row in enumerate(rows):
+        batch.append((i, row["prompt"]))
+        chars += len(row["prompt"])
+        if len(batch) >= MEASURE_ROWS or chars >= MEASURE_CHARS:
+            measure()
+            chars = 0
+    measure()
+    if longer:
+        new = args.rollout.max_new_tokens
+        warnings.warn(
+            f"{longer} of the {len(rows)} prompts of {getattr(rows, 'source', name)} are longer than the {budget} "
+            f"tokens the model leaves a prompt (max_position_embeddings {budget + new} - --rollout.max_new_tokens "
+            f"{new}): they are truncated on the left, as upstream OpenRLHF does, keeping their end (where the "
+            "response continues) after any leading special token",
+            GeoWarning,
+            stacklevel=3,
+        )
+
+
 class PromptSampler:
-    """Epoch-wise shuffled prompts: every method with the same seed sees the same prompts at the same step."""
+    """Epoch-wise shuffled prompts: every method with the same seed sees the same prompts at the same step.
+
+    `rows`: any sequence of {"prompt", "answer"} (a dataset reads the rows it is asked for from its file); the
+    epoch's order is an int64 array, 8 bytes a row (the checkpoint stores it as a list, as before).
+    """
 
     def __init__(self, rows, seed):
         self.rows = rows
         self.rng = random.Random(seed)
-        self.order, self.cursor = [], 0
+        self.order, self.cursor = array("q"), 0
 
     def next(self, n):
         if not self.rows:
@@ -323,8 +443,8 @@ class PromptSampler:
         batch = []
         while len(batch) < n:
             if self.cursor == len(self.order):
-                self.order = list(range(len(self.rows)))
-                self.rng.shuffle(self.order)
+                self.order = array("q", range(len(self.rows)))
+                self.rng.shuffle(self.order)  # the permutation a list of the same numbers gets
                 self.cursor = 0
             batch.append(self.rows[self.order[self.cursor]])
             self.cursor += 1
@@ -335,7 +455,7 @@ class PromptSampler:
 
     def load_state_dict(self, state):
         self.rng.setstate(state["rng"])
-        self.order, self.cursor = list(state["order"]), state["cursor"]
+        self.order, self.cursor = array("q", state["order"]), state["cursor"]
 
 
 def check_misspecified(args, misspecified_pay) -> None:
@@ -384,6 +504,9 @@ class Trainer:
         self.misspecified_pay = misspecified_pay
         self.eval_rows = eval_rows or []
         self.device = next(model.parameters()).device
+        self.max_prompt_tokens = prompt_budget(args, model, tokenizer)  # longer prompts are truncated (generate)
+        check_prompts(rows, tokenizer, self.max_prompt_tokens, args, "prompts")
+        check_prompts(self.eval_rows, tokenizer, self.max_prompt_tokens, args, "held-out prompts")
         seed = args.train.seed
         torch.manual_seed(seed)  # HF `generate` samples from the global RNG (its state is checkpointed)
         self.sampler = PromptSampler(rows, seed)
@@ -486,6 +609,7 @@ class Trainer:
                 args.rollout.max_new_tokens,
                 args.rollout.temperature,
                 args.rollout.top_p,
+                self.max_prompt_tokens,
             )
             self._score(batch)
             statuses += getattr(self.reward_fn, "last_statuses", None) or []
@@ -535,6 +659,7 @@ class Trainer:
             args.rollout.max_new_tokens,
             args.rollout.temperature,
             args.rollout.top_p,
+            self.max_prompt_tokens,
         )
         scores = torch.as_tensor(
             self.reward_fn(references.prompts, references.responses, references.answers), dtype=torch.float32
@@ -719,6 +844,7 @@ class Trainer:
             a.temperature,
             a.top_p,
             seed,
+            self.max_prompt_tokens,
         )
         return {"eval/accuracy": acc}
 

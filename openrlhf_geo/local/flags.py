@@ -237,29 +237,40 @@ def parse_args(argv):
     return validate(options.nest(namespace))
 
 
-# flags naming files, stored resolved so that a resume from another working directory compares equal
-PATH_FLAGS = (
+# flags naming files, stored resolved so that a resume from another working directory compares equal: an input
+# when it exists (else it may be a hub id or a reward name), an output always (a fresh run's does not exist yet)
+INPUT_PATH_FLAGS = (
     "actor.model_name_or_path",
     "actor.config",
     "actor.tokenizer",
     "data.prompt_dataset",
     "eval.dataset",
     "reward.func",
-    "ckpt.output_dir",
-    "logger.tensorboard_dir",
 )
+OUTPUT_PATH_FLAGS = ("ckpt.output_dir", "logger.tensorboard_dir")
+
+
+def resolve_paths(config):
+    """`config` (flag key -> value) with its path flags resolved as a checkpoint stores them (a copy)."""
+    config = dict(config)
+    for key in INPUT_PATH_FLAGS + OUTPUT_PATH_FLAGS:
+        value = config.get(key)
+        if isinstance(value, str) and value and (key in OUTPUT_PATH_FLAGS or Path(value).exists()):
+            config[key] = str(Path(value).resolve())
+    return config
 
 
 def run_config(args):
-    """The flags a checkpoint stores and a resume compares (`options.flag_config`), with existing paths resolved,
-    the content hash of the prompt dataset and of a .py reward, and the wandb API key masked."""
-    config = options.flag_config(args)
-    for key in PATH_FLAGS:
-        if config.get(key) and Path(config[key]).exists():
-            config[key] = str(Path(config[key]).resolve())
+    """The flags a checkpoint stores and a resume compares (`options.flag_config`), with paths resolved
+    (`resolve_paths`), the content hash of the prompt dataset and of a .py reward, and the wandb API key masked."""
+    config = resolve_paths(options.flag_config(args))
     for key in ("data.prompt_dataset", "reward.func"):
         path = Path(config[key])
-        config[f"content.{key}"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        if path.is_file():
+            with open(path, "rb") as f:
+                config[f"content.{key}"] = hashlib.file_digest(f, "sha256").hexdigest()  # reads a block at a time
+        else:
+            config[f"content.{key}"] = None
     if config.get("logger.wandb.key"):
         config["logger.wandb.key"] = "<given>"
     for key in ("ckpt.load_enable", "ckpt.overwrite"):  # how this invocation starts, not what the run is
@@ -279,7 +290,8 @@ def check_resume_config(parser, checkpoint, config):
         shown = [(names.get(k, k), *(v if v == rundir.ABSENT else repr(v) for v in (a, b))) for k, a, b in changes]
         return ", ".join(f"{name} {a} -> {b}" for name, a, b in shown)
 
-    safe, unsafe = rundir.config_changes(checkpoint["config"], config)
+    # an older checkpoint stored a fresh run's output directory as given (relative): resolved here, as now
+    safe, unsafe = rundir.config_changes(resolve_paths(checkpoint["config"]), config)
     if unsafe:
         allowed = []  # a group whose flags are all safe is shown as --group.*
         for key in rundir.SAFE_TO_CHANGE:

@@ -63,6 +63,7 @@ SAFE_TO_CHANGE = {
     "train.micro_batch_size": "gradient accumulation over the same mini-batch loss (same gradient up to rounding)",
     "data.prompt_dataset": "the path only: its content is compared separately (content.data.prompt_dataset)",
     "reward.func": "the path only: a .py reward's content is compared separately (content.reward.func)",
+    "reward.timeout_s": "how long a reward call may take before the run stops, not what it returns",
 }
 
 
@@ -99,25 +100,74 @@ class Busy(Exception):
 def locked(path):
     """Create the directory `path` and hold its lock (LOCK, holding this process's pid) until the block ends: the one
     lock of a train run's directory and of a demo's or study's --out. OSError when it cannot be written there, Busy
-    when another process holds it (each caller words the refusal with its flag)."""
+    when another process holds it (each caller words the refusal with its flag).
+
+    A block that raises (a refusal, a failed start) undoes what this created: the lock file, and the directories
+    when empty; a lock file or directory that was there stays. A lock file may so be removed while another process
+    opens it: the lock is then taken again on the file at the path.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / LOCK, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            handle.seek(0)
-            raise Busy(handle.read().strip() or "another process") from None
+    created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle, new = _lock(path / LOCK)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    with handle:
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}\n")
         handle.flush()
         try:
             yield path
+        except BaseException:
+            if new:
+                (path / LOCK).unlink(missing_ok=True)  # while still held: see `_lock`
+            _remove_empty(created)
+            raise
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock(path):
+    """(open file, created by this call) of the lock file `path`, flock-ed; Busy when another process holds it."""
+    while True:
+        try:
+            handle, new = open(path, "x+"), True
+        except FileExistsError:
+            try:
+                handle, new = open(path, "r+"), False
+            except FileNotFoundError:  # removed in between: create it
+                continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            handle.close()
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            try:
+                owner = Path(path).read_text().strip()
+            except OSError:
+                owner = ""
+            raise Busy(owner or "another process") from None
+        try:
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+                return handle, new
+        except FileNotFoundError:
+            pass
+        handle.close()  # its holder removed the file after this process opened it: lock the one at the path
+
+
+def _remove_empty(directories):
+    """rmdir each of `directories` (deepest first) while empty; one that holds something stops it."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except FileNotFoundError:  # a failed mkdir did not get this deep
+            continue
+        except OSError:
+            return
 
 
 @contextmanager
@@ -369,7 +419,8 @@ def claim_output(path, command, name="--out"):
     records `command` in <out>/command.json; the same command later proceeds (the demo reruns its runs, a study
     resumes the unfinished ones), while a directory recorded for another command, holding files but no record (a
     train run, an older version's output, anything else) or being written by another process is refused with an
-    OutputClaimed naming `name` and the path, before anything in it changes. The lock is held until the block ends.
+    OutputClaimed naming `name` and the path, before anything in it changes. The lock is held until the block ends;
+    a block that raises before writing anything takes the record back (and `locked` the lock and a new directory).
     """
     out = Path(path)
     with ExitStack() as stack:
@@ -381,7 +432,7 @@ def claim_output(path, command, name="--out"):
             raise OutputClaimed(
                 f"{name} {out}: another run is writing it; wait for it or choose another {name}"
             ) from None
-        record = out / COMMAND_FILE
+        record, written = out / COMMAND_FILE, False
         if record.exists():
             try:
                 owner = json.loads(record.read_text())["command"]
@@ -401,4 +452,10 @@ def claim_output(path, command, name="--out"):
                     "(an empty or new directory)"
                 )
             record.write_text(json.dumps({"command": command}) + "\n")
-        yield out
+            written = True
+        try:
+            yield out
+        except BaseException:
+            if written and {p.name for p in out.iterdir()} <= {LOCK, COMMAND_FILE}:  # nothing of the command's yet
+                record.unlink()
+            raise

@@ -22,39 +22,116 @@ One way to build and run a local training run, for `openrlhf-geo train`, the dem
 
 `run` takes validated flags (`flags.parse_args`) to a finished run in --ckpt.output_dir: the data and the flags'
 record are read first (bad input touches nothing), then the directory is claimed (`rundir.claim`: fresh, resumed
-or started over), the model loaded, the engine built (`make_trainer`), the steps fitted (`fit`: metrics.jsonl,
-gdi.jsonl, checkpoints, --logger.* loggers) and the final model saved.
+or started over), the model loaded, the engine built (`make_trainer`: prompts measured against the model's
+positions), the steps fitted (`fit`: metrics.jsonl, gdi.jsonl, checkpoints, --logger.* loggers) and the final model
+saved. A start that fails before writing anything leaves no lock file or new directory behind (`rundir.locked`).
 """
 
 import contextlib
 import json
+import os
 import sys
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from openrlhf_geo.jsonl import read_jsonl, strict_json
+from openrlhf_geo.jsonl import parse_line, strict_json
 from openrlhf_geo.local import rundir
 from openrlhf_geo.local.flags import build_parser, check_resume_config, parse_args, run_config
 from openrlhf_geo.local.reward import CachedMathVerify, make_reward_fn
 from openrlhf_geo.options import check_local_path
 
+# The longest prompt a dataset may hold, checked when it is read, before a tokenizer sees it: tokenizing holds ~150
+# bytes a character, and one 50 MB prompt grew a run past 24 GB. 16 characters for each of the engine's
+# MAX_PROMPT_TOKENS (engine.py) leave room for any prompt the engine can train on.
+MAX_PROMPT_CHARS = 2_097_152
 
-def read_dataset(path, input_key, label_key, flag):
-    """{"prompt", "answer"} rows of a jsonl dataset; ValueError naming the flag, file and line of a bad one."""
-    rows = []
-    for number, row in read_jsonl(path, flag):
-        for key, key_flag in ((input_key, "--data.input_key"), (label_key, "--data.label_key")):
+
+class PromptRows(Sequence):
+    """The {"prompt", "answer"} rows of a jsonl dataset that `read_dataset` checked, read again from the file when
+    used: memory holds two int64 numbers a row (the line's byte offset and number), not its text.
+
+    `source` ("<flag> <path>") and `where(i)` ("<flag> <path>:<line>") name the file and a row in messages. A file
+    whose size or modification time changed since it was checked is a ValueError naming it (its rows moved).
+    """
+
+    def __init__(self, path, flag, input_key, label_key):
+        self.path, self.source, self.keys = Path(path), f"{flag} {path}", (input_key, label_key)
+        self.offsets, self.lines, self.stamp = array("q"), array("q"), None
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        with self.open_checked() as handle:
+            handle.seek(self.offsets[i])
+            return self.row(parse_line(handle.readline(), self.lines[i], self.source), self.lines[i])
+
+    def __iter__(self):  # one sequential pass over the file (a seek a row would refill the read buffer each time)
+        with self.open_checked() as handle:
+            lines = iter(self.lines)
+            wanted = next(lines)
+            for number, raw in enumerate(handle, 1):
+                if number == wanted:
+                    yield self.row(parse_line(raw, number, self.source), number)
+                    wanted = next(lines, None)
+
+    def where(self, i):
+        return f"{self.source}:{self.lines[i]}"
+
+    def open_checked(self):
+        """The file, binary; ValueError naming it when it cannot be read or changed since `read_dataset`."""
+        try:
+            handle = open(self.path, "rb")
+        except OSError as error:
+            raise ValueError(f"{self.source}: {error.strerror}") from None
+        stat = os.fstat(handle.fileno())
+        if self.stamp is None:
+            self.stamp = stat.st_size, stat.st_mtime_ns
+        elif (stat.st_size, stat.st_mtime_ns) != self.stamp:
+            handle.close()
+            raise ValueError(
+                f"{self.source}: changed since the run read it (size or modification time); restore it, or start "
+                "the run again"
+            )
+        return handle
+
+    def row(self, row, number):
+        """{"prompt", "answer"} of a parsed line; ValueError naming the flag, file and line of a bad one."""
+        for key, key_flag in zip(self.keys, ("--data.input_key", "--data.label_key")):
             if key not in row:
-                raise ValueError(f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
+                raise ValueError(f"{self.source}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})")
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise ValueError(
-                    f"{flag} {path}:{number}: {key!r} must be a string or number (got {json.dumps(value)})"
+                    f"{self.source}:{number}: {key!r} must be a string or number (got {json.dumps(value)})"
                 )
-        rows.append({"prompt": str(row[input_key]), "answer": str(row[label_key])})
+        return {"prompt": str(row[self.keys[0]]), "answer": str(row[self.keys[1]])}
+
+
+def read_dataset(path, input_key, label_key, flag):
+    """The {"prompt", "answer"} rows of a jsonl dataset (`PromptRows`), checked in one pass that holds one line at a
+    time; ValueError naming the flag, file and line of a bad row or of a prompt longer than MAX_PROMPT_CHARS, or
+    the file of one without rows."""
+    rows = PromptRows(path, flag, input_key, label_key)
+    offset = 0
+    with rows.open_checked() as handle:
+        for number, raw in enumerate(handle, 1):
+            parsed = parse_line(raw, number, rows.source)
+            if parsed is not None:
+                prompt = rows.row(parsed, number)["prompt"]
+                if len(prompt) > MAX_PROMPT_CHARS:
+                    raise ValueError(
+                        f"{rows.source}:{number}: the prompt is {len(prompt)} characters, over the limit of "
+                        f"{MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)"
+                    )
+                rows.offsets.append(offset)
+                rows.lines.append(number)
+            offset += len(raw)
     if not rows:
-        raise ValueError(f"{flag} {path}: no rows")
+        raise ValueError(f"{rows.source}: no rows")
     return rows
 
 
@@ -73,8 +150,9 @@ def _quiet_transformers():
 
 
 def load_model(args, device):
-    """(model, tokenizer) from --actor.*; a local path that does not exist or a failed load is a ValueError naming
-    the flag (a hub id still downloads, with the hub's progress bar)."""
+    """(model, tokenizer) from --actor.*; a local path that does not exist or a failed load (a missing, truncated or
+    malformed file, weights of another shape) is a one-line ValueError naming the flag and the cause (a hub id still
+    downloads, with the hub's progress bar)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     actor = args.actor
@@ -100,6 +178,10 @@ def load_model(args, device):
         tokenizer = AutoTokenizer.from_pretrained(actor.tokenizer or actor.model_name_or_path)
     except OSError as error:  # transformers' "not a model directory / not on the hub / offline" errors
         raise ValueError(f"{source[0]} {source[1]}: {str(error).strip().splitlines()[0]}") from None
+    except Exception as error:  # a damaged file: safetensors, JSON, config validation and shape errors, among others
+        lines = [line.strip() for line in str(error).strip().splitlines()] or [""]
+        detail = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "Validation error for field 'x':"
+        raise ValueError(f"{source[0]} {source[1]}: cannot load it ({type(error).__name__}: {detail[:300]})") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{source[0]} {source[1]}: the tokenizer has no EOS token; rollouts need one to end")
     return model.to(device), tokenizer
@@ -221,7 +303,7 @@ def run(
         eval_rows = read_dataset(args.eval.dataset, args.data.input_key, args.data.label_key, "--eval.dataset")
     config = run_config(args)
     if reward_fn is None:  # a broken reward file is found before the output dir is touched
-        reward_fn = make_reward_fn(args.reward.func)
+        reward_fn = make_reward_fn(args.reward.func, args.reward.timeout_s)
     out = Path(args.ckpt.output_dir)
     with rundir.claim(out, args.ckpt.load_enable, args.ckpt.overwrite or overwrite) as resuming:
         checkpoint = None
@@ -312,9 +394,11 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt as error:
         where = f" {error}" if str(error) else ""  # e.g. "in --reward.func PATH: reward_func"
-        print(
-            f"openrlhf-geo train: interrupted{where}; --ckpt.load_enable resumes from the last checkpoint in "
-            f"{args.ckpt.output_dir}",
-            file=sys.stderr,
-        )
+        out = Path(args.ckpt.output_dir)
+        saved = next((out / name for name in (rundir.CHECKPOINT, rundir.PREVIOUS) if (out / name).exists()), None)
+        if saved is None:
+            resume = f"no checkpoint was written in {out} (--ckpt.save_steps N writes one every N steps)"
+        else:
+            resume = f"--ckpt.load_enable resumes from {saved}"
+        print(f"openrlhf-geo train: interrupted{where}; {resume}", file=sys.stderr)
         return 130
