@@ -13,6 +13,11 @@
 # installs the newest versions the requirement files allow instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  "") mode=base ;;
+  engines | real-lm | test) mode=$1 ;;
+  *) echo "usage: bash scripts/setup_cpu.sh [engines|real-lm|test]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
@@ -22,11 +27,6 @@ PIP=(pip install -q --no-compile)
 compile_venv() {  # like pip, leaves a file that does not compile (a package's templates, test data) as source
   python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 }
-case "${1:-}" in
-  "") mode=base ;;
-  engines | real-lm | test) mode=$1 ;;
-  *) echo "usage: bash scripts/setup_cpu.sh [engines|real-lm|test]" >&2; exit 2 ;;
-esac
 lock=requirements/lock
 if [ -n "${OPENRLHF_GEO_UNLOCKED:-}" ]; then
   "${PIP[@]}" --upgrade pip
