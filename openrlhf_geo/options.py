@@ -1,4 +1,5 @@
-"""The `--salt.*`, `--geoalign.*`, `--reward.noise.*`, `--baseline.*` flags, shared by the fork and the local engine.
+"""The `--salt.*`, `--geoalign.*`, `--reward.noise.*`, `--baseline.*` flags and `--reward.timeout_s`, shared by the
+fork and the local engine.
 
 Both engines call `add_args(parser)` on their own argparse parser (the fork: upstream's train_ppo_ray parser,
 via patches/), then `validate(args)` on the nested namespace (`args.salt.variant`, `args.geoalign.alpha`, ...),
@@ -13,6 +14,7 @@ silently ignored (e.g. `--salt.variant` without `--advantage_estimator salt`).
 
 import argparse
 import dataclasses
+import math
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +26,8 @@ from openrlhf_geo.geoalign import PRESETS, GeoAlignConfig
 from openrlhf_geo.pipeline import SALT_BASES, GeometryConfig
 from openrlhf_geo.rewards.noise import NoiseConfig
 from openrlhf_geo.salt import SaltConfig
+
+REWARD_TIMEOUT_S = 300.0  # --reward.timeout_s's default: a verifier taking minutes per call is stuck, not slow
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,6 +61,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     noise = parser.add_argument_group("reward-noise injection (robustness experiments)")
     add_flags(noise, NoiseConfig, given_only=False)  # the config is built from every one of them
+    parser.add_argument(
+        "--reward.timeout_s",
+        type=float,
+        default=REWARD_TIMEOUT_S,
+        help="seconds one call of a .py reward_func may take; past it the run stops with an error naming the "
+        f"function and its file (default {REWARD_TIMEOUT_S:g}; 0 = no limit)",
+    )
 
     base = parser.add_argument_group(
         "comparison baselines (SALT arXiv 2606.05800 App. I / Table 4; GeoAlign arXiv 2606.26917 App. B.5)"
@@ -93,6 +104,9 @@ def validate(args, engine="local") -> None:
     whether SALT changes the advantages, and `args.algo.advantage.estimator` holds the base estimator (`salt` means
     `--salt.base` + SALT, so every upstream code path for that base stays unchanged).
     """
+    timeout = args.reward.timeout_s
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"--reward.timeout_s must be a number of seconds >= 0, 0 for no limit (got {timeout})")
     estimator = args.algo.advantage.estimator
     salt = args.salt
     if estimator == "salt":

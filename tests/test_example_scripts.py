@@ -161,11 +161,13 @@ def make_data(data_dir):
 def home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     make_data(home / "openrlhf-geo" / "data")
-    # the models the stubbed steps would write, which the fork's parser checks exist: train_hh_sft.sh's output
-    # (train_hh_rl.sh's policy) and smoke_cpu.py's assets (smoke_salt_geoalign_1gpu.sh's)
+    # the models and data the stubbed steps would write, which the fork's parser checks exist: train_hh_sft.sh's
+    # output (train_hh_rl.sh's policy) and smoke_cpu.py's assets (smoke_salt_geoalign_1gpu.sh's)
     for size in ("1.7b", "4b"):
         (home / "openrlhf-geo" / "runs" / f"qwen3-{size}-base_hh_sft" / "final").mkdir(parents=True)
-    (home / "runs" / "smoke_salt_geoalign_1gpu" / "assets" / "model").mkdir(parents=True)
+    smoke_assets = home / "runs" / "smoke_salt_geoalign_1gpu" / "assets"
+    (smoke_assets / "model").mkdir(parents=True)
+    (smoke_assets / "prompts.jsonl").write_text('{"input": "", "label": ""}\n')
     return home
 
 

@@ -249,6 +249,40 @@ def test_worker_check_rejects_a_shadowing_unpatched_openrlhf(fork_root, tmp_path
     assert ok.returncode == 0, ok.stderr
 
 
+# A Ray worker after its setup hook: its main loop's SIGTERM handler, then the raylet's SIGTERM to its process group as
+# it exits, landing in the teardown's ActorHandle.__del__ (a traceback per actor in the log of a clean run); a SIGTERM
+# anywhere else still ends the worker.
+EXIT_SIGTERM = """
+import os, signal, sys, time
+import ray._private.utils
+from ray._raylet import raise_sys_exit_with_custom_error_message
+from openrlhf_geo.fork import install as fork
+
+fork.check_worker()
+
+def sigterm_handler(signum, frame):  # ray._private.worker.Worker.main_loop's
+    raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", exit_code=1)
+
+ray._private.utils.set_sigterm_handler(sigterm_handler)
+
+class ActorHandle:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+ActorHandle()
+print("exiting", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+
+def test_the_sigterm_of_a_workers_own_exit_prints_no_traceback(fork_root):
+    done = run_python(EXIT_SIGTERM, {"PYTHONPATH": f"{fork_root}:{REPO}"}, timeout=60)
+    assert done.stdout == "exiting\n" and done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_train_entry_reports_a_mismatch_once_before_ray_starts(site_copy, tmp_path, monkeypatch, capsys):
     for name in ("models/actor.py", "trainer/ppo_trainer.py"):
         path = site_copy / "openrlhf" / name
@@ -267,28 +301,29 @@ def cpu_root(tmp_path_factory):
     return fork.materialize(cache_dir=tmp_path_factory.mktemp("cache"), device="cpu")
 
 
-# The GPU fork's seven diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
+# The GPU fork's eight diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "527b27880e4f5bdf082dbaf4a05142e93d1326e6dd8a1e8ab6405d1ab3c888a0",
-    "openrlhf.cli.train_ppo_ray.diff": "7e90326af84e23fa376ab03babf7b84e31ad4ac1a996b6d8864f27f223331e2c",
+    "openrlhf.__init__.diff": "290daca6083dfcf7158eb356b6e8fbcdcaef61cbacef84e04a9b4a76f62a6ecd",
+    "openrlhf.cli.train_ppo_ray.diff": "1642be14933483b66602a075d13e92aea272ebaef9df3ecbdecc51c2c8e31c61",
     "openrlhf.models.actor.diff": "5f934c451dadd07a6df0e860489681ebca66020888655ad446c6e1fb288f8dcd",
     "openrlhf.trainer.ppo_trainer.diff": "c9373a55aaba77d245373e418c37863456524964af4d88cdce697adaaa393fff",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
         "f385ec3463d6c78e886c47b924d601bbe02bf459894163cd14d1dfcc830f4843"
     ),
     "openrlhf.trainer.ray.ppo_actor.diff": "485b1c5eca017d2aa36a9fa02dc2983d3d5197224266235283e4ba35cd37ccb7",
+    "openrlhf.utils.agent.diff": "62352251642ed3d264ceaa9ae62f19a854e66ea6bb95c6bda7532570f99cb37c",
     "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }
 
 
-def test_the_gpu_fork_is_the_seven_diffs_unchanged(fork_root):
+def test_the_gpu_fork_is_the_eight_diffs_unchanged(fork_root):
     assert {p.path.name: p.sha256 for p in fork.fork_patches("cuda")} == GPU_DIFFS_SHA256
     stamp = json.loads((fork_root / fork.STAMP).read_text())
     assert stamp["device"] == "cuda" and "openrlhf/utils/distributed_util.py" not in stamp["patched"]
     assert "/cpu/" not in "".join(str(p.path) for p in fork.load_patches())
 
 
-def test_the_cpu_overlay_applies_on_top_of_the_seven_in_its_own_cache_entry(fork_root, cpu_root):
+def test_the_cpu_overlay_applies_on_top_of_the_eight_in_its_own_cache_entry(fork_root, cpu_root):
     overlay = fork.load_patches(fork.patch_dir() / "cpu")
     assert [p.path.name for p in fork.fork_patches("cpu")] == [*GPU_DIFFS_SHA256, *(p.path.name for p in overlay)]
     assert cpu_root.name.startswith("openrlhf-0.11.2-cpu-")

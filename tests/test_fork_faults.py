@@ -200,6 +200,8 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
         code, left, _ = third.finish(WAIT_S)
         assert code == 0, third.tail()
     assert left == []
+    # a clean exit: no traceback of Ray's shutdown SIGTERM in the actors' teardown (launch.await_actor_exits)
+    assert "Traceback" not in third.log.read_text(), third.tail()
     assert third.steps() == [2], "the resumed run continues at step 2, after the last complete checkpoint"
     third_dumps = dumps(third)
     SMOKE._assert_state_equal(third_dumps[2]["state"], saved)
@@ -208,6 +210,19 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
     # global_step1 was kept while global_step2 was written (--ckpt.max_num 1 + 1); the next save rotates it out
     assert sorted(p.name for p in (ckpt / "_actor").iterdir() if p.is_dir()) == ["global_step1", "global_step2"]
     assert (third.dir / "final" / "model.safetensors").is_file()
+    # the same run again without --ckpt.load_enable would write over it: refused before Ray starts, nothing changed
+    outputs = {p: p.stat().st_mtime_ns for p in [*ckpt.rglob("*"), *(third.dir / "final").rglob("*")]}
+    again = SCRIPT.train_command(
+        third.dir, ckpt, STATEFUL, assets / "assets/model", assets / "assets/prompts.jsonl",
+        str(assets / "assets/reward_func.py"),
+    )  # fmt: skip
+    done = subprocess.run(
+        again, env=SCRIPT.run_env(third.dir), cwd=third.dir, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "Started a local Ray instance" not in done.stderr, done.stderr[-3000:]
+    assert f"error: --ckpt.output_dir {third.dir / 'final'} already holds a run (" in done.stderr
+    assert "resume it with --ckpt.load_enable, replace it with --ckpt.overwrite" in done.stderr
+    assert {p: p.stat().st_mtime_ns for p in outputs} == outputs
     # meanwhile Ray's agents of the killed drivers exited on their own
     if FULL:
         left = first_left.result()

@@ -301,7 +301,10 @@ def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
 
     assert env["py_modules"] == [str(Path(openrlhf.__file__).parent), str(Path(openrlhf_geo.__file__).parent)]
     assert env["worker_process_setup_hook"] == "openrlhf_geo.fork.install.check_worker"
-    assert set(env["env_vars"]) == {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
+    assert set(env["env_vars"]) == {
+        "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", fork_hooks.REWARD_TIMEOUT_ENV
+    }  # fmt: skip
+    assert env["env_vars"][fork_hooks.REWARD_TIMEOUT_ENV] == "300.0"  # --reward.timeout_s, read by the vLLM actors
 
 
 # ── the experience forward (models/actor.py, trainer/ray/ppo_actor.py) ──
@@ -929,6 +932,16 @@ def local_rollouts(samples):
     )
 
 
+class LocalTokenizer:
+    """What the local engine's Trainer reads of a tokenizer when it is handed rollouts: its special ids, and the
+    special tokens of an empty prompt (the prompt budget, `engine.prompt_budget`)."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def __call__(self, text):
+        return {"input_ids": []}
+
+
 @pytest.mark.parametrize(
     "batch_size, n_samples, group_prompts, prompts",
     [(16, 4, None, 4), (4, 4, None, 1), (2, 4, 1, 1), (32, 4, 2, 2), (16, 4, 0, 0), (12, 4, None, 3)],
@@ -943,7 +956,9 @@ def test_both_engines_size_salt_partitions_by_one_rule(up, monkeypatch, batch_si
     argv += [] if group_prompts is None else ["--salt.group_prompts", str(group_prompts)]
     fork_args = parse(up, monkeypatch, argv)
     local_args = flags.parse_args([*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", *argv])
-    trainer = engine.Trainer(local_args, torch.nn.Linear(2, 2), NS(pad_token_id=0, eos_token_id=1), [], None)
+    model = torch.nn.Linear(2, 2)
+    model.config = NS(max_position_embeddings=None)  # no position limit: no prompt budget to check
+    trainer = engine.Trainer(local_args, model, LocalTokenizer(), [], None)
     assert fork_hooks.ExperienceGeometry(fork_args).partition_prompts == prompts
     assert trainer.partition_prompts == prompts
 
@@ -957,7 +972,7 @@ def local_step(model, argv, samples, rewards):
         [*BASE_ARGV, "--data.prompt_dataset", "unused.jsonl", "--actor.tokenizer", "unused", *argv]
     )
     reward_fn = lambda prompts, responses, answers: rewards.clone()  # noqa: E731
-    trainer = engine.Trainer(args, model, NS(pad_token_id=0, eos_token_id=1), [], reward_fn)
+    trainer = engine.Trainer(args, model, LocalTokenizer(), [], reward_fn)
     captured = []
     trainer._update = lambda batch, advantages: captured.append(advantages.clone()) or {}
     batch = local_rollouts(samples)

@@ -1,8 +1,10 @@
 """Everything the fork's diffs (patches/) call into; the diffs themselves only wire these in.
 
 One flag's path through the fork, by the upstream file whose diff makes the call:
-    cli/train_ppo_ray.py      options.add_args(parser), validate_args(args)  -> args.salt / .geoalign / .reward.noise
-                              / .baseline
+    cli/train_ppo_ray.py      add_args(parser), validate_args(args)  -> args.salt / .geoalign / .reward.noise
+                              / .baseline; refusals of what would fail or be lost once Ray started (check_outputs,
+                              check_datasets); --reward.timeout_s into the workers' environment (REWARD_TIMEOUT_ENV)
+    utils/agent.py            bounded_reward_func: a .py reward_func's calls bounded by --reward.timeout_s
     trainer/ray/ppo_actor.py  actor_spec(args) -> GeometrySpec: what the experience forward also returns
                               policy_loss(args, PolicyLoss) -> the actor's loss (--baseline.policy_loss)
     models/actor.py           lm_head_input(), response_geometry(): features and hidden states of that same forward
@@ -26,13 +28,17 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from openrlhf_geo import GeoWarning, baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
+from openrlhf_geo.jsonl import iter_jsonl
+from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import (
     FORK_STEP_STRIDE,
     GeometryPipeline,
@@ -55,20 +61,35 @@ DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
 # ── parse time (cli/train_ppo_ray.py) ──
 
 
+def add_args(parser) -> None:
+    """The fork's flags on upstream's parser: the ones both engines share (`options.add_args`) and --ckpt.overwrite
+    (the local engine's flag of that name, with this engine's meaning: `check_outputs`)."""
+    options.add_args(parser)
+    parser.add_argument(
+        "--ckpt.overwrite",
+        action="store_true",
+        default=False,
+        help="openrlhf-geo: start over where an earlier run wrote: deletes its checkpoints in --ckpt.path (_actor/, "
+        "_critic/, *_hf/); its final model in --ckpt.output_dir is replaced at the end",
+    )
+
+
 def validate_args(args) -> None:
     """`options.validate` for the fork (which also asks the registries what the fork cannot run), then the fork's
-    own limits; raises ValueError naming the flag (shown by parser.error)."""
+    own limits and input checks; raises ValueError naming the flag (shown by parser.error). Deletes nothing:
+    --ckpt.overwrite's deletion runs after upstream's checks too (`clear_checkpoints`)."""
     options.validate(args, engine="fork")
     for flag in ("--actor.model_name_or_path", "--critic.model_name_or_path", "--reward.model_name_or_path"):
         section, name = flag[2:].split(".", 1)
         value = getattr(getattr(args, section), name)
         for part in value.split(",") if value else ():  # upstream takes several reward models, comma-separated
             options.check_local_path(flag, part)
+    check_datasets(args)
     # a folder the policy actor cannot write fails only at the first checkpoint or the final save, hours in: probe it
     # here (a file created and removed in the folder, or in its nearest existing parent; root ignores permission
     # bits, so os.access cannot tell). The driver's view: on several nodes the folder must be the same shared one.
     saving = {"--ckpt.output_dir": args.ckpt.output_dir}
-    if args.ckpt.save_steps > 0:
+    if writes_checkpoints(args):
         saving["--ckpt.path"] = args.ckpt.path
     for flag, value in saving.items():
         folder = Path(value).expanduser().absolute()
@@ -114,6 +135,101 @@ def validate_args(args) -> None:
                 f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
                 f"{given[0]} would be silently ignored: drop it"
             )
+    check_outputs(args)
+
+
+def check_datasets(args) -> None:
+    """Each local .jsonl file of --data.prompt_dataset and --eval.dataset read here as `openrlhf-geo train` reads
+    its datasets (`iter_jsonl`, one line at a time: a missing file, bad UTF-8, a line that is not a JSON object), and
+    checked for rows and the --data.input_key (and --data.label_key when given) of every one: ValueError naming the
+    flag, file and line, instead of a Ray actor's traceback half a minute after the cluster started. The fields are
+    not type-checked (--data.apply_chat_template takes message lists; a .py reward_func any label). Hub names,
+    folders and other formats are upstream's to load (`blending_datasets`: comma-separated entries, each
+    `path[@data_dir]`)."""
+    for flag, value in (("--data.prompt_dataset", args.data.prompt_dataset), ("--eval.dataset", args.eval.dataset)):
+        for entry in value.split(",") if value else ():
+            path = entry.split("@")[0].strip()
+            if not path.endswith(".jsonl"):
+                continue
+            keys = {"--data.input_key": args.data.input_key, "--data.label_key": args.data.label_key}
+            rows = 0
+            for number, row in iter_jsonl(path, flag):
+                rows += 1
+                for key_flag, key in keys.items():
+                    if key is not None and key not in row:
+                        raise ValueError(
+                            f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})"
+                        )
+            if not rows:
+                raise ValueError(f"{flag} {path}: no rows")
+
+
+def writes_checkpoints(args) -> bool:
+    """Whether upstream writes checkpoints into --ckpt.path: every --ckpt.save_steps steps, and at evaluations that
+    improve the --ckpt.best_metric_key metric (best_global_step<N>)."""
+    evaluates = args.eval.dataset and args.eval.steps > 0 and args.ckpt.best_metric_key != "none"
+    return args.ckpt.save_steps > 0 or bool(evaluates)
+
+
+CHECKPOINT_DIRS = ("_actor", "_critic")  # upstream's DeepSpeed checkpoints in --ckpt.path; HF ones are <tag>_hf
+
+
+def check_outputs(args) -> None:
+    """Refuse (ValueError naming the flag and folder) a run that would write over an earlier one, as `openrlhf-geo
+    train` refuses a used --ckpt.output_dir (local.rundir.claim): upstream replaces the final model in
+    --ckpt.output_dir (the critic's in <output_dir>_critic with --critic.save_value_network) and, when it writes
+    checkpoints (`writes_checkpoints`), the checkpoints of the same tags in --ckpt.path, without a word.
+
+    A folder holding anything but the folders of the run's other outputs nested in it (upstream's default
+    --ckpt.path is inside its default --ckpt.output_dir) is used. --ckpt.load_enable with upstream's checkpoint
+    (<ckpt.path>/_actor) is a resume: it continues that run, writing over its outputs. --ckpt.overwrite starts over
+    (`clear_checkpoints` deletes the earlier run's checkpoints once every check has passed)."""
+    ckpt = args.ckpt
+    checkpoint = Path(ckpt.path, "_actor")
+    if ckpt.load_enable and checkpoint.is_dir():
+        return
+    outputs = [("--ckpt.output_dir", ckpt.output_dir)]
+    if args.critic.save_value_network and args.algo.advantage.estimator == "gae":
+        outputs.append(("--ckpt.output_dir", ckpt.output_dir + "_critic"))
+    if writes_checkpoints(args):
+        outputs.append(("--ckpt.path", ckpt.path))
+    folders = [os.path.abspath(p) for p in (ckpt.output_dir, ckpt.path, args.logger.tensorboard_dir) if p]
+
+    def holds_another_output(entry):
+        where = os.path.abspath(entry.path)
+        return any(p == where or p.startswith(where + os.sep) for p in folders)
+
+    for flag, folder in outputs:
+        if not os.path.isdir(folder):
+            continue
+        held = sorted(entry.name for entry in os.scandir(folder) if not holds_another_output(entry))
+        if not held or ckpt.overwrite:
+            continue
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        if ckpt.load_enable:
+            raise ValueError(
+                f"--ckpt.load_enable: {checkpoint} holds no checkpoint to resume, and {flag} {folder} holds an "
+                f"earlier run ({shown}); replace it with --ckpt.overwrite, or choose another {flag}"
+            )
+        resume = "resume it with --ckpt.load_enable, " if checkpoint.is_dir() else ""
+        raise ValueError(
+            f"{flag} {folder} already holds a run ({shown}); {resume}replace it with --ckpt.overwrite, or choose "
+            f"another {flag}"
+        )
+
+
+def clear_checkpoints(args) -> None:
+    """--ckpt.overwrite: delete the earlier run's checkpoints in --ckpt.path (_actor/, _critic/, *_hf/), so that
+    neither a later resume nor the --ckpt.max_num rotation mixes them with this run's. Called by the patched
+    __main__ right before train(), after upstream's own argument checks too: a refused command deletes nothing."""
+    ckpt = args.ckpt
+    if not (ckpt.overwrite and writes_checkpoints(args) and os.path.isdir(ckpt.path)):
+        return
+    if ckpt.load_enable and Path(ckpt.path, "_actor").is_dir():  # a resume (`check_outputs`) keeps its checkpoint
+        return
+    for entry in os.scandir(ckpt.path):
+        if entry.is_dir(follow_symlinks=False) and (entry.name in CHECKPOINT_DIRS or entry.name.endswith("_hf")):
+            shutil.rmtree(entry.path)
 
 
 def policy_loss(args, upstream):
@@ -572,6 +688,41 @@ def load_geometry_state(trainer, checkpoint_states) -> None:
         geometry.pipeline.load_state_dict(checkpoint_states[STATE_KEY])
     if geometry is not None and geometry.n_samples is not None and SIGNAL_KEY in checkpoint_states:
         geometry.signal.load_state_dict(checkpoint_states[SIGNAL_KEY])
+
+
+# ── rewards (utils/agent.py, in each vLLM engine's actor) ──
+
+REWARD_TIMEOUT_ENV = "OPENRLHF_GEO_REWARD_TIMEOUT_S"  # --reward.timeout_s, set for every worker by the driver
+
+
+def bounded_reward_func(reward_func, path):
+    """Upstream's .py `reward_func` (--reward.remote_url PATH), each call bounded by --reward.timeout_s (0: not
+    bounded): past it, RewardTimeout naming the function and its file, which agent.py lets through to end the run (it
+    scores a sample whose reward raised anything else None). Upstream already calls it on a worker thread; the call
+    runs on a daemon thread of its own, given up on at the deadline (a Python thread cannot be stopped, and a daemon
+    does not keep the process from exiting when the run ends)."""
+    seconds = float(os.environ.get(REWARD_TIMEOUT_ENV) or options.REWARD_TIMEOUT_S)
+    if not seconds:
+        return reward_func
+
+    def bounded(*args, **kwargs):
+        result = Future()
+
+        def call():
+            try:
+                result.set_result(reward_func(*args, **kwargs))
+            except BaseException as e:  # the user's code: returned to the caller as it was raised
+                result.set_exception(e)
+
+        threading.Thread(target=call, name="openrlhf-geo-reward-func", daemon=True).start()
+        try:
+            return result.result(timeout=seconds)
+        except TimeoutError:
+            if not result.done():
+                raise RewardTimeout("--reward.remote_url", path, seconds) from None
+        return result.result()  # it raised its own TimeoutError, or returned as the wait ended
+
+    return bounded
 
 
 def latest_tag(save_dir) -> str | None:

@@ -8,7 +8,8 @@
     activate(root)        put that copy first on sys.path, before anything imports openrlhf.
     worker_runtime_env()  the Ray runtime_env fields (py_modules + a start-up check) that make every worker, on
                           every node, import the driver's copy; the patched train_ppo_ray passes them to ray.init.
-    check_worker()        runs at each Ray worker's start: its openrlhf must carry FORK_ID (set by the diffs).
+    check_worker()        runs at each Ray worker's start: its openrlhf must carry FORK_ID (set by the diffs); the
+                          SIGTERM of the worker's own exit is not printed as a traceback (quiet_exit_sigterm).
     main(argv)            `openrlhf-geo fork verify | path`; `openrlhf-geo train-ppo-ray` is launch.main.
 
 Every problem found before Ray starts is reported in ONE ForkError listing all of them.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 PINNED_VERSION = "0.11.2"
 # Written into openrlhf/__init__.py by patches/openrlhf.__init__.diff; bump both together when the diffs change.
-FORK_ID = "openrlhf==0.11.2+openrlhf-geo.6"
+FORK_ID = "openrlhf==0.11.2+openrlhf-geo.7"
 UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
 CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"
@@ -77,7 +78,7 @@ _HEADER = re.compile(r"^# target: (\S+)\n# upstream: openrlhf==(\S+) sha256:([0-
 
 
 def fork_patches(device="cuda", directory=None) -> list[Patch]:
-    """The diffs of one fork: the seven of patches/, plus the CPU overlay of patches/cpu/ (applied after) for cpu."""
+    """The diffs of one fork: the eight of patches/, plus the CPU overlay of patches/cpu/ (applied after) for cpu."""
     if device not in DEVICES:
         raise ForkError(f"--fork.device must be one of {', '.join(DEVICES)}, got {device!r}")
     directory = Path(directory) if directory is not None else patch_dir()
@@ -395,10 +396,35 @@ def cpu_local_cluster() -> dict:
 
 
 def check_worker() -> None:
-    """Ray worker_process_setup_hook (and PolicyModelActor init): this process must import the fork."""
+    """Ray worker_process_setup_hook (and PolicyModelActor init): this process must import the fork; the SIGTERM of
+    its own exit is not printed (`quiet_exit_sigterm`)."""
     import openrlhf
 
     _check_marker(openrlhf)
+    quiet_exit_sigterm()
+
+
+def quiet_exit_sigterm() -> None:
+    """The SIGTERM handler a Ray worker's main loop installs (after the setup hook), made to ignore a SIGTERM that
+    lands in a finalizer. With per-worker process groups (`launch.main` sets RAY_process_group_cleanup_enabled), the
+    raylet sends SIGTERM to a worker's group as the worker disconnects on its way out; the handler's SystemExit then
+    landed in the teardown's ActorHandle.__del__, where Python discards it, printing `Exception ignored in ...
+    SystemExit: 1`: a traceback per actor in the log of every run that exited 0. Anywhere else it raises as before."""
+    from ray._private import utils
+
+    install = utils.set_sigterm_handler
+    if getattr(install, "quiet_in_finalizers", False):
+        return
+
+    def set_sigterm_handler(handler):
+        def on_sigterm(signum, frame):
+            if frame is None or frame.f_code.co_name != "__del__":
+                handler(signum, frame)
+
+        install(on_sigterm)
+
+    set_sigterm_handler.quiet_in_finalizers = True
+    utils.set_sigterm_handler = set_sigterm_handler
 
 
 def verify(site_packages=None, cache_dir=None, device="cuda") -> tuple[bool, list[str]]:

@@ -1,0 +1,160 @@
+"""--reward.timeout_s, both engines: a .py reward_func that does not return ends the run with one line naming the
+function and its file (it stalled `openrlhf-geo train` and the fork forever)."""
+
+import asyncio
+import pickle
+import subprocess
+import sys
+import time
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from openrlhf_geo import cli
+from openrlhf_geo.fork import hooks as fork_hooks
+from openrlhf_geo.fork import launch
+from openrlhf_geo.lab.task import addition_problems, build_model, build_tokenizer, write_jsonl
+from openrlhf_geo.local.reward import RewardTimeout, load_python_reward
+
+SLEEPS = """import time
+
+def reward_func(queries, prompts, labels):
+    time.sleep(60)
+    return [1.0] * len(queries)
+"""
+# a function that swallows the interrupt and goes on waiting cannot be stopped from inside the process
+DEAF = """import time
+
+def reward_func(queries, prompts, labels):
+    while True:
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            pass
+"""
+
+
+def message(flag, path, seconds):
+    return f"{flag} {path}: reward_func did not return within {seconds} s (--reward.timeout_s; 0 = no limit)"
+
+
+# ── the local engine ──
+
+
+@pytest.fixture
+def setup(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2).config.save_pretrained(tmp_path / "cfg")
+    write_jsonl(tmp_path / "train.jsonl", addition_problems(6, seed=0))
+    (tmp_path / "sleeps.py").write_text(SLEEPS)
+    return tmp_path
+
+
+def train_argv(tmp, *extra):
+    return [
+        "train", "--actor.config", str(tmp / "cfg" / "config.json"), "--actor.tokenizer", str(tmp / "tok"),
+        "--data.prompt_dataset", str(tmp / "train.jsonl"), "--reward.func", str(tmp / "sleeps.py"),
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "3",
+        "--train.steps", "1", "--train.threads", "1", "--ckpt.output_dir", str(tmp / "out"), *extra,
+    ]  # fmt: skip
+
+
+def test_local_a_reward_that_does_not_return_stops_the_run_in_one_line(setup, capsys):
+    start = time.time()
+    assert cli.main(train_argv(setup, "--reward.timeout_s", "1")) == 1
+    assert time.time() - start < 45
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "openrlhf-geo train: " + message("--reward.func", setup / "sleeps.py", 1)
+
+
+def test_local_the_timeout_flag_is_checked(setup, capsys):
+    for value in ("-1", "nan"):
+        assert cli.main(train_argv(setup, "--reward.timeout_s", value)) == 2
+        assert "--reward.timeout_s must be" in capsys.readouterr().err
+
+
+def test_local_a_reward_that_ignores_the_interrupt_ends_the_process(tmp_path):
+    """A Python thread cannot be stopped: the process prints the line and exits (status 1)."""
+    (tmp_path / "deaf.py").write_text(DEAF)
+    code = (
+        "from openrlhf_geo.local import reward\n"
+        "reward.Deadline.GRACE_S = 0.5\n"
+        f"reward.load_python_reward({str(tmp_path / 'deaf.py')!r}, 0.5)(['p'], ['r'], ['a'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    line = message("--reward.func", tmp_path / "deaf.py", 0.5)
+    assert done.stderr.strip().splitlines()[-1] == f"openrlhf-geo: {line} (it could not be interrupted: exiting)"
+
+
+def test_local_a_reward_within_the_limit_and_ctrl_c_are_unchanged(tmp_path):
+    (tmp_path / "quick.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.5] * len(queries)\n")
+    assert load_python_reward(tmp_path / "quick.py", 5)(["p"], ["r"], ["a"]).tolist() == [0.5]
+    (tmp_path / "ctrl_c.py").write_text("def reward_func(queries, prompts, labels):\n    raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt, match="in --reward.func .*ctrl_c.py: reward_func"):
+        load_python_reward(tmp_path / "ctrl_c.py", 5)(["p"], ["r"], ["a"])
+
+
+# ── the fork: upstream's utils/agent.py on the patched copy, with fakes for the tokenizer and the vLLM engine ──
+
+
+class Tokenizer:
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        return {"input_ids": torch.tensor([[1, 2]])}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "Q: 1 + 2 = ? A: 3"
+
+
+class Engine:
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        return NS(outputs=[NS(token_ids=[3], finish_reason="stop", logprobs=None)])
+
+
+def rollout(up, monkeypatch, path, timeout):
+    """One sample through SingleTurnAgentExecutor.execute, the call the vLLM engine actor makes per sample."""
+    import openrlhf.utils.agent as agent
+
+    monkeypatch.setenv(fork_hooks.REWARD_TIMEOUT_ENV, str(timeout))  # set by the driver for every worker
+    executor = agent.SingleTurnAgentExecutor(str(path))
+    params = NS(max_tokens=4, logprobs=None)
+    return asyncio.run(executor.execute("Q: 1 + 2 = ? A:", "3", params, 64, Tokenizer(), Engine()))
+
+
+@pytest.mark.fork
+def test_fork_a_reward_that_does_not_return_ends_the_rollout_with_the_error(up, monkeypatch, tmp_path):
+    (tmp_path / "sleeps.py").write_text(SLEEPS)
+    start = time.time()
+    with pytest.raises(RewardTimeout) as caught:
+        rollout(up, monkeypatch, tmp_path / "sleeps.py", 0.5)
+    assert time.time() - start < 10
+    assert str(caught.value) == message("--reward.remote_url", tmp_path / "sleeps.py", 0.5)
+
+
+@pytest.mark.fork
+def test_fork_other_reward_errors_and_returns_are_upstreams(up, monkeypatch, tmp_path):
+    (tmp_path / "ok.py").write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': 1.0}\n")
+    assert rollout(up, monkeypatch, tmp_path / "ok.py", 5)["reward"] == 1.0
+    (tmp_path / "raises.py").write_text("def reward_func(queries, prompts, labels):\n    return 1 / 0\n")
+    assert rollout(up, monkeypatch, tmp_path / "raises.py", 5)["reward"] is None  # upstream logs and goes on
+    assert rollout(up, monkeypatch, tmp_path / "ok.py", 0)["reward"] == 1.0  # 0: no limit
+
+
+@pytest.mark.fork
+def test_fork_the_driver_reports_the_timeout_in_one_line():
+    """Ray pickles the error from the vLLM actor through the trainer to the driver (`launch.ray_failure`)."""
+    from ray.exceptions import RayTaskError
+
+    error = pickle.loads(pickle.dumps(RewardTimeout("--reward.remote_url", "/r/reward_func.py", 300.0)))
+
+    def raised(function, cause):
+        return RayTaskError(function, f"{function} (pid=1)\nTraceback ...", cause).as_instanceof_cause()
+
+    failed = raised("ray::PPOTrainer.fit()", raised("ray::RolloutRayActor.generate_responses()", error))
+    assert launch.ray_failure(failed) == (
+        "ray::RolloutRayActor.generate_responses() failed: RewardTimeout: "
+        + message("--reward.remote_url", "/r/reward_func.py", 300)
+    )
