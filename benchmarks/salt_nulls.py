@@ -60,8 +60,9 @@ def warmed_up_model(steps, model_dir):
 
 
 @torch.no_grad()
-def rollout_batch(model, tokenizer, problems, samples, seed):
-    """(advantages (m,) float64, exact features (m, V·d), rewards (m,)) for len(problems) prompts × samples."""
+def sampled_rollouts(model, tokenizer, problems, samples, seed):
+    """len(problems) prompts × samples responses and one forward over them: (advantages (m,) float64, rewards (m,),
+    response tokens, their mask, and the logits and lm_head inputs that produced them, each (m, T, ·))."""
     torch.manual_seed(seed)
     enc = tokenizer([p["prompt"] for p in problems], return_tensors="pt", padding=True, padding_side="left")
     ids = enc["input_ids"].repeat_interleave(samples, 0)
@@ -90,17 +91,20 @@ def rollout_batch(model, tokenizer, problems, samples, seed):
         logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions).logits
     finally:
         hook.remove()
-    # logits/hidden at position t produce token t + 1
-    features = lm_head_features(
-        logits[:, width - 1 : -1], captured["hidden"][:, width - 1 : -1], tokens, mask, method="exact"
-    )
     texts = tokenizer.batch_decode(tokens.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
     answers = [p["answer"] for p in problems for _ in range(samples)]
     rewards = torch.tensor([float((BOXED.findall(t) or [None])[-1] == ans) for t, ans in zip(texts, answers)])
     r = rewards.double().reshape(len(problems), samples)
     std = r.std(1, keepdim=True)
     advantages = torch.where(std > 0, (r - r.mean(1, keepdim=True)) / (std + 1e-6), 0.0).reshape(-1)
-    return advantages, features, rewards
+    # logits/hidden at position t produce token t + 1
+    return advantages, rewards, tokens, mask, logits[:, width - 1 : -1], captured["hidden"][:, width - 1 : -1]
+
+
+def rollout_batch(model, tokenizer, problems, samples, seed):
+    """(advantages (m,) float64, exact features (m, V·d), rewards (m,)) for len(problems) prompts × samples."""
+    advantages, rewards, tokens, mask, logits, hidden = sampled_rollouts(model, tokenizer, problems, samples, seed)
+    return advantages, lm_head_features(logits, hidden, tokens, mask, method="exact"), rewards
 
 
 def matched_by_rand_proj_order(salt_values, rand_proj_values):

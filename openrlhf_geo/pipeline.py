@@ -440,6 +440,8 @@ class GeometryStep:
                 entropy=alpha_input,
                 gram=salt.gram,
                 return_basis=True,
+                k_rule=salt.k_rule,
+                rho=salt.rho,
             )
             applied = out if salt.apply else a[part]
             if not salt.apply:  # diagnostics only: the geometry of the unchanged coefficients a (D_a = 0, ...)

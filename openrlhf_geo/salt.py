@@ -28,6 +28,13 @@ from openrlhf_geo.features import METHODS as FEATURE_METHODS
 PROJECTORS = ("top-k", "random", "none")
 ALPHA_RULES = ("n_eff", "fixed", "pr", "entropy")
 ASSIGNMENTS = ("none", "permute", "matched-random-subspace")
+# k_t rules (_subspace_dim): "paper" is SALT Eq. 14; "code" the authors' released code (Chang-pw/SALT at 94ac08e,
+# built on verl): verl/verl/trainer/gradient/advantage_decomposition.py, AdvantageDecomposer.compute_adaptive_k.
+K_RULES = ("paper", "code")
+CODE_K_MAX = 64  # the code's k_max (DecompositionConfig, actor.yaml advantage_decomposition.k_max)
+# The code's rho as it ships in verl/verl/trainer/config/actor/actor.yaml and its README; DecompositionConfig's own
+# default and dp_actor.py's fallback for a missing key are 0.5.
+CODE_RHO = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,19 @@ def _check_alpha(variant: str, alpha, name: str) -> None:
         raise ValueError(f"{name} must be a number in [0, 1] (got {alpha!r})")
 
 
+def _check_k_rule(k_rule, rho, prefix: str) -> None:
+    """A k_t rule of K_RULES, and ρ only with the code's rule, in the code's range (DecompositionConfig asserts
+    0 < rho <= 2). prefix: "--salt." for the flags, "" for salt_advantages' arguments."""
+    if k_rule not in K_RULES:
+        raise ValueError(f"{prefix}k_rule must be one of {', '.join(K_RULES)} (got {k_rule!r})")
+    if rho is None:
+        return
+    if k_rule != "code":
+        raise ValueError(f"{prefix}rho only applies with {prefix}k_rule code (got {prefix}k_rule {k_rule})")
+    if not (isinstance(rho, numbers.Real) and not isinstance(rho, bool) and 0 < rho <= 2):
+        raise ValueError(f"{prefix}rho must be a number in (0, 2], the released code's range (got {rho!r})")
+
+
 @dataclass(frozen=True)
 class SaltConfig:
     """The --salt.* settings of a run, validated here on construction (each error names its flag).
@@ -116,6 +136,9 @@ class SaltConfig:
     apply          False: --salt.diagnostics, the geometry is computed and logged and the advantages stay unchanged
     shuffle_minibatches  True: optimizer mini-batches mix prompts as upstream draws them, so an optimizer step no
                    longer trains on exactly one partition's rollouts (pipeline.minibatch_partitions)
+    k_rule         "paper" (SALT Eq. 14, the default: the paper is the specification) or "code" (the released code's
+                   rule, see _subspace_dim)
+    rho            the code rule's PR scale ρ in (0, 2]; only with k_rule "code" (None: CODE_RHO)
     """
 
     FLAG_PREFIX = "salt"
@@ -153,6 +176,18 @@ class SaltConfig:
         "optimizer mini-batches mix prompts as upstream draws them; off: each optimizer step trains on exactly the "
         "rollouts of one SALT partition (SALT §3.1's mini-batch)",
     )
+    k_rule: str = setting(
+        "paper",
+        "dominant-subspace dimension k_t: paper = SALT Eq. 14, clip(round(PR), 1, m); code = the authors' released "
+        "code, clip(round(rho*PR), 1, min(64, m-1)) (docs/usage.md)",
+        choices=K_RULES,
+    )
+    rho: float | None = setting(
+        None,
+        f"the PR scale rho of --salt.k_rule code, in (0, 2]; unset: {CODE_RHO} (the released actor.yaml's; its "
+        "dataclass default is 0.5)",
+        type=float,
+    )
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -180,6 +215,7 @@ class SaltConfig:
             raise ValueError(f"--salt.apply must be True or False (got {self.apply!r})")
         if not isinstance(self.shuffle_minibatches, bool):
             raise ValueError(f"--salt.shuffle_minibatches must be True or False (got {self.shuffle_minibatches!r})")
+        _check_k_rule(self.k_rule, self.rho, "--salt.")
 
     @property
     def needs_entropy(self) -> bool:
@@ -221,11 +257,20 @@ class SaltSolverWarning(GeoWarning, RuntimeWarning):
     """The top-k eigensolver fell back to another method (the result is the same eigenspace, slower)."""
 
 
-def _subspace_dim(pr: float, m: int) -> int:
-    """SALT Eq. 14: k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up.
+def _subspace_dim(pr: float, m: int, k_rule: str = "paper", rho: float | None = None) -> int:
+    """k_t from PR for m responses, by `k_rule`.
 
+    "paper": SALT Eq. 14, k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up.
     App. G.1 restates it as clip(⌊PR_total⌋, 0, BG) (floor, lower bound 0); Eq. 14 and Algorithm 1 (nearest
-    integer, lower bound 1) define the method, G.1 only its cost, so Eq. 14 is followed."""
+    integer, lower bound 1) define the method, G.1 only its cost, so Eq. 14 is followed.
+    "code": the authors' released code (Chang-pw/SALT, verl/verl/trainer/gradient/advantage_decomposition.py,
+    AdvantageDecomposer.compute_adaptive_k): k_t = max(k_min, min(round(ρ·PR), k_max, B − 1)) with k_min = 1,
+    k_max = CODE_K_MAX, B = m and Python's round (ties to even); ρ = rho, None: CODE_RHO. Below m it always
+    leaves a residual (exploration) channel; at m = 1 it gives 1, as the code does.
+    """
+    if k_rule == "code":
+        scaled = (CODE_RHO if rho is None else rho) * pr
+        return max(1, min(round(scaled), CODE_K_MAX, m - 1))
     return min(max(int(np.floor(pr + 0.5)), 1), m)
 
 
@@ -345,12 +390,13 @@ def _reassign(spec: Variant, new: torch.Tensor, a: torch.Tensor, k: int, generat
     return matched
 
 
-def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape) -> torch.Tensor:
+def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape, k_rule, rho) -> torch.Tensor:
     """Validate the arguments; return the advantages a (m,) as a float64 CPU tensor.
 
-    variant, gram, alpha, entropy and eps are salt_advantages' own arguments, which callers pass without a
-    SaltConfig (benchmarks/salt_nulls.py, lab studies, tests), so they are checked here; the α rule is the one
-    SaltConfig checks (_check_alpha)."""
+    variant, gram, alpha, entropy, eps, k_rule and rho are salt_advantages' own arguments, which callers pass without
+    a SaltConfig (benchmarks/salt_nulls.py, lab studies, tests), so they are checked here; the α and k_t rules are
+    the ones SaltConfig checks (_check_alpha, _check_k_rule)."""
+    _check_k_rule(k_rule, rho, "")
     if variant not in VARIANTS:
         raise ValueError(f"unknown SALT variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
     if gram not in GRAMS:
@@ -409,6 +455,8 @@ def salt_advantages(
     gram: str = "raw",
     sketch_shape: tuple[int, int] | None = None,
     return_basis: bool = False,
+    k_rule: str = "paper",
+    rho: float | None = None,
 ):
     """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D) -> (a', stats) [+ basis].
 
@@ -417,7 +465,8 @@ def salt_advantages(
     SALT Eq. 12    a, the stacked group-normalized advantages          (_checked)
     SALT Eq. 4     K = F Fᵀ / m                                        (_gram: diagnostics.gram)
     SALT Eq. 5     PR = tr(K)² / ‖K‖_F²                                (_participation_ratio)
-    SALT Eq. 14    k_t = clip(⌊PR⌉, 1, m), ⌊·⌉ rounding half up         (_subspace_dim)
+    SALT Eq. 14    k_t = clip(⌊PR⌉, 1, m), ⌊·⌉ rounding half up         (_subspace_dim; k_rule="code": the
+                   released code's max(1, min(round(ρ·PR), 64, m − 1)), ρ = rho, default CODE_RHO)
     SALT Eq. 13/15 P_k = V_k V_kᵀ on the top-k_t eigenvectors of K     (_top_eigenspace)
     SALT Eq. 16    a_main = P_k a,  a_exp = P_k^⊥ [a]₊                  (_channels)
     SALT Eq. 17    α_t = max(0, 1 − n_eff), n_eff = aᵀKa / Σ_i a_i² K_ii (_alpha_t; Eq. 6 on u_i = a_i g_i: no ε;
@@ -466,6 +515,8 @@ def salt_advantages(
     (rand-proj's random subspace is not returned), and the float64 Gram K of its quadratic forms (the unbiased K̂
     under shrink), in the units of F Fᵀ/m, so callers' diagnostics need not form it again.
 
+    k_rule, rho: how k_t follows from PR: "paper" (Eq. 14, default) or "code" (the authors' released code, with ρ =
+    rho in (0, 2], None: CODE_RHO; rho only with "code"); see _subspace_dim.
     eps: the ε of Eq. 59-60, for which the text gives no value (absolute, in the units of K and ‖ĝ‖).
     Scale: a', pr, k, alpha, gap, D_a and U_perp_gain are invariant to F → cF (Eq. 5, 6, 14-18 are scale-free; the
     solve runs on F / diagnostics.unit_scale(F), so no square overflows or underflows, e.g. float32 features of
@@ -477,7 +528,7 @@ def salt_advantages(
     NaN/inf, wrong shapes or misused arguments ⇒ ValueError naming them. P_k is unique only when gap > 0; at a tie
     the eigensolver picks one of the top-k subspaces. Output: the dtype and device of `advantages`.
     """
-    a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape)  # Eq. 12
+    a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape, k_rule, rho)  # Eq. 12
     spec = VARIANTS[variant]
     m = a.numel()
     scale = diagnostics.unit_scale(features)
@@ -492,7 +543,7 @@ def salt_advantages(
         basis, is_top, gap = torch.zeros(m, 0, dtype=torch.float64), pr == 0.0, 1.0 if pr > 0 else 0.0
         new, main, explore = a.clone(), a, zero
     else:
-        k = _subspace_dim(pr, m)  # Eq. 14
+        k = _subspace_dim(pr, m, k_rule, rho)  # Eq. 14 (or the code's rule)
         basis, is_top, gap = _top_eigenspace(K_geom, k)  # Eq. 13/15
         a_main, a_exp = _channels(spec, a, basis, is_top, k, generator)  # Eq. 16
         main = a_main if spec.main else zero

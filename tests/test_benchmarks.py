@@ -188,3 +188,109 @@ def test_geoalign_threads_prints_one_row_per_shape_and_restores_the_thread_count
         assert pairs >= 1 and one > 0 and many > 0
         # every column is printed to 2 decimals: the ratio of the unrounded times, rounded, lies in this interval
         assert (one - 0.005) / (many + 0.005) - 0.005 <= ratio <= (one + 0.005) / max(many - 0.005, 1e-9) + 0.005
+
+
+# A stand-in for the Chang-pw/SALT checkout (no network in CI): the code's documented rule written out independently,
+# k = max(1, min(round(rho * PR), 64, m - 1)), and its proxy, the gradient of -sum_t log p w.r.t. the LM head.
+STAND_IN_DECOMPOSITION = """
+from dataclasses import dataclass, field
+import torch
+
+@dataclass
+class DecompositionConfig:
+    enabled: bool = False
+    rho: float = 0.5
+
+@dataclass
+class Result:
+    advantage_final: torch.Tensor
+    k_t: int
+    alpha_t: float
+    metrics: dict = field(default_factory=dict)
+
+class AdvantageDecomposer:
+    def __init__(self, config):
+        self.config = config
+
+    def decompose(self, F, a):
+        F64, a64, m = F.double(), a.double(), len(a)
+        K = F64 @ F64.T / m
+        pr = float(K.trace() ** 2 / K.square().sum())
+        k = max(1, min(round(self.config.rho * pr), 64, m - 1))
+        V = torch.linalg.eigh(K).eigenvectors[:, -k:]
+        u = a64[:, None] * F64
+        neff = float(u.sum(0).square().sum() / u.square().sum())
+        alpha = min(max(1.0 - neff, 0.0), 1.0)
+        positive = a64.clamp_min(0)
+        out = V @ (V.T @ a64) + alpha * (positive - V @ (V.T @ positive))
+        metrics = {"adv_decomp/neff": neff, "adv_decomp/participation_ratio": pr}
+        return Result(out.to(a.dtype), k, alpha, metrics)
+"""
+STAND_IN_PROXY = """
+from types import SimpleNamespace
+import torch
+
+class ManualLmHeadProxy:
+    def compute_from_logits(self, per_sample_loss, logits, response_mask, group_ids, hidden_states):
+        rows = []
+        for i in range(len(per_sample_loss)):
+            (grad,) = torch.autograd.grad(per_sample_loss[i], logits, retain_graph=True)
+            rows.append(torch.einsum("tv,td->vd", grad[i] * response_mask[i, :, None], hidden_states[i]).reshape(-1))
+        return SimpleNamespace(grads_flat=torch.stack(rows))
+"""
+
+
+def run_salt_reference(tmp_path, monkeypatch, argv):
+    gradient = tmp_path / "SALT" / "verl" / "verl" / "trainer" / "gradient"
+    gradient.mkdir(parents=True)
+    (gradient / "advantage_decomposition.py").write_text(STAND_IN_DECOMPOSITION)
+    (gradient / "proxy.py").write_text(STAND_IN_PROXY)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends benchmarks/
+    for name in ("salt_reference_advantage_decomposition", "salt_reference_proxy"):
+        monkeypatch.setitem(sys.modules, name, None)  # removed again afterwards
+    spec = importlib.util.spec_from_file_location("salt_reference", ROOT / "benchmarks" / "salt_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--salt-repo", str(tmp_path / "SALT"), *argv])
+
+
+def table_rows(out, title):
+    """The cells of the markdown rows under the `## <title>` header line."""
+    lines = out.split(f"## {title}")[1].split("\n## ")[0].splitlines()
+    rows = [line for line in lines[3:] if line.startswith("|")]
+    return [[cell.strip() for cell in row.replace("\\|", "/").strip("|").split("|")] for row in rows]
+
+
+def test_salt_reference_runs_theirs_and_ours_side_by_side_on_a_stand_in_checkout(tmp_path, monkeypatch, capsys):
+    argv = ["--seeds", "1", "--sizes", "32", "256", "--groups", "8", "--dim", "2048", "--micro", "16", "--real", "0"]
+    assert run_salt_reference(tmp_path, monkeypatch, argv) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out, "1. synthetic")
+    assert len(rows) == 2 * 2 * 4  # sizes x feature structures x rule pairs
+    for *_, pair, k_ours, k_theirs, _, _, _, _, cos in rows:
+        ours_rule, theirs_rule = pair.split(" / ")
+        if ours_rule == theirs_rule:  # this project's --salt.k_rule code against the code: the same a'
+            assert k_ours == k_theirs and float(cos) > 1 - 1e-5
+        if ours_rule == "paper" and theirs_rule == "code ρ=0.5":
+            assert float(k_ours) > float(k_theirs)
+    diffuse = [r for r in rows if r[0] == "256" and r[2] == "diffuse" and r[4] == "paper / code ρ=1"]
+    assert float(diffuse[0][3]) > 64 and float(diffuse[0][6]) == 64 and float(diffuse[0][-1]) < 0.99  # k_max binds
+    scope = table_rows(out, "1b. scope")
+    assert [r[:4] for r in scope] == [[m, "8", f, "16"] for m in ("32", "256") for f in ("low-rank", "diffuse")]
+    assert "## 2. distributed_gram: not checked" in out
+
+
+def test_salt_reference_compares_the_proxies_of_a_tiny_lm(tmp_path, monkeypatch, capsys):
+    argv = ["--seeds", "1", "--sizes", "16", "--groups", "8", "--dim", "32", "--micro", "--real", "1"]
+    argv += ["--sft-steps", "1", "--prompts", "2", "--samples", "4"]
+    assert run_salt_reference(tmp_path, monkeypatch, argv) == 0
+    (row,) = table_rows(capsys.readouterr().out, "3. the demo's tiny LM")
+    assert float(row[3]) < 1e-5  # the code's proxy is −T_i times Eq. 19's, response by response
+
+
+def test_salt_reference_refuses_a_folder_without_the_code(tmp_path):
+    spec = importlib.util.spec_from_file_location("salt_reference", ROOT / "benchmarks" / "salt_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit, match="advantage_decomposition.py not found: --salt-repo must be a checkout"):
+        module.main(["--salt-repo", str(tmp_path)])
