@@ -449,9 +449,9 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
             model, prompts = run / "sft", assets / "hh_prompts.jsonl"
             server, reward = serve_rm(assets, run, env)
         # a rerun of the smoke in its OUT_DIR replaces its runs (the fork refuses a used output folder otherwise)
-        start = ["--ckpt.load_enable", "--train.num_episodes", "2"] if "after" in spec else ["--ckpt.overwrite"]
+        begin = ["--ckpt.load_enable", "--train.num_episodes", "2"] if "after" in spec else ["--ckpt.overwrite"]
         command = train_command(
-            run, out / spec.get("after", name) / "ckpt", [*start, *spec["flags"]], model, prompts,
+            run, out / spec.get("after", name) / "ckpt", [*begin, *spec["flags"]], model, prompts,
             reward or str(assets / "reward_func.py"), model_name, spec.get("sync", True),
         )  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
