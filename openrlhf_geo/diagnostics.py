@@ -274,16 +274,25 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
       r_total      r_total (Eq. 41) over all m rows
       pr_in        PR_in,mean (Eq. 44-46): mean over groups of PR of the group's Gram block (0 for a zero block)
       pr_total     PR_total (Eq. 47-48)
-      n_eff_group  n_eff,in,mean (Eq. 50-51): mean over groups of n_eff({Â_i g_i}_{i∈b}) in the Gram form of Eq. 60
+      n_eff_group  n_eff,in,mean (Eq. 50-51): mean of n_eff({Â_i g_i}_{i∈b}) (Gram form of Eq. 60) over the groups
+                   that carry signal, i.e. with Σ_{i∈b} ‖Â_i g_i‖² = m Σ_{i∈b} Â_i² K_ii > 0; NaN when none does.
+                   A group whose u_i = Â_i g_i are all 0 (tied rewards: Â = 0) makes Eq. 49 0/0, which the paper
+                   leaves open; such a group adds no term to the update, so it has nothing to cancel, and counting
+                   it as 0 would report the share of mixed groups, not cancellation. It is left out of the mean.
+      n_eff_group_left_out  how many groups were left out of n_eff_group (B when none carries signal)
       n_eff_means  n_eff^out (Eq. 52-53): n_eff of the group means ū_b = (1/G_b) Σ_{i∈b} Â_i g_i, i.e.
-                   wᵀKw / (Σ_b w_bᵀ K_bb w_b + ε) with w_i = Â_i / G_b
+                   wᵀKw / (Σ_b w_bᵀ K_bb w_b + ε) with w_i = Â_i / G_b (a group without signal has ū_b = 0 and
+                   adds 0 to both sums, so it drops out by itself; 0 when no group carries signal)
       e_tot        App. B E_tot(q) = Σ_i ‖s_i‖²   (mean over groups; s_i = g_i, the unnormalised features)
       e_sh         App. B E_sh(q) = G ‖s̄_q‖²
       e_delta      App. B E_δ(q) = Σ_i ‖s_i − s̄_q‖² = tr(K_q) − 1ᵀK_q1 / G (0 within rounding, ≤ 4·G·u·E_tot)
       rho_delta    App. B ρ_δ(q) = E_δ / E_tot (0 for a zero group)
       g_norm       App. B ‖g_q‖₂ = ‖(1/G) Σ_i Â_i s_i‖₂ = √(Â_qᵀ K_q Â_q) / G   (K_q = S_qᵀ S_q = m · K_bb)
       b_delta      App. B B_δ(q) = √(E_δ / G)
-    ε (Eq. 60) is absolute in units of K; Eq. 49 itself has none (eps = 0 gives it, with 0/0 := 0).
+    r_in, pr_in and rho_delta depend on the features alone, not on Â: a tied group's values are defined, and they
+    average over all B groups as Eq. 40/46 state (their 0 conventions concern zero features or single-row groups).
+    e_tot ... b_delta are energies and norms, not ratios: a tied group's g_norm = 0 is its actual (zero) update.
+    ε (Eq. 60) is absolute in units of K; Eq. 49 itself has none (eps = 0 gives it).
     NOT SALT's own `n_eff_in` / `n_eff_out` stats, which are n_eff of a and a' over the whole partition (Eq. 60).
     """
     c = _float64(advantages, "advantages", "(m,)")
@@ -300,14 +309,15 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
         raise ValueError(f"eps must be >= 0 (got {eps})")
     index = index.to(c.device)
     sizes = torch.bincount(index, minlength=n_groups).to(torch.float64)
-    per_group = {key: [] for key in ("r_in", "pr_in", "n_eff_group", "e_tot", "e_sh", "e_delta", "rho_delta")}
-    per_group.update(g_norm=[], b_delta=[])
+    per_group = {key: [] for key in ("r_in", "pr_in", "e_tot", "e_sh", "e_delta", "rho_delta", "g_norm", "b_delta")}
+    n_eff_in = []  # Eq. 50 of the groups with signal only
     for b in range(n_groups):
         rows = torch.nonzero(index == b)[:, 0]
         block, coeffs, size = K[rows][:, rows], c[rows], rows.numel()
         per_group["r_in"].append(_positive_alignment(block))
         per_group["pr_in"].append(participation_ratio(block))
-        per_group["n_eff_group"].append(effective_sample_size(coeffs, block, eps))
+        if float(coeffs.square() @ block.diagonal()) > 0:
+            n_eff_in.append(effective_sample_size(coeffs, block, eps))
         K_q = m * block  # S_qᵀ S_q: App. B's energies are in units of the features, not of K
         e_tot, e_sh = float(K_q.trace()), float(K_q.sum()) / size
         e_delta = e_tot - e_sh  # a sum of squares: within rounding of 0 (as _energy) it is 0
@@ -324,6 +334,8 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
     stats = {key: sum(values) / n_groups for key, values in per_group.items()}
     stats.update(
         groups=float(n_groups),
+        n_eff_group=sum(n_eff_in) / len(n_eff_in) if n_eff_in else math.nan,
+        n_eff_group_left_out=float(n_groups - len(n_eff_in)),
         r_total=_positive_alignment(K),
         pr_total=participation_ratio(K),
         n_eff_means=_ratio(_energy(w, K), max(within, 0.0) + eps),

@@ -57,8 +57,8 @@ from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
 # batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
 DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
 # App. D.1 / B group statistics that depend on the coefficients (the rest describe the features only): with SALT
-# applied they are also logged for a' as salt/<key>_applied.
-APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_means", "g_norm")
+# applied they are also logged for a' as salt/<key>_applied (a' need not vanish on a tied group).
+APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_group_left_out", "n_eff_means", "g_norm")
 
 # SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
 # the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.

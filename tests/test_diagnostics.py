@@ -217,7 +217,8 @@ def brute_group_geometry(c, F, groups, eps):
     """Eq. 38-53 and App. B on explicit vectors: u_i = Â_i g_i, ū_b, s̄_q, δ_q,i."""
     m = len(c)
     labels = np.unique(groups)
-    per = {k: [] for k in ("r_in", "pr_in", "n_eff_group", "e_tot", "e_sh", "e_delta", "rho", "g", "b")}
+    per = {k: [] for k in ("r_in", "pr_in", "e_tot", "e_sh", "e_delta", "rho", "g", "b")}
+    n_eff_in = []  # Eq. 50 of the groups with some u_i ≠ 0 (Eq. 51 leaves the 0/0 of the others out)
     means = []
     for label in labels:
         idx = np.flatnonzero(groups == label)
@@ -227,7 +228,8 @@ def brute_group_geometry(c, F, groups, eps):
         per["pr_in"].append(lam.sum() ** 2 / (lam**2).sum() if lam.sum() > 0 else 0.0)
         u = A[:, None] * S
         total = u.sum(0)
-        per["n_eff_group"].append(ratio(total @ total / m, sum(x @ x for x in u) / m + eps))  # Eq. 60 units of K
+        if sum(x @ x for x in u) > 0:
+            n_eff_in.append(total @ total / m / (sum(x @ x for x in u) / m + eps))  # Eq. 60 units of K
         means.append(total / G)  # Eq. 52
         s_bar = S.mean(0)
         e_tot = sum(s @ s for s in S)
@@ -247,6 +249,8 @@ def brute_group_geometry(c, F, groups, eps):
     lam = np.clip(np.linalg.eigvalsh(brute_gram(F)), 0, None)
     out.update(
         groups=len(labels),
+        n_eff_group=float(np.mean(n_eff_in)) if n_eff_in else math.nan,
+        n_eff_group_left_out=len(labels) - len(n_eff_in),
         r_total=brute_positive_alignment(F),
         pr_total=lam.sum() ** 2 / (lam**2).sum() if lam.sum() > 0 else 0.0,
         n_eff_means=ratio(total @ total / m, den + eps),
@@ -268,7 +272,7 @@ def test_group_geometry_matches_explicit_vectors(data, n_groups, seed, eps, pass
         tol = 1e-9 * math.sqrt(scale) if key in ("g_norm", "b_delta") else 1e-9 * scale
         if key.startswith("n_eff"):  # a rounding-level numerator is a zero update (_energy); ε-scale denominators
             tol = 1e-6
-        assert got[key] == pytest.approx(value, rel=1e-6, abs=tol), key
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=tol, nan_ok=True), key
 
 
 def test_group_geometry_realized_norm_obeys_the_residual_bound_of_eq_11():
@@ -288,6 +292,52 @@ def test_group_geometry_of_identical_rollouts_has_no_residual():
     assert stats["e_delta"] == stats["rho_delta"] == stats["b_delta"] == stats["g_norm"] == 0.0
     assert (stats["r_in"], stats["pr_in"], stats["groups"]) == (pytest.approx(1.0), pytest.approx(1.0), 2.0)
     assert stats["n_eff_group"] == stats["n_eff_means"] == 0.0
+
+
+def brute_n_eff_in_mean(c, F, groups):
+    """Eq. 49-51 on explicit u_i = Â_i g_i: the mean of Eq. 49 over the groups with some u_i ≠ 0, and how many have
+    none (NaN mean when none has)."""
+    values, left_out = [], 0
+    for label in np.unique(groups):
+        u = c[groups == label, None] * F[groups == label]
+        if not (u != 0).any():
+            left_out += 1
+            continue
+        values.append(brute_n_eff(u))
+    return (float(np.mean(values)) if values else math.nan), left_out
+
+
+def test_n_eff_group_leaves_out_tied_groups():
+    """A tied group (Â = 0: every u_i = 0) makes Eq. 49 0/0; it has no terms to cancel and is not averaged as 0."""
+    rng = np.random.default_rng(7)
+    F = rng.standard_normal((12, 5)) + rng.standard_normal(5)  # a shared direction: some cancellation
+    c = np.array([1.0, -1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.5, 0.5, -0.5, -1.5])
+    groups = np.repeat([0, 1, 2], 4)
+    expected, left_out = brute_n_eff_in_mean(c, F, groups)
+    assert left_out == 1
+    got = dg.group_geometry(torch.tensor(c), torch.tensor(F), torch.tensor(groups), eps=0.0)
+    assert got["n_eff_group"] == pytest.approx(expected, rel=1e-12)
+    assert got["n_eff_group_left_out"] == 1.0
+    tied = dg.group_geometry(torch.zeros(12), torch.tensor(F), torch.tensor(groups))
+    assert math.isnan(tied["n_eff_group"]) and tied["n_eff_group_left_out"] == 3.0  # the mean of no group
+
+
+@settings(max_examples=40)
+@given(vectors(min_m=2), st.integers(1, 4), st.integers(0, 1000), st.integers(1, 6))
+def test_adding_a_tied_group_never_changes_n_eff_group(data, n_groups, seed, size):
+    c, F = data
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, n_groups, len(c))
+    F_tied = rng.standard_normal((size, F.shape[1])) * 10.0 ** rng.uniform(-2, 2)
+    before = dg.group_geometry(torch.tensor(c), torch.tensor(F), torch.tensor(groups), eps=0.0)
+    after = dg.group_geometry(
+        torch.tensor(np.concatenate([c, np.zeros(size)])),
+        torch.tensor(np.concatenate([F, F_tied])),
+        torch.tensor(np.concatenate([groups, np.full(size, n_groups)])),
+        eps=0.0,
+    )
+    assert after["n_eff_group"] == pytest.approx(before["n_eff_group"], rel=1e-9, abs=1e-6, nan_ok=True)
+    assert after["n_eff_group_left_out"] == before["n_eff_group_left_out"] + 1
 
 
 # ---- weight statistics ----

@@ -94,17 +94,21 @@ def _np_coefficient_group_stats(c, F, groups):
     m, eps = len(c), 1e-8
     u = c[:, None] * F
     ids = sorted(set(groups))
-    per_group = []
+    per_group = []  # Eq. 50 of the groups with some u_i ≠ 0: a tied group (Â = 0) is 0/0 and left out of Eq. 51
     for b in ids:
         rows = [i for i in range(m) if groups[i] == b]
         total = u[rows].sum(0)
-        den = sum(float(u[i] @ u[i]) for i in rows) / m + eps
-        per_group.append(float(total @ total) / m / den if den > eps else 0.0)
+        den = sum(float(u[i] @ u[i]) for i in rows) / m
+        if den > 0:
+            per_group.append(float(total @ total) / m / (den + eps))
     means = np.stack([u[[i for i in range(m) if groups[i] == b]].mean(0) for b in ids])
     w_total = means.sum(0)
     den = sum(float(x @ x) for x in means) / m + eps
     g_norm = np.mean([np.linalg.norm(u[[i for i in range(m) if groups[i] == b]].mean(0)) for b in ids])
-    return {"n_eff_group": np.mean(per_group), "n_eff_means": float(w_total @ w_total) / m / den, "g_norm": g_norm}
+    n_eff_group = np.mean(per_group) if per_group else math.nan
+    left_out = len(ids) - len(per_group)
+    n_eff_means = float(w_total @ w_total) / m / den
+    return {"n_eff_group": n_eff_group, "n_eff_group_left_out": left_out, "n_eff_means": n_eff_means, "g_norm": g_norm}
 
 
 def test_a_salt_run_logs_the_group_statistics_of_a_and_of_the_objectives_a_prime():
@@ -121,6 +125,20 @@ def test_a_salt_run_logs_the_group_statistics_of_a_and_of_the_objectives_a_prime
         for name in pipeline.APPLIED_GROUP_KEYS:
             got = float(step.metrics[f"salt/{name}_{key}" if key else f"salt/{name}"][0])
             assert got == pytest.approx(expected[name], rel=1e-6), (name, key)  # metrics are float32
+
+
+def test_the_logged_n_eff_group_leaves_tied_groups_out_and_counts_them():
+    """salt/n_eff_group (both engines log step.metrics) is Eq. 51 over the groups with signal, not a tied group's 0."""
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact", apply=False), seed=5))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    g = torch.Generator().manual_seed(4)
+    features, a = torch.randn(9, 7, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    a[3:6] = 0.0  # prompt 1's rollouts tied
+    step = pipe.start(group_ids)
+    step.reweight(a, features, None, torch.full((9,), 3.0))
+    expected = _np_coefficient_group_stats(a.numpy(), features.numpy(), group_ids.tolist())
+    assert float(step.metrics["salt/n_eff_group"][0]) == pytest.approx(expected["n_eff_group"], rel=1e-6)
+    assert float(step.metrics["salt/n_eff_group_left_out"][0]) == 1.0
 
 
 def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_range():

@@ -217,7 +217,8 @@ def render(summary) -> str:
                      f"{signal} |")  # fmt: skip
     lines += [
         "",
-        "App. D.1 within-group statistics (same batches):",
+        "App. D.1 within-group statistics (same batches; n_eff,in,mean averages Eq. 49 over the groups with signal: "
+        "a tied group's is 0/0 and left out):",
         "",
         "| T | cap | G | n_eff,in,mean | n_eff^out | r_in | r_total | PR_in |",
         "|---|---|---|---|---|---|---|---|",
