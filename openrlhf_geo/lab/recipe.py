@@ -46,8 +46,9 @@ N_TRAIN, N_EVAL, EVAL_SAMPLES = 3000, 256, 2
 MAX_NEW_TOKENS = 48  # the longest worked solution is 40 tokens + EOS
 # The demo's SFT warm-up as `warm_up` trains it (the files of its <out>/sft): with the same configuration key (SFT,
 # its step budget, torch 2.13.0+cpu and the pinned kernels of local.kernels; transformers is pinned in
-# requirements.txt) training gives these bytes on any CPU that runs the pinned kernels, so `warm_up` copies them
-# instead of training for 3-4 min (tests/test_demo_sft.py retrains and compares). After a change to SFT:
+# requirements.txt) training gave these bytes on the CPUs docs/results.md lists ("Same seeds, same numbers"; another
+# CPU class may train others), so `warm_up` copies them instead of training for 3-4 min (tests/test_demo_sft.py
+# retrains and compares with the bytes recorded for the CPU's class). After a change to SFT:
 # `openrlhf-geo demo --sft-from-scratch`, then copy runs/demo/sft here.
 SHIPPED_SFT = Path(__file__).resolve().parents[1] / "assets" / "demo_sft"
 

@@ -1,4 +1,5 @@
-"""One set of CPU kernels for the demo and the studies, so that their per-seed results do not depend on the CPU.
+"""One set of CPU kernels for the demo and the studies, so that their per-seed results depend on the CPU as little as
+the libraries allow.
 
 torch, MKL and numpy's OpenBLAS each pick their code per CPU (ATen's default / AVX2 / AVX-512 kernels, MKL's branch
 per processor, OpenBLAS's per-core kernels); the picks round differently (~1e-7 in float32), and training amplifies
@@ -7,9 +8,11 @@ precision is enough, only the same arithmetic (docs/results.md). `pin` fixes the
 every x86-64 CPU with AVX2 and FMA (Intel since 2013, AMD since 2015) runs alike: ATen's AVX2 kernels, MKL's
 COMPATIBLE branch (the one branch MKL keeps on other vendors' processors), OpenBLAS's Haswell kernels, oneDNN at AVX2,
 one thread each (ATen's default kernels would reach older CPUs too, at a higher cost; the pin's cost:
-benchmarks/demo_walltime.py). `pin` sets the variables for this process and every process it starts; each library
-reads them when it first computes, so `pin` runs before any tensor is computed (`cli.main`, for `openrlhf-geo demo`
-and `study`).
+benchmarks/demo_walltime.py). Measured, that is not every CPU: AMD EPYC VMs with AVX-512 BF16 compute GeoAlign's
+demo runs and the SFT warm-up differently from the Intel VMs under the same pin (docs/results.md, "Same seeds, same
+numbers"), so `environment` records the CPU next to the versions. `pin` sets the variables for this process and
+every process it starts; each library reads them when it first computes, so `pin` runs before any tensor is computed
+(`cli.main`, for `openrlhf-geo demo` and `study`).
 """
 
 import importlib.metadata
