@@ -107,6 +107,15 @@ def validate(args, engine="local") -> None:
     timeout = args.reward.timeout_s
     if not (math.isfinite(timeout) and timeout >= 0):
         raise ValueError(f"--reward.timeout_s must be a number of seconds >= 0, 0 for no limit (got {timeout})")
+    # it bounds a .py reward_func only (--reward.func in the local engine, --reward.remote_url in the fork):
+    # math-verify has its own per-answer timeout, an HTTP reward upstream's; another value would be silently ignored
+    source = getattr(args.reward, "func", None) or getattr(args.reward, "remote_url", None) or ""
+    if timeout != REWARD_TIMEOUT_S and not any(part.strip().endswith(".py") for part in str(source).split(",")):
+        raise ValueError(
+            f"--reward.timeout_s {timeout:g} bounds the calls of a .py reward_func (--reward.func in `openrlhf-geo "
+            f"train`, --reward.remote_url in the fork); this run's reward is {source or 'a reward model'}: drop "
+            "the flag"
+        )
     estimator = args.algo.advantage.estimator
     salt = args.salt
     if estimator == "salt":

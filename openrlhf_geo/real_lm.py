@@ -123,8 +123,11 @@ def target_dir(asset: Asset = SMOLLM2, out=None) -> Path:
 
 
 def sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_card(directory: Path) -> dict | None:
@@ -352,21 +355,19 @@ def convert(asset: Asset = SMOLLM2, out=None, force: bool = False) -> Path:
             if isinstance(error, SafetensorError):
                 raise AssetError(f"{target}: writing the weights failed ({error}); nothing was written") from error
             raise
-        # Ctrl-C is ignored for the few milliseconds of the swap: it cannot leave the target missing or the old
-        # directory hidden beside it
+        # Ctrl-C is ignored for the two renames of the swap: it cannot leave the target missing
         in_main = threading.current_thread() is threading.main_thread()
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        old = target.parent / f".{target.name}.tmp-old-{os.getpid()}" if target.exists() else None
         try:
-            if target.exists():  # --force or an earlier conversion: the old one goes once the new one is complete
-                old = target.parent / f".{target.name}.tmp-old-{os.getpid()}"
+            if old is not None:  # --force or an earlier conversion: the old one goes once the new one is complete
                 target.rename(old)
-                building.rename(target)
-                shutil.rmtree(old)
-            else:
-                building.rename(target)
+            building.rename(target)
         finally:
             if in_main:
                 signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+        if old is not None:  # the new conversion is in place; a leftover is cleared by the next conversion
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 

@@ -1008,6 +1008,8 @@ def test_fork_and_local_engine_give_identical_advantages_and_metrics(up, tiny_pa
     assert fork_keys <= set(metrics)
     for key in sorted(fork_keys):
         fork_value = torch.cat([e.info[key] for e in result]).double()
+        # upstream averages exp.info plainly: a slot without a value carries the batch's nanmean, or all are NaN
+        assert bool(fork_value.isnan().all()) or not bool(fork_value.isnan().any()), key
         expected = float(fork_value.nanmean()) if bool(fork_value.isfinite().any()) else math.nan
         if key.endswith(("time_s", "solve_ms")):
             continue  # wall time

@@ -74,6 +74,11 @@ def test_local_the_timeout_flag_is_checked(setup, capsys):
     for value in ("-1", "nan"):
         assert cli.main(train_argv(setup, "--reward.timeout_s", value)) == 2
         assert "--reward.timeout_s must be" in capsys.readouterr().err
+    # math-verify has its own per-answer timeout: a limit it would ignore is refused
+    argv = train_argv(setup, "--reward.timeout_s", "5")
+    argv[argv.index("--reward.func") + 1] = "math_verify"
+    assert cli.main(argv) == 2
+    assert "--reward.timeout_s 5 bounds the calls of a .py reward_func" in capsys.readouterr().err
 
 
 def test_local_a_reward_that_ignores_the_interrupt_ends_the_process(tmp_path):

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ def add_args(parser) -> None:
         action="store_true",
         default=False,
         help="openrlhf-geo: start over where an earlier run wrote: deletes its checkpoints in --ckpt.path (_actor/, "
-        "_critic/, *_hf/); its final model in --ckpt.output_dir is replaced at the end",
+        "_critic/, *_hf/); the final save writes over its model in --ckpt.output_dir (other files there stay)",
     )
 
 
@@ -550,11 +551,15 @@ class GeometryBatch:
             folder = Path(os.environ[DUMP_ENV])
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(self.dump, folder / f"step{self.owner.pipeline.steps:04d}.pt")  # continues on resume
+        # a slot whose partition has no value (NaN: e.g. salt/n_eff_group with every group tied) gets the batch's
+        # nanmean, so that upstream's plain mean over the slots logs what the local engine logs (its nanmean)
+        metrics = self.step.metrics
+        filled = {key: torch.where(values.isnan(), values.nanmean(), values) for key, values in metrics.items()}
         for exp in self.experiences:
             rows = torch.as_tensor(exp.index)
             if not identity:
                 exp.advantages = exp.advantages * multiplicity[rows].to(exp.advantages)[:, None]
-            for key, values in self.step.metrics.items():
+            for key, values in filled.items():
                 exp.info[key] = values[rows].clone()
             exp.__dict__.pop(SIDE_ATTR, None)
 
@@ -717,7 +722,7 @@ def bounded_reward_func(reward_func, path):
         threading.Thread(target=call, name="openrlhf-geo-reward-func", daemon=True).start()
         try:
             return result.result(timeout=seconds)
-        except TimeoutError:
+        except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
             if not result.done():
                 raise RewardTimeout("--reward.remote_url", path, seconds) from None
         return result.result()  # it raised its own TimeoutError, or returned as the wait ended

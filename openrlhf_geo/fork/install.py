@@ -406,8 +406,9 @@ def check_worker() -> None:
 
 def quiet_exit_sigterm() -> None:
     """The SIGTERM handler a Ray worker's main loop installs (after the setup hook), made to ignore a SIGTERM that
-    lands in a finalizer. With per-worker process groups (`launch.main` sets RAY_process_group_cleanup_enabled), the
-    raylet sends SIGTERM to a worker's group as the worker disconnects on its way out; the handler's SystemExit then
+    lands in one of Ray's finalizers. With per-worker process groups (`launch.main` sets
+    RAY_process_group_cleanup_enabled), the raylet sends SIGTERM to a worker's group as the worker disconnects on its
+    way out; the handler's SystemExit then
     landed in the teardown's ActorHandle.__del__, where Python discards it, printing `Exception ignored in ...
     SystemExit: 1`: a traceback per actor in the log of every run that exited 0. Anywhere else it raises as before."""
     from ray._private import utils
@@ -418,7 +419,8 @@ def quiet_exit_sigterm() -> None:
 
     def set_sigterm_handler(handler):
         def on_sigterm(signum, frame):
-            if frame is None or frame.f_code.co_name != "__del__":
+            in_ray_finalizer = frame is not None and frame.f_code.co_name == "__del__"
+            if not (in_ray_finalizer and frame.f_globals.get("__name__", "").startswith("ray")):
                 handler(signum, frame)
 
         install(on_sigterm)

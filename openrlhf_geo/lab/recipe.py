@@ -196,7 +196,7 @@ def run_one(job):
     from openrlhf_geo.local.reward import shared_reward_fn
 
     args = parse_args(job["argv"])
-    reward_fn = shared_reward_fn(args.reward.func)
+    reward_fn = shared_reward_fn(args.reward.func, args.reward.timeout_s)
     training.run(
         args,
         reward_fn,

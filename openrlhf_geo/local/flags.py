@@ -267,8 +267,11 @@ def run_config(args):
     for key in ("data.prompt_dataset", "reward.func"):
         path = Path(config[key])
         if path.is_file():
+            digest = hashlib.sha256()
             with open(path, "rb") as f:
-                config[f"content.{key}"] = hashlib.file_digest(f, "sha256").hexdigest()  # reads a block at a time
+                for block in iter(lambda: f.read(1 << 16), b""):  # a block at a time: datasets may be large
+                    digest.update(block)
+            config[f"content.{key}"] = digest.hexdigest()
         else:
             config[f"content.{key}"] = None
     if config.get("logger.wandb.key"):

@@ -49,7 +49,10 @@ class Deadline:
         return self
 
     def __exit__(self, *exc):
-        with self._lock:
+        try:  # the deadline's SIGINT may land while this waits for the lock: _done is set all the same
+            with self._lock:
+                self._done.set()
+        finally:
             self._done.set()
         return False
 

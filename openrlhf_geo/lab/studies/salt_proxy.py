@@ -450,7 +450,7 @@ def run_seed(job, progress=None):
     torch.set_num_threads(args.train.threads)
     model, tokenizer = load_model(args, torch.device("cpu"))
     rows = read_dataset(args.data.prompt_dataset, args.data.input_key, args.data.label_key, "--data.prompt_dataset")
-    trainer = make_trainer(args, model, tokenizer, rows, shared_reward_fn(args.reward.func))
+    trainer = make_trainer(args, model, tokenizer, rows, shared_reward_fn(args.reward.func, args.reward.timeout_s))
     state_path = run / "trainer.pt"
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
