@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import datetime
 import errno
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -29,6 +28,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from openrlhf_geo import lockfile
 
 CARD_JSON, CARD_MD = "model_card.json", "MODEL_CARD.md"
 CONVERSION = 3  # what a conversion writes (3: the card records each file's sha256); an earlier one is rebuilt
@@ -296,19 +297,12 @@ def _locked(target: Path):
     unlocking, so a process that waited on the removed file retries on the current one."""
     path = target.parent / f".{target.name}.lock"
     target.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        with open(path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                current = os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
-            except FileNotFoundError:
-                current = False
-            if current:
-                try:
-                    yield
-                finally:
-                    path.unlink(missing_ok=True)
-                return
+    handle, _ = lockfile.lock(path)
+    with handle:
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
 
 
 def convert(asset: Asset = SMOLLM2, out=None, force: bool = False) -> Path:

@@ -28,6 +28,8 @@ from unittest import mock
 
 import torch
 
+from openrlhf_geo import lockfile
+
 CHECKPOINT, PREVIOUS, LOCK = "checkpoint.pt", "checkpoint.prev.pt", ".lock"
 FORMAT, VERSION = "openrlhf-geo-local-checkpoint", 1
 # what a run writes; --ckpt.overwrite removes exactly these (wandb/ is left alone: offline runs may be unsynced)
@@ -131,32 +133,18 @@ def locked(path):
 
 
 def _lock(path):
-    """(open file, created by this call) of the lock file `path`, flock-ed; Busy when another process holds it."""
-    while True:
+    """(open file, created by this call) of the lock file `path`, flock-ed (`lockfile.lock`); Busy when another
+    process holds it."""
+    try:
+        return lockfile.lock(path, blocking=False)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
         try:
-            handle, new = open(path, "x+"), True
-        except FileExistsError:
-            try:
-                handle, new = open(path, "r+"), False
-            except FileNotFoundError:  # removed in between: create it
-                continue
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            handle.close()
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            try:
-                owner = Path(path).read_text().strip()
-            except OSError:
-                owner = ""
-            raise Busy(owner or "another process") from None
-        try:
-            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
-                return handle, new
-        except FileNotFoundError:
-            pass
-        handle.close()  # its holder removed the file after this process opened it: lock the one at the path
+            owner = Path(path).read_text().strip()
+        except OSError:
+            owner = ""
+        raise Busy(owner or "another process") from None
 
 
 def _remove_empty(directories):
