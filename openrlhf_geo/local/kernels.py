@@ -37,13 +37,21 @@ NEEDS = {"avx2", "fma"}  # CPU flags the pinned kernels run on
 COMPUTING = ("torch", "numpy", "scipy", "transformers", "tokenizers", "safetensors", "math-verify", "sympy")
 
 
+def cpuinfo():
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
 def cpu_flags():
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    return set(cpuinfo().get("flags", "").split())
 
 
 def environment():
@@ -56,13 +64,7 @@ def environment():
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())  # the first processor's
-    except OSError:
-        pass
+    info = cpuinfo()
     cpu = {
         "vendor": info.get("vendor_id"),
         "model": info.get("model name", platform.processor() or platform.machine()),
