@@ -59,6 +59,11 @@ DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
 # App. D.1 / B group statistics that depend on the coefficients (the rest describe the features only): with SALT
 # applied they are also logged for a' as salt/<key>_applied (a' need not vanish on a tied group).
 APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_group_left_out", "n_eff_means", "g_norm")
+# SALT stats that are ratios over the coefficients a: undefined (0/0) on a partition whose groups are all tied (a = 0,
+# no GRPO update). `salt_advantages` returns its documented fill values there (n_eff 0, α_t 1, D_a 0, U⊥ gain 1);
+# logged as such, a study's mean over steps would count each such partition as perfect cancellation. They are
+# logged NaN instead (the batch value is the nanmean over the partitions with signal), with salt/no_signal = 1.
+UNDEFINED_WITHOUT_SIGNAL = ("n_eff_in", "n_eff_out", "alpha", "D_a", "D_g", "U_perp_gain")
 
 # SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
 # the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.
@@ -456,6 +461,10 @@ class GeometryStep:
             if salt.apply:
                 out_geometry = diagnostics.group_geometry(applied, gram, self.group_ids[part], is_gram=True)
                 stats.update({f"{key}_applied": out_geometry[key] for key in APPLIED_GROUP_KEYS})
+            no_signal = not bool(a[part].any())
+            if no_signal:
+                stats.update(dict.fromkeys(UNDEFINED_WITHOUT_SIGNAL, math.nan))
+            stats["no_signal"] = float(no_signal)
             new[part] = applied
             self._record("salt", stats, part)
         if salt.apply:

@@ -141,6 +141,29 @@ def test_the_logged_n_eff_group_leaves_tied_groups_out_and_counts_them():
     assert float(step.metrics["salt/n_eff_group_left_out"][0]) == 1.0
 
 
+def test_a_partition_without_signal_logs_its_ratio_stats_as_nan_and_the_batch_value_over_the_others():
+    """On a partition whose groups are all tied (a = 0) Eq. 6, 17 and 59-61 are 0/0: salt/n_eff_in, alpha, D_a, ... are
+    NaN there (not salt_advantages' fill values 0, 1, 0, 1), so the step's nanmean is over the partitions with signal."""
+    pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact"), seed=5))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    g = torch.Generator().manual_seed(6)
+    features, a = torch.randn(12, 7, generator=g, dtype=torch.float64), torch.randn(12, generator=g, dtype=torch.float64)
+    a[6:] = 0.0  # the second partition (prompts 2 and 3) is tied
+    step = pipe.start(group_ids)
+    new = step.reweight(a, features, None, torch.full((12,), 3.0), partition_prompts=2)
+    assert bool((new[6:] == 0).all())
+    F = features.numpy()
+    u = a.numpy()[:6]
+    K = F[:6] @ F[:6].T / 6
+    n_eff = float(u @ K @ u) / float((u**2 * np.diag(K)).sum())  # Eq. 6 on the Gram, float64
+    for key in pipeline.UNDEFINED_WITHOUT_SIGNAL:
+        values = step.metrics[f"salt/{key}"]
+        assert bool(torch.isnan(values[6:]).all()) and bool(torch.isfinite(values[:6]).all()), key
+    assert float(step.metrics["salt/n_eff_in"].nanmean()) == pytest.approx(n_eff, rel=1e-5)
+    assert step.metrics["salt/no_signal"].tolist() == [0.0] * 6 + [1.0] * 6
+    assert bool(torch.isfinite(step.metrics["salt/pr"]).all())  # the features' geometry is defined either way
+
+
 def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_range():
     """SALT App. F.3: α_t = clip((H_t − H_min)/(H_max − H_min), 0, 1), H_t the step's token-weighted mean entropy."""
     salt = SaltConfig(variant="entropy-alpha", features="exact")

@@ -274,6 +274,123 @@ def test_the_noise_null_is_the_gram_of_gaussian_rows():
     assert float((G / 10_000 - torch.eye(6, dtype=G.dtype)).abs().max()) < 0.1
 
 
+PROXY_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "studies" / "results" / "real-lm-proxy"
+
+
+def _resummarized(tmp_path, files=("block0.json",)):
+    """The committed real-lm-proxy outputs `files` copied to a directory, re-summarized there by the CLI."""
+    from openrlhf_geo import cli
+
+    out = tmp_path / "proxy"
+    out.mkdir(parents=True)
+    for name in files:
+        (out / name).write_bytes((PROXY_RESULTS / name).read_bytes())
+    assert cli.main(["study", "real-lm-proxy", "--resummarize", str(out)]) == 0
+    return out, json.loads((out / "summary.json").read_text())
+
+
+def test_resummarizing_the_committed_block_reproduces_the_committed_results(tmp_path):
+    """Third amendment, item 1: the committed block0.json (split at m = 32, its batches named "m64-s") re-derived by
+    the current code: rows keyed m32, the first run's numbers unchanged, and the committed summary and report are
+    exactly what the code writes from it."""
+    out, summary = _resummarized(tmp_path, ("block0.json", "summary.json"))
+    assert (out / "summary.json").read_text() == (PROXY_RESULTS / "summary.json").read_text()
+    assert (out / "report.md").read_text() == (PROXY_RESULTS / "report.md").read_text()
+    assert (out / "block0.json").read_bytes() == (PROXY_RESULTS / "block0.json").read_bytes()
+    # the first run's summary (rows keyed m64, holding m = 32): its numbers, now under m32
+    table, versus = summary["table"], summary["versus_nulls"]
+    assert {name.split(" ")[0] for name in table} == {"m256", "m32"}
+    assert table["m32 exact/full"]["batches"] == 8 and table["m256 exact/full"]["batches"] == 1
+    assert table["m32 exact/full"]["rho"]["mean"] == 0.6348832634246695
+    assert table["m32 exact/full"]["subspace"]["mean"] == 0.7886731167776111
+    assert table["m32 exact/full"]["subspace"]["low"] == 0.7359849428838102
+    assert versus["m32 exact/full - noise a_cos"] == {"gain": -0.014508726903176589, "low": -0.06460621126913471,
+                                                      "high": 0.040011427449455, "n": 8}  # fmt: skip
+    assert [v["failed"] for v in summary["verdicts"].values()] == [["(A) a_cos vs noise null",
+                                                                    "(A) k_match vs noise null"]] * 3  # fmt: skip
+    setup = summary["setup"]
+    assert (setup["block_m"], setup["split_m"], setup["wall_s"]) == (256, 32, 7427.239318746)
+    assert "Verdicts at m = 32" in (out / "report.md").read_text()
+    # without the run's summary.json: the same numbers, the setup from the blocks
+    alone_out, alone = _resummarized(tmp_path / "alone")
+    assert alone["table"] == table and alone["gaps"] == summary["gaps"] and "wall_s" not in alone["setup"]
+    assert "Wall time not recorded" in (alone_out / "report.md").read_text()
+
+
+def test_the_gaps_are_proxy_minus_null_per_minibatch_beside_chance_and_salts_gap(tmp_path):
+    """Third amendment, item 2, against numpy on the committed block's records: each gap is the mean over the
+    mini-batches of proxy − null, chance is the mean of the full gradient's k_t/m (from its PR/k_t record), SALT's gap
+    is Table 1's full-gradient row minus its null's (0.78 − 0.18 = 0.60 for the subspace)."""
+    from openrlhf_geo.lab.studies.salt_proxy import PAPER_TABLE5
+
+    block = json.loads((PROXY_RESULTS / "block0.json").read_text())
+    _, summary = _resummarized(tmp_path)
+    for size in (32, 256):
+        rows = [r for r in block["records"] if r["m"] == size and r["signal"]]
+        assert len(rows) == (8 if size == 32 else 1)
+        for proxy in real_lm_proxy.PROXIES:
+            cells = summary["gaps"][f"m{size}"][f"{proxy}/full"]
+            for metric in ("rho", "sign", "pr_err", "k_match", "subspace", "a_cos"):
+                x = np.array([r["pairs"][f"{proxy}/full"][metric] for r in rows], dtype=np.float64)
+                for null in ("permutation", "noise"):
+                    y = np.array([r["pairs"][f"{null}/full"][metric] for r in rows], dtype=np.float64)
+                    row = cells[metric][f"minus_{null}"]
+                    assert row["n"] == len(rows) and math.isclose(row["gain"], float(np.mean(x - y)), abs_tol=1e-12)
+                    assert math.isclose(cells[metric][null], float(np.mean(y)), abs_tol=1e-12)
+                    if size == 32:
+                        assert row["low"] <= row["gain"] <= row["high"]
+                    else:  # one mini-batch: the values, no CI
+                        assert row["low"] is None and cells[metric][f"level_{null}"] is None
+                assert math.isclose(cells[metric][proxy], float(np.mean(x)), abs_tol=1e-12)
+            chance = np.mean([r["sets"]["full"]["k"] / r["m"] for r in rows])
+            assert math.isclose(cells["subspace"]["chance"]["mean"], float(chance), abs_tol=1e-12)
+    assert summary["gaps"]["m32"]["exact/full"]["subspace"]["paper_minus_permutation"] == 0.60
+    # Table 1 (ρ, PR err., subspace) and Table 5 print the same full-gradient and null rows
+    for row, values in real_lm_proxy.PAPER_TABLE1.items():
+        assert values == {m: PAPER_TABLE5[row][m][0] for m in values}
+    subspace = summary["gaps"]["m32"]["exact/full"]["subspace"]
+    assert subspace["level_permutation"] == "below Table 1's level"  # +0.416 [0.352, 0.489] against 0.60
+
+
+@pytest.mark.parametrize("low, high, metric, level", [
+    (0.5, 0.7, "subspace", "at"), (0.61, 0.7, "subspace", "above"), (0.3, 0.59, "subspace", "below"),
+    (-0.5, -0.4, "pr_err", "above"), (-0.3, -0.1, "pr_err", "below"), (-0.7, -0.2, "pr_err", "at"),
+])  # fmt: skip
+def test_a_gap_is_at_table_1s_level_only_when_its_ci_contains_salts_gap(low, high, metric, level):
+    paper = 0.60 if metric == "subspace" else -0.38  # PR rel. err.: lower is better, a more negative gap the better
+    row = {"gain": (low + high) / 2, "low": low, "high": high, "n": 8}
+    assert real_lm_proxy.gap_level(row, paper, metric) == f"{level} Table 1's level"
+    assert real_lm_proxy.gap_level({**row, "n": 1, "low": math.nan, "high": math.nan}, paper, metric) is None
+
+
+def test_blocks_split_at_different_sizes_or_disagreeing_with_their_record_are_refused():
+    block = json.loads((PROXY_RESULTS / "block0.json").read_text())
+    assert real_lm_proxy.block_split(block) == (256, 32)  # read from the records: this block predates split_m
+    with pytest.raises(ValueError, match="records split_m 64 but its mini-batches hold m = 32"):
+        real_lm_proxy.block_split({**block, "split_m": 64})
+    other = {**block, "records": [{**r, "m": 64 if r["m"] == 32 else r["m"], "block": 1} for r in block["records"]]}
+    with pytest.raises(ValueError, match=r"split differently \(m = 256 into m = 32, m = 256 into m = 64\); summarize"):
+        real_lm_proxy.summarize([block, other], {})
+
+
+def test_a_block_records_its_split_and_names_its_batches_by_their_m(tiny_llama):
+    """analyse_block on a tiny model: batches named and keyed by the m they hold, the split recorded in the block,
+    and one small mini-batch (the block itself) analysed once."""
+    prompt_ids, response_ids = _rollouts(3, prompts=2, samples=4)
+    cap = 256
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    gram = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    data = {"collection": {"samples": 4, "caps": [cap]}, "prompt_ids": prompt_ids, "response_ids": response_ids,
+            "geometry": {cap: {"gram": gram @ gram.T}}, "rewards": {cap: rewards}}  # fmt: skip
+    tables = real_lm_proxy.countsketch_tables(tiny_llama, real_lm_proxy.REF_DIM, 0)
+    for small, names in ((2, ["m8", "m4-0", "m4-1"]), (1, ["m8"])):
+        sizes = {"blocks": 1, "prompts": 2, "samples": 4, "small": small}
+        block = real_lm_proxy.analyse_block(data, tiny_llama, 0, sizes, tables)
+        assert [r["batch"] for r in block["records"]] == names
+        assert all(r["batch"].split("-")[0] == f"m{r['m']}" for r in block["records"])
+        assert block["split_m"] == 8 // small and real_lm_proxy.block_split(block) == (8, 8 // small)
+
+
 # ---------------------------------------------------------------- real-lm-rl
 
 
@@ -427,6 +544,35 @@ def test_the_collection_studies_sample_with_the_seed_given_and_their_out_records
             cli.main(["study", name, "--quick", *seeds, "--out", str(out)])
         assert collected.value.args == (collected.value.args[0], f"openrlhf-geo study {name}{flag} --quick")
         assert collected.value.args[0].seed == seed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["salt-proxy", "--resummarize", "{d}"], "--resummarize only applies to real-lm-proxy (got study salt-proxy)"),
+    (["real-lm-proxy", "--resummarize", "{e}"], "--resummarize {e}: no block<b>.json files there"),
+    (["real-lm-proxy", "--resummarize", "{m}"], "--resummarize {m}: no block<b>.json files there"),
+    (["real-lm-proxy", "--resummarize", "{d}", "--out", "{e}"], "it takes no --out"),
+    (["real-lm-proxy", "--resummarize", "{d}", "--quick", "--seeds", "3"], "it takes no --seeds or --quick"),
+    (["real-lm-proxy", "--resummarize", "{e}/bad"], "--resummarize {e}/bad: its block files are not real-lm-proxy"),
+])  # fmt: skip
+def test_resummarize_is_refused_in_one_line_for_other_studies_flags_and_directories_without_blocks(
+    argv, message, tmp_path, capsys
+):
+    from openrlhf_geo import cli
+
+    paths = {"d": tmp_path / "done", "e": tmp_path / "empty", "m": tmp_path / "missing"}
+    paths["d"].mkdir()
+    paths["e"].mkdir()
+    (paths["d"] / "block0.json").write_bytes((PROXY_RESULTS / "block0.json").read_bytes())
+    (paths["e"] / "summary.json").write_text("{}")
+    (paths["e"] / "bad").mkdir()
+    (paths["e"] / "bad" / "block0.json").write_text("{}")
+    assert cli.main(["study", *(a.format(**paths) for a in argv)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("openrlhf-geo study: error: ")
+    assert message.format(**paths) in err
+    assert sorted(p.name for p in paths["d"].iterdir()) == ["block0.json"]  # nothing written
+    assert sorted(p.name for p in paths["e"].iterdir()) == ["bad", "summary.json"] and not paths["m"].exists()
+    assert [p.name for p in (paths["e"] / "bad").iterdir()] == ["block0.json"]
 
 
 @pytest.mark.parametrize("name", ["real-lm-geometry", "real-lm-geoalign", "real-lm-proxy", "real-lm-rl"])

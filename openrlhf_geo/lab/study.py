@@ -29,6 +29,7 @@ from openrlhf_geo.local.flags import FlagParser
 OPTIONS = {
     "regime": "demo",
     "generator": "vllm",
+    "resummarize": None,
 }  # study-specific options (a study takes those in its `options`) and their defaults
 
 
@@ -46,6 +47,13 @@ def build_parser():
         choices=("vllm", "hf"),
         help="real-LM studies only: sample rollouts with vLLM's CPU build (default) or HF generate",
     )
+    p.add_argument(
+        "--resummarize",
+        default=None,
+        metavar="DIR",
+        help="real-lm-proxy only: rewrite DIR's summary.json and report.md from its block<b>.json files with the "
+        "current code (no model, no collection; nothing else runs)",
+    )
     return p
 
 
@@ -58,6 +66,13 @@ def main(argv=None):
                 takers = " and ".join(name for name, s in REGISTRY.items() if option in s.options)
                 raise ValueError(f"--{option} only applies to {takers} (got study {args.name})")
         options = {key: getattr(args, key) for key in study.options if getattr(args, key) is not None}
+        if args.resummarize is not None:
+            run_flags = {"out": args.out, "seeds": args.seeds, "quick": args.quick or None, "workers": args.workers,
+                         "generator": args.generator}  # fmt: skip
+            extra = [f"--{key}" for key, value in run_flags.items() if value is not None]
+            if extra:
+                raise ValueError(f"--resummarize rewrites DIR's summary and report from its blocks in place; it takes "
+                                 f"no {' or '.join(extra)}")  # fmt: skip
         study.check(**options)
         workers = args.workers if args.workers is not None else 1 if args.quick else min(2, os.cpu_count() or 1)
         if workers < 1:
@@ -70,6 +85,12 @@ def main(argv=None):
     except ValueError as error:
         print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
         return 2
+    if args.resummarize is not None:  # no run: DIR is rewritten in place, not claimed as an --out
+        try:
+            return study.resummarize(args.resummarize)
+        except ValueError as error:
+            print(f"openrlhf-geo study: error: {error}", file=sys.stderr)
+            return 2
     # what the runs depend on (not the --seeds of a study of several: each run records its own command,
     # `runner.finished`)
     given = "".join(f" --{key} {value}" for key, value in options.items() if value != OPTIONS[key])
