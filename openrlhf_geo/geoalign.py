@@ -675,7 +675,7 @@ def _blank_stats():
     """curate's stats before any step ran (counts 0, measurements NaN, not skipped), in logging order."""
     counts = ("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps")
     measured = (
-        *("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8"),
+        *("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8", "cos_gt_0.8_val"),
         *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold"),
     )
     skips = {f"skip_{why}": 0.0 for why in SKIP_REASONS}
@@ -806,8 +806,9 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
       proj_loss and proj_train_acc (training pairs, after training), val_acc (held-out pairs, after training;
       median > 97 % on Math and > 85 % on HH-RLHF in §5.4), consensus (resultant length of Eq. 5), cos_mean,
       cos_gt_0.8 (share of all pairs whose projected direction v_p has cosine > 0.8 with v_proto, unweighted;
-      "nearly 90 %" in §5.4 / Fig. 6d), gdi_p50, gdi_p95, kde_mode (start of the high tail), kde_threshold
-      (threshold rule only; inf: no sparse tail), skip_no_pairs, skip_few_scores, skip_degenerate,
+      "nearly 90 %" in §5.4 / Fig. 6d), cos_gt_0.8_val (the same share over the held-out pairs only, which never
+      trained the projector; NaN when none is held out), gdi_p50, gdi_p95, kde_mode (start of the high tail),
+      kde_threshold (threshold rule only; inf: no sparse tail), skip_no_pairs, skip_few_scores, skip_degenerate,
       skipped_reason, time_s; with `corrupted`: precision, recall, auroc (of GDI among scored rollouts).
     """
     start = time.perf_counter()
@@ -843,6 +844,8 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     v_proto, stats["consensus"] = prototype(v, _pair_margins(r, winner, loser), config.prototype)
     dev = deviation(v, v_proto)
     stats["cos_mean"], stats["cos_gt_0.8"] = (1 - dev).mean().item(), (1 - dev > 0.8).double().mean().item()
+    if val_mask.any():
+        stats["cos_gt_0.8_val"] = (1 - dev[val_mask] > 0.8).double().mean().item()
 
     # Eq. 7: each rollout's cumulative GDI (NaN without a pair)
     scores = gdi(dev, winner, loser, n, config.gdi)

@@ -820,7 +820,8 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=4)
     first = maker.make_experience_batch(rollouts(up, 4, seed=3))
     assert maker.geometry.pipeline.projector is not None  # created and trained in the first batch
-    for key in ("pairs", "flag_frac", "val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "precision", "recall"):
+    curate_keys = ("pairs", "flag_frac", "val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "cos_gt_0.8_val")
+    for key in (*curate_keys, "precision", "recall"):
         assert all(e.info[f"geo/{key}"].shape == (len(e.index),) for e in first)  # real curate's metrics
     assert first[0].info["geo/pairs"][0] > 0 and "geo/auroc" in first[0].info
 

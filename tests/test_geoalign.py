@@ -625,7 +625,7 @@ def test_the_opt_in_cap_keeps_the_highest_gdi_candidates_of_the_threshold_rule()
 
 STATS_KEYS = {
     *("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "flag_frac"),
-    *("proj_steps", "proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8"),
+    *("proj_steps", "proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8", "cos_gt_0.8_val"),
     *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold", "skip_no_pairs", "skip_few_scores", "skip_degenerate"),
     *("skipped_reason", "time_s"),
 }
