@@ -330,3 +330,25 @@ def test_the_summary_and_report_carry_the_amendment_beside_the_first_analysis():
     for text in ("first analysis (batch percentile)", "CI over prompts", "matched-rand-subspace", "set by the family",
                  "| 0.6 | 32 | 4 |"):  # fmt: skip
         assert text in report
+
+
+def test_the_n_eff_null_permutes_the_advantages_within_each_group():
+    """Amendment item 6 against a brute-force float64 loop: each draw permutes every group's values in place."""
+    rng = np.random.default_rng(3)
+    G, B = 4, 5
+    F = rng.normal(size=(G * B, 9))
+    K = F @ F.T
+    a = rng.normal(size=G * B)
+    out = study.n_eff_permutation_null(a, K, G, seed=11, draws=30)
+    draws = np.random.default_rng(11).random((30, B, G))
+    values = []
+    for d in range(30):
+        perm = np.concatenate([g * G + np.argsort(draws[d, g]) for g in range(B)])
+        x = a[perm]
+        assert sorted(x[:G]) == sorted(a[:G])  # a group's values stay in the group
+        values.append(sum(x[i] * x[j] * K[i, j] for i in range(G * B) for j in range(G * B)) / sum(x**2 * np.diag(K)))
+    assert out["n_eff_perm_mean"] == pytest.approx(np.mean(values))
+    lo, hi = np.percentile(values, (2.5, 97.5))
+    assert (out["n_eff_perm_lo"], out["n_eff_perm_hi"]) == (pytest.approx(lo), pytest.approx(hi))
+    n_eff = float(a @ K @ a / (a**2 * np.diag(K)).sum())
+    assert out["n_eff_vs_perm"] == (-1.0 if n_eff < lo else 1.0 if n_eff > hi else 0.0)

@@ -45,7 +45,9 @@ TINY_DEMO_N_EFF = 1.54  # the demo's GRPO n_eff(a) on the 135k-parameter Qwen2 (
 METRICS = (
     *("n_eff", "pr", "k", "alpha", "n_eff_salt", "D_a", "D_g", "U_perp_gain", "sign_flip", "norm_ratio"),
     *("n_eff_group", "n_eff_means", "r_in", "r_total", "pr_in", "accuracy", "mixed", "length", "truncated", "signal"),
+    *("n_eff_perm_mean", "n_eff_perm_lo", "n_eff_perm_hi", "n_eff_vs_perm"),
 )
+N_EFF_PERMUTATIONS = 200  # amendment item 6's draws per batch
 # the amendment's counts and seed (docs/studies/real-lm-geometry.md, "Amendment", items 2-4)
 AMENDMENT_SEED = 20261204
 PROMPT_REPLICATES = 2000  # item 2: the rule's CI over prompts
@@ -85,9 +87,29 @@ def gram_factor(gram: torch.Tensor) -> torch.Tensor:
 
 def draw_seed(T, cap, G, batch, stream=0) -> int:
     """The seed of a batch's random draws: amendment item 3's (20261204, T, cap, G, batch) as a numpy SeedSequence
-    (T in thousandths); stream 0 the item-3 subspace draws, 1 the gap CI's subspace draws, 2 item 4's permutations."""
+    (T in thousandths); stream 0 the item-3 subspace draws, 1 the gap CI's subspace draws, 2 item 4's permutations,
+    3 item 6's."""
     key = (AMENDMENT_SEED, round(1000 * T), cap, G, batch) + ((stream,) if stream else ())
     return int(np.random.SeedSequence(key).generate_state(1)[0])
+
+
+def n_eff_permutation_null(a, gram, samples_per_prompt, seed, draws=N_EFF_PERMUTATIONS) -> dict:
+    """Amendment item 6: n_eff (Eq. 6 on the Gram) of a with its values permuted within each group, `draws` times
+    (numpy generator seeded `seed`): each group's zero sum and values kept, their link to the features broken ->
+    {"n_eff_perm_mean", "n_eff_perm_lo", "n_eff_perm_hi" (2.5 / 97.5 percentiles), "n_eff_vs_perm": −1 / 0 / +1 as
+    n_eff(a) lies below, inside or above that range}."""
+    a = np.asarray(a, dtype=np.float64)
+    K = np.asarray(gram, dtype=np.float64)
+    m, G = len(a), samples_per_prompt
+    rng = np.random.default_rng(seed)
+    within = np.argsort(rng.random((draws, m // G, G)), axis=2)  # a uniform permutation of each group, each draw
+    index = (within + G * np.arange(m // G)[None, :, None]).reshape(draws, m)
+    A = a[index]
+    values = np.einsum("di,ij,dj->d", A, K, A) / (A**2 * np.diag(K)).sum(1)
+    lo, hi = np.percentile(values, (2.5, 97.5))
+    n_eff = float(a @ K @ a / (a**2 * np.diag(K)).sum())
+    return {"n_eff_perm_mean": float(values.mean()), "n_eff_perm_lo": float(lo), "n_eff_perm_hi": float(hi),
+            "n_eff_vs_perm": float(-1 if n_eff < lo else 1 if n_eff > hi else 0)}  # fmt: skip
 
 
 def salt_metrics(a, new, stats) -> dict:
@@ -238,6 +260,7 @@ def analyse_batch(rewards, gram, lengths, samples_per_prompt, *, seed=None, fami
     }
     if seed is not None:
         record.update(null_subspaces(a, factor, draw_seed(*seed)))
+        record.update(n_eff_permutation_null(a, gram, samples_per_prompt, draw_seed(*seed, stream=3)))
     return record
 
 
@@ -433,6 +456,9 @@ def summarize(records, setup, resampled) -> dict:
     for (T, cap, G), rows in conditions.items():
         rows = sorted(rows, key=lambda r: r["replicate"])
         entry = {metric: interval([r[metric] for r in rows]) for metric in METRICS}
+        side = [r.get("n_eff_vs_perm", math.nan) for r in rows]
+        entry["n_eff_vs_perm_counts"] = {name: sum(1 for x in side if x == v)
+                                         for name, v in (("below", -1), ("inside", 0), ("above", 1))}  # fmt: skip
         entry.update({f"{null}_{metric}": interval([r[f"{null}_{metric}"] for r in rows])
                       for null in NULLS for metric in NULL_METRICS})  # fmt: skip
         boot = resampled[(T, cap, G)]
@@ -613,10 +639,26 @@ def render_amendment(summary) -> list[str]:
             lines.append(f"| {row['T']} | {row['G']} | " + " | ".join(cells) + " |")
     lines += [
         "",
+        f"Item 6, n_eff(a) beside its own null: n_eff of a with its values permuted within each group "
+        f"({N_EFF_PERMUTATIONS} draws per batch; each group's zero sum kept, the link to the features broken). Mean "
+        "over the batches with signal; then how many batches' n_eff(a) lie below / inside / above their null's "
+        "2.5-97.5 % range.",
+        "",
+        "| T | cap | G | n_eff(a) | permuted within groups | below / inside / above |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary["table"].values():
+        counts = row.get("n_eff_vs_perm_counts", {})
+        lines.append(f"| {row['T']} | {row['cap']} | {row['G']} | {_f(row['n_eff']['mean'])} | "
+                     f"{_f(row['n_eff_perm_mean']['mean'])} | {counts.get('below', 0)} / {counts.get('inside', 0)} / "
+                     f"{counts.get('above', 0)} |")  # fmt: skip
+    lines += [
+        "",
         f"Item 4 (descriptive), cap {longest}: U = the top-k_t eigenvectors of K (k_t as SALT picks it). share = "
         "‖Q_Zᵀ U‖_F² / k_t for the indicators Z of the batch's prompts, of the problem's name and of its item; trace "
         "share = tr(Q_Zᵀ K Q_Z) / tr(K). Each beside chance (dim span Z / m) and its "
-        f"{setup['permutations']} permuted-label draws (labels permuted over the batch's prompts): the mean over "
+        f"{setup['permutations']} permuted-label draws (labels permuted over the batch's prompts; for the prompts "
+        "themselves the rollouts regrouped at random into groups of G): the mean over "
         'batches of the draws\' mean, and the largest draw of any batch. "set by the family" iff in every batch the '
         "share exceeds the largest of its permuted values.",
         "",
