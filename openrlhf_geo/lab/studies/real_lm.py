@@ -157,7 +157,12 @@ def _sample_vllm(model_path, prompt_ids, collection, eos, work):
     (work / "request.json").write_text(json.dumps(request))
     result, log = work / "result.json", work / "vllm.log"
     result.unlink(missing_ok=True)
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    from openrlhf_geo.local import kernels
+
+    # not the kernel pin of `openrlhf-geo study` (local.kernels.PINNED): under it vLLM 0.29's CPU build samples
+    # degenerate text (measured: accuracy 0, every response at the cap; without it the responses are the model's)
+    env = {key: value for key, value in os.environ.items() if key not in kernels.PINNED}
+    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOGGING_LEVEL="WARNING")
     # a pipe whose write end only this process holds: the kernel closes it when this process dies, and the child
     # watches its read end (`_die_with_parent`); the `open`s close both ends here when the child is done
     watch, alive = os.pipe()
