@@ -142,12 +142,14 @@ def test_the_logged_n_eff_group_leaves_tied_groups_out_and_counts_them():
 
 
 def test_a_partition_without_signal_logs_its_ratio_stats_as_nan_and_the_batch_value_over_the_others():
-    """On a partition whose groups are all tied (a = 0) Eq. 6, 17 and 59-61 are 0/0: salt/n_eff_in, alpha, D_a, ... are
-    NaN there (not salt_advantages' fill values 0, 1, 0, 1), so the step's nanmean is over the partitions with signal."""
+    """On a partition whose groups are all tied (a = 0) Eq. 6, 17 and 59-61 are 0/0: salt/n_eff_in, alpha, D_a, ...
+    are NaN there (not salt_advantages' fill values 0, 1, 0, 1), so the step's nanmean is over the partitions with
+    signal."""
     pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact"), seed=5))
     group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
     g = torch.Generator().manual_seed(6)
-    features, a = torch.randn(12, 7, generator=g, dtype=torch.float64), torch.randn(12, generator=g, dtype=torch.float64)
+    features = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    a = torch.randn(12, generator=g, dtype=torch.float64)
     a[6:] = 0.0  # the second partition (prompts 2 and 3) is tied
     step = pipe.start(group_ids)
     new = step.reweight(a, features, None, torch.full((12,), 3.0), partition_prompts=2)
