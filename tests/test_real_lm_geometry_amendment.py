@@ -48,6 +48,52 @@ def test_weighted_n_eff_is_eq6_on_the_rows_each_prompt_brings(prompts, G, seed):
             assert got[r] == pytest.approx(want, rel=1e-10, abs=1e-12)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 5), st.integers(0, 2**16))
+def test_weighted_n_eff_with_copies_apart_pairs_a_copy_only_with_itself(prompts, G, seed):
+    """copies="apart": each copy of a drawn prompt is paired with itself, not with the other copies, and the
+    cross-prompt pairs are scaled by B/(B-1); brute force on the duplicated rows with those pairs masked."""
+    rng = np.random.default_rng(seed)
+    m = prompts * G
+    F = rng.standard_normal((m, 7)) + rng.standard_normal(7)
+    K = F @ F.T
+    a = rng.standard_normal(m)
+    weights = rng.integers(0, 4, size=(5, prompts))
+    got = study.weighted_n_eff(a, K, weights, G, copies="apart")
+    for r, w in enumerate(weights):
+        rows = np.concatenate([np.zeros(0, dtype=int), *[np.arange(p * G, (p + 1) * G) for p in range(prompts)
+                                                          for _ in range(w[p])]])  # fmt: skip
+        draw = np.concatenate([np.zeros(0, dtype=int), *[np.full(G, d) for d in range(int(w.sum()))]])
+        prompt = rows // G
+        same_prompt, same_draw = prompt[:, None] == prompt[None, :], draw[:, None] == draw[None, :]
+        pair = np.where(same_prompt, same_draw, prompts / (prompts - 1))
+        num = float((a[rows, None] * K[np.ix_(rows, rows)] * a[None, rows] * pair).sum())
+        den = float((a[rows] ** 2 * np.diagonal(K)[rows]).sum())
+        if den == 0:
+            assert math.isnan(got[r])
+        else:
+            assert got[r] == pytest.approx(num / den, rel=1e-10, abs=1e-12)
+
+
+def test_the_copies_apart_numerator_is_unbiased_over_resamples_and_the_paired_one_is_not():
+    """Over multinomial resamples of B prompts (E[w_p] = 1, E[w_p^2] = 2 - 1/B, E[w_p w_q] = 1 - 1/B), the numerator
+    with the copies apart has the batch's own numerator as its mean; paired, it is off by (1 - 1/B) Σ_p own_p -
+    (1/B) Σ_(p≠q) cross_pq (own_p: prompt p's block, a duplicated prompt's self-pairs)."""
+    rng = np.random.default_rng(4)
+    B, G = 8, 4
+    F = rng.standard_normal((B * G, 6)) + 2 * rng.standard_normal(6)
+    a = rng.standard_normal(B * G)
+    K = F @ F.T
+    blocks = (a[:, None] * K * a[None, :]).reshape(B, G, B, G).sum((1, 3))
+    own, cross = np.trace(blocks), blocks.sum() - np.trace(blocks)
+    W = rng.multinomial(B, np.full(B, 1 / B), size=100000)
+    den = W @ (a * a * np.diagonal(K)).reshape(B, G).sum(1)
+    num = {c: study.weighted_n_eff(a, K, W, G, copies=c) * den for c in ("apart", "paired")}
+    scale = abs(own) + abs(cross)
+    assert num["apart"].mean() == pytest.approx(blocks.sum(), abs=0.02 * scale)
+    assert num["paired"].mean() == pytest.approx(blocks.sum() + (1 - 1 / B) * own - cross / B, abs=0.02 * scale)
+
+
 def test_weighted_n_eff_of_unit_weights_is_the_batch_n_eff():
     from openrlhf_geo import diagnostics
 
