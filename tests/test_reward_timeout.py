@@ -3,6 +3,7 @@ function and its file (it stalled `openrlhf-geo train` and the fork forever)."""
 
 import asyncio
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -61,13 +62,15 @@ def train_argv(tmp, *extra):
     ]  # fmt: skip
 
 
-def test_local_a_reward_that_does_not_return_stops_the_run_in_one_line(setup):
-    """As users run it, in a process of its own: the deadline's SIGINT needs Python's own SIGINT handler on the main
-    thread, which a test worker's earlier tests (a library's handler) need not have left; without it the process
-    exits at once, which would take the test worker with it."""
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_local_a_reward_that_does_not_return_stops_the_run_in_one_line(setup, sigint):
+    """As users run it, in a process of its own, also one started with SIGINT ignored (`openrlhf-geo train ... &` in
+    a script: the shell ignores SIGINT for background jobs, so Python installs no handler; the deadline's SIGINT then
+    could not land, and the process exited without the one-line error)."""
     start = time.time()
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     done = subprocess.run([sys.executable, "-m", "openrlhf_geo.cli", *train_argv(setup, "--reward.timeout_s", "1")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300, preexec_fn=ignore)  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert time.time() - start < 90
     assert "Traceback" not in done.stderr

@@ -33,7 +33,8 @@ class Deadline:
     wakes a blocking wait such as time.sleep, and which the caller reports as `error` when `fired`. The call stays on
     the main thread because reward functions may rely on it (math-verify's own timeouts use SIGALRM). A call that
     ignores the interrupt (a long C call, a bare except) for GRACE_S, or one that cannot get it (off the main
-    thread, SIGINT not Python's handler), cannot be stopped inside the process: `error`'s line is printed and the
+    thread, SIGINT handled by other code; an ignored SIGINT gets Python's handler during the call), cannot be
+    stopped inside the process: `error`'s line is printed and the
     process exits with status 1."""
 
     GRACE_S = 10.0
@@ -44,7 +45,13 @@ class Deadline:
         self._caller = threading.get_ident()
 
     def __enter__(self):
+        self._ignored = False
         if self.seconds:
+            # a process started with SIGINT ignored (`cmd &` in a script: the shell ignores it for background jobs)
+            # has no Python handler for it; the call gets Python's own for its duration, so the deadline can end it
+            if self._caller == threading.main_thread().ident and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                self._ignored = True
             threading.Thread(target=self._watch, name="openrlhf-geo-reward-deadline", daemon=True).start()
         return self
 
@@ -54,6 +61,8 @@ class Deadline:
                 self._done.set()
         finally:
             self._done.set()
+            if self._ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         return False
 
     def _watch(self):
