@@ -291,7 +291,7 @@ def test_a_full_disk_at_a_save_ends_in_one_line_and_the_run_resumes_once_there_i
 def test_a_read_only_checkpoint_folder_is_refused_before_ray_starts(assets):
     ckpt = assets / "ro_ckpt"
     if not _mount_tmpfs(ckpt, "1m", "ro"):
-        pytest.skip("this machine does not let the test mount a read-only tmpfs (the check: test_fork_pipeline)")
+        pytest.skip("this machine does not let the test mount a read-only tmpfs (the check: test_fork_parse)")
     try:
         with running(assets, "read_only", ckpt, ["--ckpt.save_steps", "1"]) as run:
             code, left, took = run.finish(120)
