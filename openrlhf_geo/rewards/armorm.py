@@ -347,9 +347,175 @@ def _token_matches(header, token):
     return hmac.compare_digest(value.strip().encode(), token.encode())
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection of ``make_server``'s server; the batcher and limits are ``self.server``'s (``_Server``)."""
+
+    def setup(self):
+        # Per socket operation (bounds writes to a client that stops reading); longer than the read deadline
+        # below, so reads end at that deadline, with a 408 reply, rather than at a silent per-read timeout.
+        self.timeout = 2 * self.server.read_timeout
+        super().setup()
+        # A client that trickles its headers/body, or sends fewer bytes than its Content-Length, would hold
+        # this thread; at the deadline reading stops (reads see end-of-file) and the request fails fast.
+        self.expired = False
+        self.deadline = threading.Timer(self.server.read_timeout, self._stop_reading)
+        self.deadline.start()
+
+    def _stop_reading(self):
+        self.expired = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RD)
+
+    def finish(self):
+        self.deadline.cancel()
+        super().finish()
+
+    def _reply(self, code, body, headers=()):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")  # aiohttp's response.json() requires it
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in headers:
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _refuse(self, code, message, headers=()):
+        """Reply before reading the body, then close: unread bytes would turn the close into a reset that
+        can hide the reply from the client, so drain them for up to LINGER_S first."""
+        self.close_connection = True
+        self._reply(code, {"error": message}, [("Connection", "close"), *headers])
+        self.wfile.flush()
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            stop = time.monotonic() + LINGER_S
+            while time.monotonic() < stop and self.connection.recv(65536):
+                pass
+
+    def do_GET(self):
+        if self.path.rstrip("/") == "/health":
+            self._reply(200, {"status": "ok"})
+        else:
+            self._reply(404, {"error": f"unknown path {self.path}; POST /get_reward"})
+
+    def do_POST(self):
+        server = self.server
+        length = self._content_length()
+        if length is None:
+            return
+        if not server.admit(length):
+            self._refuse(
+                503,
+                f"server busy ({server.max_pending} requests or {server.max_pending_bytes} body bytes in flight)"
+                "; retry",
+                [("Retry-After", str(RETRY_AFTER_S))],
+            )
+            return
+        try:  # every admitted request is released, whichever way it ends
+            conversations = self._read_conversations(length)  # the body is gone: only these wait for scoring
+            if conversations is None:
+                return
+            try:
+                scores = server.batcher.submit(conversations).result().tolist()
+            except Exception as error:
+                logger.exception("scoring failed")
+                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+                return
+            self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": {}})
+        finally:
+            server.release(length)
+
+    def _content_length(self):
+        """The request's Content-Length once its headers pass every check before the body; None once refused."""
+        server = self.server
+        if self.expired:  # the headers were cut off by the deadline
+            self._refuse(408, f"request headers not received within {server.read_timeout:g} s")
+            return None
+        if self.path.rstrip("/") not in ("", "/get_reward"):
+            self._refuse(404, f"unknown path {self.path}; POST /get_reward")
+            return None
+        if server.auth_token is not None and not _token_matches(self.headers.get("Authorization"), server.auth_token):
+            self._refuse(
+                401, "missing or wrong token: send 'Authorization: Bearer TOKEN'", [("WWW-Authenticate", "Bearer")]
+            )
+            return None
+        length = self.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            self._refuse(411 if length is None else 400, f"need a valid Content-Length header (got {length!r})")
+            return None
+        if int(length) > server.max_body_bytes:
+            self._refuse(413, f"request body of {length} bytes exceeds this server's {server.max_body_bytes}")
+            return None
+        return int(length)
+
+    def _read_conversations(self, length):
+        """The conversations of a ``length``-byte body; None once answered with an error (408, 413, 400)."""
+        body = bytearray()
+        with contextlib.suppress(TimeoutError):  # a stalled read; the deadline ends a trickling one
+            while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
+                body += chunk
+        self.deadline.cancel()
+        if len(body) < length:
+            self._refuse(408, f"got {len(body)} of {length} body bytes within {self.server.read_timeout:g} s")
+            return None
+        try:
+            return _conversations_from_payload(json.loads(body), self.server.max_queries, self.server.max_query_chars)
+        except OverflowError as error:
+            self._reply(413, {"error": str(error)})
+        except ValueError as error:  # bad JSON or UTF-8, or a malformed request
+            self._reply(400, {"error": str(error)})
+        return None
+
+    def log_message(self, format, *args):
+        logger.debug("%s " + format, self.address_string(), *args)
+
+
 class _Server(ThreadingHTTPServer):
+    """``make_server``'s server: the batcher and limits its ``_Handler``s read, and the admitted requests' count."""
+
     daemon_threads = True
     request_queue_size = 1024  # upstream fires one request per rollout at once; the default backlog (5) drops them
+
+    def __init__(
+        self,
+        address,
+        batcher,
+        *,
+        max_body_bytes,
+        max_queries,
+        max_query_chars,
+        read_timeout,
+        auth_token,
+        max_pending,
+        max_pending_bytes,
+    ):
+        super().__init__(address, _Handler)
+        self.batcher, self.auth_token, self.read_timeout = batcher, auth_token, read_timeout
+        self.max_body_bytes, self.max_queries, self.max_query_chars = max_body_bytes, max_queries, max_query_chars
+        self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
+        self.busy_refusals = 0
+        self._pending_requests = self._pending_bytes = 0
+        self._warned = 0.0
+        self._pending_lock = threading.Lock()
+
+    def admit(self, length):
+        """Whether one more request with a ``length``-byte body fits the pending budget; if so it counts as
+        pending until ``release(length)``, else it counts in ``busy_refusals``."""
+        with self._pending_lock:
+            if self._pending_requests < self.max_pending and self._pending_bytes + length <= self.max_pending_bytes:
+                self._pending_requests, self._pending_bytes = self._pending_requests + 1, self._pending_bytes + length
+                return True
+            self.busy_refusals += 1
+            warn = time.monotonic() - self._warned > 10  # at most one log line per 10 s of refusals
+            self._warned = time.monotonic() if warn else self._warned
+        if warn:
+            logger.warning("busy: refusing requests with 503 (%d so far)", self.busy_refusals)
+        return False
+
+    def release(self, length):
+        with self._pending_lock:
+            self._pending_requests, self._pending_bytes = self._pending_requests - 1, self._pending_bytes - length
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], ConnectionError):  # the client hung up mid-reply: routine, no traceback
@@ -405,132 +571,17 @@ def make_server(
         raise ValueError(f"read_timeout must be > 0 seconds (got {read_timeout!r})")
     if auth_token is not None and not auth_token:
         raise ValueError("auth_token must be a non-empty string or None")
-    pending = {"requests": 0, "bytes": 0, "warned": 0.0}
-    pending_lock = threading.Lock()
-
-    class Handler(BaseHTTPRequestHandler):
-        # Per socket operation (bounds writes to a client that stops reading); longer than the read deadline
-        # below, so reads end at that deadline, with a 408 reply, rather than at a silent per-read timeout.
-        timeout = 2 * read_timeout
-
-        def setup(self):
-            super().setup()
-            # A client that trickles its headers/body, or sends fewer bytes than its Content-Length, would hold
-            # this thread; at the deadline reading stops (reads see end-of-file) and the request fails fast.
-            self.expired = False
-            self.deadline = threading.Timer(read_timeout, self._stop_reading)
-            self.deadline.start()
-
-        def _stop_reading(self):
-            self.expired = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RD)
-
-        def finish(self):
-            self.deadline.cancel()
-            super().finish()
-
-        def _reply(self, code, body, headers=()):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")  # aiohttp's response.json() requires it
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in headers:
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _refuse(self, code, message, headers=()):
-            """Reply before reading the body, then close: unread bytes would turn the close into a reset that
-            can hide the reply from the client, so drain them for up to LINGER_S first."""
-            self.close_connection = True
-            self._reply(code, {"error": message}, [("Connection", "close"), *headers])
-            self.wfile.flush()
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_WR)
-                self.connection.settimeout(LINGER_S)
-                stop = time.monotonic() + LINGER_S
-                while time.monotonic() < stop and self.connection.recv(65536):
-                    pass
-
-        def do_GET(self):
-            if self.path.rstrip("/") == "/health":
-                self._reply(200, {"status": "ok"})
-            else:
-                self._reply(404, {"error": f"unknown path {self.path}; POST /get_reward"})
-
-        def do_POST(self):
-            if self.expired:  # the headers were cut off by the deadline
-                self._refuse(408, f"request headers not received within {read_timeout:g} s")
-                return
-            if self.path.rstrip("/") not in ("", "/get_reward"):
-                self._refuse(404, f"unknown path {self.path}; POST /get_reward")
-                return
-            if auth_token is not None and not _token_matches(self.headers.get("Authorization"), auth_token):
-                self._refuse(
-                    401, "missing or wrong token: send 'Authorization: Bearer TOKEN'", [("WWW-Authenticate", "Bearer")]
-                )
-                return
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                self._refuse(411 if length is None else 400, f"need a valid Content-Length header (got {length!r})")
-                return
-            if int(length) > max_body_bytes:
-                self._refuse(413, f"request body of {length} bytes exceeds this server's {max_body_bytes}")
-                return
-            length = int(length)
-            with pending_lock:
-                admitted = pending["requests"] < max_pending and pending["bytes"] + length <= max_pending_bytes
-                if admitted:
-                    pending["requests"], pending["bytes"] = pending["requests"] + 1, pending["bytes"] + length
-                else:
-                    self.server.busy_refusals += 1
-                    warn = time.monotonic() - pending["warned"] > 10  # at most one log line per 10 s of refusals
-                    pending["warned"] = time.monotonic() if warn else pending["warned"]
-            if not admitted:
-                if warn:
-                    logger.warning("busy: refusing requests with 503 (%d so far)", self.server.busy_refusals)
-                self._refuse(
-                    503,
-                    f"server busy ({max_pending} requests or {max_pending_bytes} body bytes in flight); retry",
-                    [("Retry-After", str(RETRY_AFTER_S))],
-                )
-                return
-            try:  # every admitted request is released, whichever way it ends
-                body = bytearray()
-                with contextlib.suppress(TimeoutError):  # a stalled read; the deadline ends a trickling one
-                    while len(body) < length and (chunk := self.rfile.read1(length - len(body))):
-                        body += chunk
-                self.deadline.cancel()
-                if len(body) < length:
-                    self._refuse(408, f"got {len(body)} of {length} body bytes within {read_timeout:g} s")
-                    return
-                try:
-                    conversations = _conversations_from_payload(json.loads(body), max_queries, max_query_chars)
-                except OverflowError as error:
-                    self._reply(413, {"error": str(error)})
-                    return
-                except ValueError as error:  # bad JSON or UTF-8, or a malformed request
-                    self._reply(400, {"error": str(error)})
-                    return
-                del body  # only the conversations wait for scoring
-                try:
-                    scores = batcher.submit(conversations).result().tolist()
-                except Exception as error:
-                    logger.exception("scoring failed")
-                    self._reply(500, {"error": f"{type(error).__name__}: {error}"})
-                    return
-                self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": {}})
-            finally:
-                with pending_lock:
-                    pending["requests"], pending["bytes"] = pending["requests"] - 1, pending["bytes"] - length
-
-        def log_message(self, format, *args):
-            logger.debug("%s " + format, self.address_string(), *args)
-
-    server = _Server((host, port), Handler)
-    server.busy_refusals = 0
-    return server
+    return _Server(
+        (host, port),
+        batcher,
+        max_body_bytes=max_body_bytes,
+        max_queries=max_queries,
+        max_query_chars=max_query_chars,
+        read_timeout=read_timeout,
+        auth_token=auth_token,
+        max_pending=max_pending,
+        max_pending_bytes=max_pending_bytes,
+    )
 
 
 _default = None
