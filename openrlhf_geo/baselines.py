@@ -20,7 +20,7 @@ entropy bonus is the local engine's (the fork's is upstream's own --actor.entrop
 
 The two policy losses and the entropy bonus stay differentiable in their log-prob / entropy inputs (only their token
 selection runs without gradient); every other function runs under ``torch.no_grad``. The rollout-selection
-baselines (PF-PPO, PODS) return a GeoAlign ``CurationPlan`` so an engine applies them like GeoAlign's own plan.
+baselines (PF-PPO, PODS) return a ``stages.CurationPlan``, which an engine applies like GeoAlign's own plan.
 Random choices come from a CPU ``torch.Generator``.
 """
 
@@ -31,12 +31,12 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from openrlhf_geo import losses  # noqa: F401  (registers the default policy loss, ppo, first)
 from openrlhf_geo.config_flags import setting
-from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.groups import group_index
 from openrlhf_geo.registry import (
     CURATIONS,
     POLICY_LOSSES,
-    PolicyLoss,
     active_adjustments,
     baseline_curations,
     register_adjustment,
@@ -44,6 +44,7 @@ from openrlhf_geo.registry import (
     register_policy_loss,
 )
 from openrlhf_geo.rewards.math_verify import extract_last_boxed, score_answer
+from openrlhf_geo.stages import CurationPlan, Stream, stream
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 PF_PPO_MODES = ("best_random", "best_worst")
@@ -203,7 +204,7 @@ def _groups(group_ids, n):
         raise ValueError(f"group_ids must have shape ({n},), got {tuple(group_ids.shape)}")
     if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
         raise ValueError(f"group_ids must be integer prompt ids, got dtype {group_ids.dtype}")
-    _, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
+    inverse, _ = group_index(group_ids)
     order = torch.argsort(inverse, stable=True)
     groups = torch.split(order, torch.bincount(inverse).tolist())
     return sorted(groups, key=lambda rows: int(rows[0]))
@@ -349,14 +350,12 @@ def policy_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, cl
     engines aggregate it as they aggregate their PPO loss.
 
     clip_low / clip_high: the engine's PPO clip ratios (Clip-Cov clips with them; SALT Table 4 sets 1 / 1 for it).
-    advantages (N,) per sequence or (N, T) per token. config.policy_loss ppo is the engine's own loss: ValueError.
+    advantages (N,) per sequence or (N, T) per token.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(log_probs)
     advantages = advantages.to(log_probs.dtype)
     loss = POLICY_LOSSES[config.policy_loss].loss
-    if loss is None:
-        raise ValueError(f"policy_loss: {config.policy_loss!r} is the engine's own loss, not a baseline")
     return loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator)
 
 
@@ -364,9 +363,6 @@ def _clip_cov_fits(config, eps_low):
     if not eps_low <= 1:
         return f"--baseline.policy_loss clip_cov needs a low PPO clip ratio <= 1 (got {eps_low})"
     return None
-
-
-POLICY_LOSSES.register(PolicyLoss("ppo", None))
 
 
 @register_policy_loss("clip_cov", clip_frac="clip_cov/ppo_clip_frac", check=_clip_cov_fits)
@@ -411,7 +407,7 @@ def pf_ppo_plan(rewards, group_ids, mode="best_random", generator=None, *, keep_
         prompt keeps 2 rollouts. keep_count True: the prompt keeps its G slots; the best fills ceil(G/2) of them and
         the partner floor(G/2) (each keeps its own slot, the others are overwritten in index order), so for even G the
         group mean and std, hence GRPO's advantages, equal those of the pair itself.
-    A prompt with one rollout is left unchanged. ``flagged`` marks rollouts PF-PPO filters out; ``gdi`` is NaN.
+    A prompt with one rollout is left unchanged. ``flagged`` marks rollouts PF-PPO filters out; ``score`` is NaN.
     rewards (N,), group_ids (N,) integer prompt ids; plan tensors on the device of ``rewards``.
     """
     if mode not in PF_PPO_MODES:
@@ -463,20 +459,22 @@ def _fork_keeps_counts(config):
 
 
 def _pf_ppo(mode):
-    def plan(step, rewards, hidden):
-        config = step.owner.baseline
-        generator = step.owner.generators["baseline"]
-        return pf_ppo_plan(rewards, step.group_ids, mode, generator, keep_count=config.pf_ppo_keep_count)
+    def plan(config, state, batch, rewards, hidden):
+        return pf_ppo_plan(rewards, batch.group_ids, mode, state.generator, keep_count=config.pf_ppo_keep_count)
 
     return plan
+
+
+def _baseline_stream(config, seed):
+    return Stream(stream(seed, "baseline"))
 
 
 def _pf_ppo_drops(config):
     return not config.pf_ppo_keep_count
 
 
-register_curation("pf_ppo_br", drops=_pf_ppo_drops, fork=_fork_keeps_counts)(_pf_ppo("best_random"))
-register_curation("pf_ppo_bw", drops=_pf_ppo_drops, fork=_fork_keeps_counts)(_pf_ppo("best_worst"))
+for _name, _mode in (("pf_ppo_br", "best_random"), ("pf_ppo_bw", "best_worst")):
+    register_curation(_name, state=_baseline_stream, drops=_pf_ppo_drops, fork=_fork_keeps_counts)(_pf_ppo(_mode))
 
 
 @torch.no_grad()
@@ -531,7 +529,7 @@ def par_rewards(rewards, reference_rewards):
     ),
     needs_groups=False,
 )
-def _par(step, rewards, config, *, references):
+def _par(config, batch, rewards, *, references):
     """PAR on the batch's rewards; references() -> (N, M) rewards of M reference responses per prompt."""
     return par_rewards(rewards, references())
 
@@ -558,7 +556,7 @@ def pods_plan(rewards, group_ids, m):
     Per prompt, keep the m of its n rollouts whose rewards have the largest variance; the optimum is the k highest and
     m - k lowest rewards for some k, so sorting and scanning k = 0..m finds it (O(n log n)). Equal variances:
     smallest k; equal rewards: lower index first. Dropped rollouts get keep False and weight 0 (so they also leave
-    GRPO's group statistics) and are ``flagged``; a prompt with n <= m keeps all its rollouts. ``gdi`` is NaN.
+    GRPO's group statistics) and are ``flagged``; a prompt with n <= m keeps all its rollouts. ``score`` is NaN.
     m: rollouts kept per prompt, no default (GeoAlign does not report its PODS setting).
     rewards (N,), group_ids (N,) integer prompt ids; plan tensors on the device of ``rewards``.
     """
@@ -601,8 +599,8 @@ def _pods_m_given(config):
 
 
 @register_curation("pods", drops=lambda config: True, fork=_fork_keeps_counts, check=_pods_m_given)
-def _pods(step, rewards, hidden):
-    return pods_plan(rewards, step.group_ids, step.owner.baseline.pods_m)
+def _pods(config, state, batch, rewards, hidden):
+    return pods_plan(rewards, batch.group_ids, config.pods_m)
 
 
 @torch.no_grad()
@@ -734,19 +732,19 @@ def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None):
     enabled=lambda config: config.seed_grpo_alpha is not None,
     inputs=("responses", "verifier"),
 )
-def _seed_grpo(step, advantages, config, *, responses, verifier):
+def _seed_grpo(config, batch, advantages, *, responses, verifier):
     """Seed-GRPO on the slots' advantages (N,), after the group statistics and before SALT: each prompt's kept slots
     scaled by 1 - alpha SE(q) / log G (`seed_grpo_advantages`). responses() -> the N decoded responses per rollout (a
     slot answers as its source), clustered by final answer (`math_answer_clusters`); verifier() -> a
     MathVerifyReward or None (in-process checks). Dropped slots keep 0 and leave the clustering, so SE and G count a
     prompt's kept slots; the stats describe the kept slots."""
     texts = responses()
-    if len(texts) != step.size:
-        raise ValueError(f"seed_grpo: {len(texts)} responses for {step.size} rollouts")
-    kept = torch.nonzero(step.kept)[:, 0]
-    group_ids = step.group_ids[kept]
+    if len(texts) != batch.size:
+        raise ValueError(f"seed_grpo: {len(texts)} responses for {batch.size} rollouts")
+    kept = torch.nonzero(batch.kept)[:, 0]
+    group_ids = batch.group_ids[kept]
     clusters, cluster_stats = math_answer_clusters(
-        [texts[i] for i in step.plan.source[kept].tolist()], group_ids, verifier()
+        [texts[i] for i in batch.source[kept].tolist()], group_ids, verifier()
     )
     index = kept.to(advantages.device)
     scaled, stats = seed_grpo_advantages(advantages[index], clusters, group_ids, config.seed_grpo_alpha)

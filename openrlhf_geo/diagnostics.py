@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from openrlhf_geo.groups import group_index
+
 
 def _checked(x, name: str, shape: str) -> torch.Tensor:
     """`x` as a finite tensor of the documented `shape`: "(m,)", "(m, D)" or "(m, m)"."""
@@ -64,8 +66,7 @@ def _group_index(group_ids, m: int) -> tuple[torch.Tensor, int]:
     if ids is None or ids.shape != (m,) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         got = f"{ids.dtype} {tuple(ids.shape)}" if ids is not None else f"{str(group_ids)[:60]} (not integers)"
         raise ValueError(f"group_ids must be an integer tensor of shape (m,) = ({m},), got {got}")
-    _, index = torch.unique(ids.cpu(), return_inverse=True)
-    return index, int(index.max()) + 1
+    return group_index(ids)
 
 
 def unit_scale(x) -> float:

@@ -11,6 +11,7 @@ probe initialisation, the validation split, pair mini-batches, tie-breaks, repla
 the paper's Table 6 (hyperparameters) survives only as a caption, so no value attributed to it can be checked.
 """
 
+import copy
 import math
 import numbers
 import time
@@ -24,7 +25,9 @@ from scipy.stats import gaussian_kde, mannwhitneyu
 from torch import nn
 
 from openrlhf_geo.config_flags import setting
+from openrlhf_geo.groups import group_index
 from openrlhf_geo.registry import register_curation
+from openrlhf_geo.stages import CurationPlan, stream
 
 PRESETS = {
     # alpha: §5.1 "Implementation" (0.05 on Math, 0.12 on HH-RLHF; App. C.2 sensitivity);
@@ -192,47 +195,6 @@ class GeoAlignConfig:
         return replace(cls(**PRESETS[name]), **overrides)
 
 
-@dataclass
-class CurationPlan:
-    """What the engine trains on after curation. Slot i of the batch gets the content of rollout `source[i]`.
-
-    source  (N,) long   rollout whose content (tokens, reward, log-probs, ...) fills slot i; i itself if kept
-    weight  (N,) float  loss weight of slot i: 0 for flagged slots under `zero` and `drop`, else 1
-    keep    (N,) bool   False for slots removed by `drop` (they also leave the group statistics), else True
-    flagged (N,) bool   rollouts detected as anomalous (a prompt with no stable rollout is left unchanged)
-    gdi     (N,) float  each rollout's GDI (Eq. 7), NaN for rollouts without a pair or when there is no pair at all
-    All five live on the device of `rewards`.
-    """
-
-    source: torch.Tensor
-    weight: torch.Tensor
-    keep: torch.Tensor
-    flagged: torch.Tensor
-    gdi: torch.Tensor
-
-    @classmethod
-    def identity(cls, n, device=None):
-        """The plan that changes nothing (every rollout fills its own slot with weight 1)."""
-        return cls(
-            source=torch.arange(n, device=device),
-            weight=torch.ones(n, device=device),
-            keep=torch.ones(n, dtype=torch.bool, device=device),
-            flagged=torch.zeros(n, dtype=torch.bool, device=device),
-            gdi=torch.full((n,), math.nan, device=device),
-        )
-
-    def to(self, device):
-        """The same plan with every tensor on `device`."""
-        return CurationPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-    def apply(self, x):
-        """The kept slots' content, in slot order: `x[source[keep]]` for a tensor (rows) or a sequence (items)."""
-        index = self.source[self.keep]
-        if isinstance(x, torch.Tensor):
-            return x[index.to(x.device)]
-        return [x[i] for i in index.tolist()]
-
-
 class Projector(nn.Module):
     """GeoAlign §4.2 projector M_psi, a ReLU MLP in_dim -> *config.hidden_sizes -> config.out_dim (3 layers default).
 
@@ -300,7 +262,7 @@ def preference_pairs(rewards, group_ids, max_per_side=0, generator=None):
     if rewards.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long)
         return empty, empty
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    group, _ = group_index(group_ids)
     slots = _group_slots(group)
     valid = slots >= 0
     r = torch.where(valid, rewards.detach().cpu().double()[slots.clamp(min=0)], torch.nan)
@@ -338,7 +300,7 @@ def pair_distances(hidden, winner, loser, group_ids):
     h = hidden[rows.to(device)]
     scale = _pow2_scale(h)
     h = h * scale
-    _, group = torch.unique(group_ids.cpu()[rows], return_inverse=True)
+    group, _ = group_index(group_ids.cpu()[rows])
     slots = _group_slots(group)
     valid = slots >= 0
     column = torch.empty_like(group)
@@ -602,7 +564,7 @@ def rectify(flagged, rewards, group_ids, mode="replace", generator=None):
     plan.flagged = flagged.detach().cpu().bool()
     if n == 0 or not plan.flagged.any():
         return plan.to(rewards.device)
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    group, _ = group_index(group_ids)
     slots = _group_slots(group)  # (n_groups, G)
     valid, member = slots >= 0, slots.clamp(min=0)
     stable = valid & ~plan.flagged[member]
@@ -819,7 +781,7 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     def finish(skipped=""):
         """Eq. 8: rectify the flagged rollouts (Best-Random replacement under the default mode), then the stats."""
         plan = rectify(flagged, rewards, group_ids, config.mode, generator)
-        plan.gdi = scores.to(device=plan.gdi.device, dtype=plan.gdi.dtype)
+        plan.score = scores.to(device=plan.score.device, dtype=plan.score.dtype)
         stats.update(_outcome_stats(flagged, scores, corrupted, skipped), time_s=time.perf_counter() - start)
         return plan, stats
 
@@ -828,7 +790,7 @@ def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None
     r = rewards.detach().cpu().double()
     h = (hidden.detach() * _pow2_scale(hidden)).to(device=torch.device(config.device), dtype=torch.float32)
     winner, loser, dist, identical = _directed_pairs(h, r, group_ids, config.max_pairs_per_side, generator)
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    group, _ = group_index(group_ids)
     paired_prompts = torch.unique(group[winner])
     stats.update(pairs=float(len(winner)), pairs_identical=identical, prompts_paired=float(len(paired_prompts)))
     stats["n_scored"] = float((torch.bincount(torch.cat((winner, loser)), minlength=n) > 0).sum())
@@ -879,32 +841,56 @@ def _geoalign_fork(config):
     return None
 
 
+class GeoAlignState:
+    """What GeoAlign remembers across steps: its random stream (`generator`: projector initialisation and training
+    order, pair subsampling, Best-Random donors) and the projector, created at the first batch (it needs the hidden
+    size) and trained in place afterwards (warm start)."""
+
+    def __init__(self, config: GeoAlignConfig, generator: torch.Generator):
+        self.config, self.generator = config, generator
+        self.projector: Projector | None = None
+
+    def projector_for(self, in_dim: int) -> Projector:
+        if self.projector is None:
+            self.projector = Projector(in_dim, self.config, self.generator)
+        elif self.projector.layers[0].in_features != in_dim:
+            raise RuntimeError(f"hidden size changed from {self.projector.layers[0].in_features} to {in_dim}")
+        return self.projector
+
+    def state_dict(self) -> dict:
+        return {
+            "generator": self.generator.get_state(),
+            # a copy: the live projector keeps training in place after the state is taken
+            "projector": None if self.projector is None else copy.deepcopy(self.projector.state_dict()),
+            "in_dim": None if self.projector is None else self.projector.layers[0].in_features,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["projector"] is not None:
+            self.projector = Projector(state["in_dim"], self.config)
+            self.projector.load_state_dict(state["projector"])
+        # after building the projector: its init must not advance the restored stream
+        self.generator.set_state(state["generator"])
+
+
 @register_curation(
     "geoalign",
+    state=lambda config, seed: GeoAlignState(config, stream(seed, "geoalign")),
     config="geoalign",
     metrics="geo",
+    record="gdi",
     drops=lambda config: config.mode == "drop",
     fork=_geoalign_fork,
     needs_hidden=True,
 )
-def _curation(step, rewards, hidden):
-    """GeoAlign Eq. 3-8 as the pipeline's curation (registry.CURATIONS), with the run's warm-started projector;
-    keeps the per-rollout details (`step.curation`)."""
-    plan, stats = curate(
+def _curation(config, state, batch, rewards, hidden):
+    """GeoAlign Eq. 3-8 as the pipeline's curation (registry.CURATIONS), with the run's warm-started projector."""
+    return curate(
         hidden,
         rewards,
-        step.group_ids,
-        step.owner.geoalign,
-        step.owner.generators["geoalign"],
-        projector=step.owner.projector_for(hidden.shape[1]),
-        corrupted=step.corrupted,
+        batch.group_ids,
+        config,
+        state.generator,
+        projector=state.projector_for(hidden.shape[1]),
+        corrupted=batch.corrupted,
     )
-    plan = plan.to("cpu")
-    step.curation = {
-        "gdi": plan.gdi,
-        "corrupted": step.corrupted,
-        "flagged": plan.flagged,
-        "rewards": rewards,  # the rewards GeoAlign saw (the demo report's pair-count baseline)
-        "group_ids": step.group_ids,
-    }
-    return plan, stats

@@ -23,7 +23,7 @@ from openrlhf_geo import registry
 from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.config_flags import add_flags
 from openrlhf_geo.geoalign import PRESETS, GeoAlignConfig
-from openrlhf_geo.pipeline import SALT_BASES, GeometryConfig
+from openrlhf_geo.pipeline import GeometryConfig
 from openrlhf_geo.rewards.noise import NoiseConfig
 from openrlhf_geo.salt import SaltConfig
 
@@ -36,7 +36,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     salt = parser.add_argument_group("SALT (arXiv 2606.05800): enable with --advantage_estimator salt")
     salt.add_argument(
         "--salt.base",
-        choices=SALT_BASES,
+        choices=tuple(registry.ESTIMATORS),  # the whitened ones too, so that the error can say why they are refused
         default=None,
         help="group-relative estimator whose sequence advantages SALT reweights (default group_norm)",
     )

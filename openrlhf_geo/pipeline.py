@@ -38,46 +38,20 @@ weighted for SALT. String stats (`geo/skipped_reason`) live in `step.text_metric
 limit or when every prompt's rollouts have had equal rewards for several steps in a row.
 """
 
-import copy
-import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from openrlhf_geo import GeoWarning, diagnostics
+from openrlhf_geo import GeoWarning, estimators, salt_stage  # noqa: F401  (registers the advantage estimators)
 from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.features import GeometrySpec
-from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig, Projector
-from openrlhf_geo.registry import active_adjustments, active_curation
+from openrlhf_geo.geoalign import GeoAlignConfig
+from openrlhf_geo.groups import group_index, tied_groups
+from openrlhf_geo.registry import ESTIMATORS, active_adjustments, active_curation, group_estimators
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
-from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
-
-# What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
-# batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
-DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
-# App. D.1 / B group statistics that depend on the coefficients (the rest describe the features only): with SALT
-# applied they are also logged for a' as salt/<key>_applied (a' need not vanish on a tied group).
-APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_group_left_out", "n_eff_means", "g_norm")
-# SALT stats that are ratios over the coefficients a: undefined (0/0) on a partition whose groups are all tied (a = 0,
-# no GRPO update). `salt_advantages` returns its documented fill values there (n_eff 0, α_t 1, D_a 0, U⊥ gain 1);
-# logged as such, a study's mean over steps would count each such partition as perfect cancellation. They are
-# logged NaN instead (the batch value is the nanmean over the partitions with signal), with salt/no_signal = 1.
-UNDEFINED_WITHOUT_SIGNAL = ("n_eff_in", "n_eff_out", "alpha", "D_a", "D_g", "U_perp_gain")
-
-# SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
-# the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.
-# REGIME_MAX_D_A = 0.6 is 2.5x that D_a (9 sd above it). Sign flips are not in the paper, but bounded by D_a: a
-# flipped a_i moves by at least |a_i|, so D_a^2 >= (share of ||a||^2 on flipped rollouts); at Table 10's D_a that share
-# is <= 0.24^2 ~ 0.06, and a flipped fraction of 0.25 among equal-magnitude a_i (binary rewards) forces D_a >= 0.5.
-REGIME_MAX_D_A = 0.6
-REGIME_MAX_SIGN_FLIP = 0.25
-REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_regime is logged every step)
-
-
-class SaltRegimeWarning(GeoWarning):
-    """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
-
+from openrlhf_geo.salt import SaltConfig
+from openrlhf_geo.stages import Batch, CurationPlan, Stream, record, stream
 
 # The learning-signal guard. A response cut at the length limit has no final answer for a verifier to pay, and a
 # prompt whose rollouts all got the same reward has zero group advantages: a run where that holds everywhere trains on
@@ -107,12 +81,9 @@ class SignalGuard:
 
     def check(self, rewards, group_ids, truncated=None) -> dict:
         self.steps += 1
-        rewards, group_ids = rewards.detach().cpu().double(), group_ids.detach().cpu()
-        _, group = torch.unique(group_ids, return_inverse=True)
-        n_groups = int(group.max()) + 1 if group.numel() else 0
-        low = torch.full((n_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
-        high = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
-        tied = float((low == high).double().mean()) if n_groups else 0.0
+        rewards = rewards.detach().cpu().double()
+        group, n_groups = group_index(group_ids.detach())
+        tied = float(tied_groups(rewards, group, n_groups).double().mean()) if n_groups else 0.0
         metrics = {"signal/tied_groups": tied}
         cut = None
         if truncated is not None:
@@ -159,31 +130,6 @@ class SignalGuard:
         self.last_warning = dict(state["last_warning"])
 
 
-# reinforce_baseline is listed so the error can say why it is refused: upstream whitens the whole batch after the
-# group statistics, which would re-centre and rescale SALT's a' (SALT §3 feeds a' to the loss unchanged).
-SALT_BASES = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
-
-
-# Every seeded random stream of a run, as an offset from its --train.seed: one torch.Generator per consumer, so
-# switching one method on never shifts another's draws (the reward noise has its own --reward.noise.seed). Changing a
-# value changes every seeded result, the committed ones included.
-STREAM_OFFSETS = {
-    "geoalign": 1,  # GeoAlign: projector initialisation and training order, pair subsampling, Best-Random donors
-    "salt": 2,  # SALT
-    "minibatch": 3,  # local engine: the optimizer mini-batch order
-    "baseline": 4,  # PF-PPO / PODS draws
-    "loss": 5,  # local engine: Clip-Cov's token draw
-}
-# The fork's per-step streams: seed * FORK_STEP_STRIDE + step (rank_batches' partition order after rollout step
-# `step`, PartitionSampler's order at ppo_train call `step`), and Clip-Cov's seed + rank (one stream per rank).
-FORK_STEP_STRIDE = 1_000_003
-
-
-def stream(seed: int, name: str) -> torch.Generator:
-    """The CPU generator of stream `name` (STREAM_OFFSETS) for a run seeded with `seed`."""
-    return torch.Generator().manual_seed(seed + STREAM_OFFSETS[name])
-
-
 @dataclass(frozen=True)
 class GeometryConfig:
     """Everything the pipeline runs, built once at parse time (`options.validate` -> `args.geometry`), read by both
@@ -203,14 +149,12 @@ class GeometryConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.salt_base == "reinforce_baseline":
-            raise ValueError(
-                "--salt.base reinforce_baseline: upstream whitens the whole batch after the group statistics, which "
-                "would re-centre and rescale SALT's a' (the loss must consume a' unchanged); use group_norm, dr_grpo "
-                "or rloo"
-            )
-        if self.salt_base not in SALT_BASES:
-            raise ValueError(f"--salt.base must be one of {', '.join(SALT_BASES[:-1])} (got {self.salt_base!r})")
+        bases = group_estimators()
+        entry = ESTIMATORS.get(self.salt_base)
+        if entry is not None and entry.whitens is not None:
+            raise ValueError(f"--salt.base {self.salt_base}: {entry.whitens}; use {', '.join(bases)}")
+        if self.salt_base not in bases:
+            raise ValueError(f"--salt.base must be one of {', '.join(bases)} (got {self.salt_base!r})")
         if self.geoalign is not None and self.baseline is not None and self.baseline.curation is not None:
             raise ValueError(
                 f"--baseline.curation {self.baseline.curation} and --geoalign.enable both choose which rollouts to "
@@ -278,73 +222,75 @@ def check_finite(name, values, group_ids, step):
         )
 
 
+# Checkpoints before 0.1.0 (format 1) kept every stage's memory in one flat dict; `_from_format_1` maps it onto the
+# stages' own state dicts (format 2: {"format", "steps", "stages": {stage name: its State's state_dict}}).
+STATE_FORMAT = 2
+
+
+def _from_format_1(state: dict) -> dict:
+    streams = state["generators"]
+    stages = {
+        "noise": {"generator": streams["noise"]},
+        "salt": {
+            "generator": streams["salt"],
+            "entropy_range": state["entropy_range"],
+            "last_regime_warning": state.get("last_regime_warning"),
+        },
+        "geoalign": {
+            "generator": streams["geoalign"],
+            "projector": state["projector"],
+            "in_dim": state["projector_in_dim"],
+        },
+        # the baseline stream was PF-PPO's (PODS draws nothing)
+        **{name: {"generator": streams["baseline"]} for name in ("pf_ppo_br", "pf_ppo_bw")},
+    }
+    return {"format": STATE_FORMAT, "steps": state["steps"], "stages": stages}
+
+
 class GeometryPipeline:
-    """The state that lives across steps: configs, GeoAlign's warm-started projector, the random streams and
-    SALT entropy-alpha's running min/max of H_t. `state_dict`/`load_state_dict` checkpoint all of it."""
+    """One run's stages, in order, and their states: reward noise, the reward adjustments, the curation, (the
+    engine's estimator), the advantage adjustments, SALT. Each stage that remembers something across steps owns its
+    State (`states`, by stage name); `state_dict`/`load_state_dict` checkpoint them all."""
 
     def __init__(self, config: GeometryConfig):
         self.config = config
-        self.salt, self.geoalign, self.noise = config.salt, config.geoalign, config.noise
-        self.baseline = config.baseline
+        self.curation = active_curation(config)  # the registered Curation, or None
         # Independent streams: switching one method on never shifts another's random draws.
-        self.generators = {
-            "noise": torch.Generator().manual_seed(config.noise.seed),
-            **{name: stream(config.seed, name) for name in ("geoalign", "salt", "baseline")},
-        }
-        self.projector = None  # created at the first curation (needs the hidden size)
-        self.entropy_range = None  # (H_min, H_max) over the run so far (SALT entropy-alpha)
-        self.last_regime_warning = None  # step of the last SaltRegimeWarning
+        self.states = {"noise": Stream(torch.Generator().manual_seed(config.noise.seed))}
+        if self.curation is not None:
+            settings = getattr(config, self.curation.config)
+            if (state := self.curation.state(settings, config.seed)) is not None:
+                self.states[self.curation.name] = state
+        if config.salt is not None:
+            self.states["salt"] = salt_stage.SaltState(stream(config.seed, "salt"))
         self.steps = 0
 
     @property
     def active(self) -> bool:
         return self.config.active
 
-    @property
-    def curation(self):
-        """Who picks each slot's rollout: the registered Curation (GeoAlign or a --baseline.curation), or None (every
-        rollout fills its own slot)."""
-        return active_curation(self.config)
-
     def corrupt(self, rewards, group_ids, paid=None):
         """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool).
         paid (N,) bool: the rollouts a misspecified verifier pays (type misspecified only; the engine's task hook)."""
         check_finite("reward", rewards, group_ids, self.steps + 1)
-        return corrupt(rewards, group_ids, self.noise, self.generators["noise"], paid)
+        return corrupt(rewards, group_ids, self.config.noise, self.states["noise"].generator, paid)
 
     def start(self, group_ids, corrupted=None):
         """Begin one rollout batch of N = len(group_ids) rollouts in prompt order."""
         self.steps += 1
         return GeometryStep(self, group_ids.detach().cpu().long(), corrupted)
 
-    def projector_for(self, in_dim):
-        """GeoAlign's projector, created at the first batch and trained in place afterwards (warm start)."""
-        if self.projector is None:
-            self.projector = Projector(in_dim, self.geoalign, self.generators["geoalign"])
-        elif self.projector.layers[0].in_features != in_dim:
-            raise RuntimeError(f"hidden size changed from {self.projector.layers[0].in_features} to {in_dim}")
-        return self.projector
-
     def state_dict(self) -> dict:
-        return {
-            "generators": {k: g.get_state() for k, g in self.generators.items()},
-            # copies: the live projector keeps training in place after the state is taken
-            "projector": None if self.projector is None else copy.deepcopy(self.projector.state_dict()),
-            "projector_in_dim": None if self.projector is None else self.projector.layers[0].in_features,
-            "entropy_range": self.entropy_range,
-            "last_regime_warning": self.last_regime_warning,
-            "steps": self.steps,
-        }
+        stages = {name: state.state_dict() for name, state in self.states.items()}
+        return {"format": STATE_FORMAT, "steps": self.steps, "stages": stages}
 
     def load_state_dict(self, state) -> None:
-        if state["projector"] is not None and self.geoalign is not None:
-            self.projector = Projector(state["projector_in_dim"], self.geoalign)
-            self.projector.load_state_dict(state["projector"])
-        # after building the projector: its init must not advance the restored stream
-        for key, value in state["generators"].items():
-            self.generators[key].set_state(value)
-        self.entropy_range = state["entropy_range"]
-        self.last_regime_warning = state.get("last_regime_warning")
+        """A checkpoint's pipeline state (either format); a stage the checkpoint has no state for starts fresh."""
+        if "format" not in state:
+            state = _from_format_1(state)
+        for name, stage_state in self.states.items():
+            if name in state["stages"]:
+                stage_state.load_state_dict(state["stages"][name])
         self.steps = state["steps"]
 
 
@@ -358,8 +304,8 @@ class GeometryStep:
         self.metrics = {}  # name -> (N,) float32 per slot
         self.text_metrics = {}  # name -> str
         self.batch_metrics = {}  # name -> float: stats of the whole batch before curation (reward adjustments)
-        self.curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids (GeoAlign runs)
-        if corrupted is not None and owner.noise.enabled:
+        self.curation = None  # the curation's per-rollout record (`Curation.record`), e.g. GeoAlign's GDI
+        if corrupted is not None and owner.config.noise.enabled:
             self.metrics["noise/corrupted"] = corrupted.detach().cpu().float()
 
     @property
@@ -368,23 +314,32 @@ class GeometryStep:
         GeoAlign `drop`, PODS, PF-PPO without keep_count; local engine only)."""
         return self.plan.keep
 
+    def _batch(self) -> Batch:
+        return Batch(self.group_ids, self.corrupted, self.plan.source, self.plan.keep, self.owner.steps)
+
     def _record(self, prefix, stats, part=slice(None)):
-        for key, value in stats.items():
-            if isinstance(value, str):
-                self.text_metrics[f"{prefix}/{key}"] = value
-                continue
-            values = self.metrics.setdefault(f"{prefix}/{key}", torch.full((self.size,), math.nan))
-            values[part] = math.nan if value is None else float(value)
+        record(self.metrics, self.text_metrics, prefix, stats, self.size, part)
 
     def curate(self, rewards, hidden):
         """The registered curation (GeoAlign, PF-PPO, PODS, ...) between rewards and group statistics: rewards (N,)
         -> slot rewards rewards[source]. hidden (N, d): the input of a curation that `needs_hidden` (else None)."""
-        curation = self.owner.curation
-        if curation is None:
+        entry = self.owner.curation
+        if entry is None:
             return rewards
-        plan, stats = curation.plan(self, rewards.detach().cpu(), hidden)
+        settings = getattr(self.owner.config, entry.config)
+        state = self.owner.states.get(entry.name)
+        rewards_cpu = rewards.detach().cpu()
+        plan, stats = entry.plan(settings, state, self._batch(), rewards_cpu, hidden)
         self.plan = plan.to("cpu")
-        self._record(curation.metrics, stats)
+        if entry.record is not None:
+            self.curation = {
+                entry.record: self.plan.score,
+                "corrupted": self.corrupted,
+                "flagged": self.plan.flagged,
+                "rewards": rewards_cpu,  # the rewards the curation saw (the demo report's pair-count baseline)
+                "group_ids": self.group_ids,
+            }
+        self._record(entry.metrics, stats)
         return rewards[self.plan.source.to(rewards.device)]
 
     def adjust(self, stage, values, **inputs):
@@ -394,11 +349,12 @@ class GeometryStep:
         exists); "advantage": Seed-GRPO on the slot advantages after the group statistics, before SALT, its stats on
         the kept slots. `inputs`: zero-arg callables an adjustment reads (Adjustment.inputs), called only by one
         that runs."""
-        for entry in active_adjustments(self.owner.baseline, stage):
+        baseline = self.owner.config.baseline
+        for entry in active_adjustments(baseline, stage):
             missing = [name for name in entry.inputs if name not in inputs]
             if missing:
                 raise ValueError(f"{entry.flag}: the engine passed no {', '.join(missing)} for {entry.name}")
-            values, stats = entry.adjust(self, values, self.owner.baseline, **{k: inputs[k] for k in entry.inputs})
+            values, stats = entry.adjust(baseline, self._batch(), values, **{k: inputs[k] for k in entry.inputs})
             if stage == "reward":
                 self.batch_metrics.update({f"{entry.metrics}/{key}": value for key, value in stats.items()})
             else:
@@ -406,98 +362,18 @@ class GeometryStep:
         return values
 
     def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0):
-        """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0).
-
-        features (N, D) and entropy (N,) (normalized token-entropy sums) per ROLLOUT; a replaced slot uses its
-        source's. lengths (N,) response tokens per rollout. Partitions of `partition_prompts` consecutive prompts
-        (0: the whole batch; SALT §3.1's m = BG is the optimizer mini-batch, which the engines resolve) each get one
-        `salt_advantages` call. Without SALT (or with SaltConfig.apply False) a' = a; the latter still logs the
-        geometry of a.
-        """
-        salt = self.owner.salt
+        """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0): `salt_stage.reweight` with
+        the run's SaltState. features (N, D), entropy (N,) and lengths (N,) per ROLLOUT. Without SALT a' = a."""
+        salt = self.owner.config.salt
         check_finite("advantage", advantages, self.group_ids, self.owner.steps)
         if salt is None:
             return advantages
-        a = advantages.detach().cpu().double()
-        source = self.plan.source
-        features = features.detach().cpu()[source]
-        lengths = lengths.detach().cpu().double()
-        alpha_input = None
-        if salt.needs_entropy:
-            alpha_input = self._entropy_alpha(entropy.detach().cpu().double(), lengths)
-        new = torch.zeros_like(a)
-        kept = torch.nonzero(self.kept)[:, 0]
-        # prompts numbered over every slot, as the engines' mini-batches see them (a dropped slot is still a row)
-        _, prompt = torch.unique(self.group_ids, return_inverse=True)
-        n_prompts = int(prompt.max()) + 1 if kept.numel() else 0
-        prompt = prompt[kept]
-        per = partition_prompts or max(n_prompts, 1)
-        for first in range(0, n_prompts, per):
-            part = kept[(prompt >= first) & (prompt < first + per)]
-            if part.numel() == 0:  # every slot of the partition dropped
-                continue
-            out, stats, (basis, is_top, gram) = salt_advantages(
-                a[part],
-                features[part],
-                salt.variant,
-                salt.alpha,
-                self.owner.generators["salt"],
-                entropy=alpha_input,
-                gram=salt.gram,
-                return_basis=True,
-                k_rule=salt.k_rule,
-                rho=salt.rho,
-            )
-            applied = out if salt.apply else a[part]
-            if not salt.apply:  # diagnostics only: the geometry of the unchanged coefficients a (D_a = 0, ...)
-                stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}
-                stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
-                stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
-            stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, lengths[source][part]))
-            # SALT App. D.1 (Eq. 37) weights each response by "the scalar coefficient used by the objective" and
-            # calls it "the normalized advantage" Â: for a SALT run these differ (a vs a'). The plain keys use a,
-            # comparable with the backbone's rows of Table 10; the coefficient-weighted ones are logged for a' too.
-            stats.update(diagnostics.group_geometry(a[part], gram, self.group_ids[part], is_gram=True))
-            if salt.apply:
-                out_geometry = diagnostics.group_geometry(applied, gram, self.group_ids[part], is_gram=True)
-                stats.update({f"{key}_applied": out_geometry[key] for key in APPLIED_GROUP_KEYS})
-            no_signal = not bool(a[part].any())
-            if no_signal:
-                stats.update(dict.fromkeys(UNDEFINED_WITHOUT_SIGNAL, math.nan))
-            stats["no_signal"] = float(no_signal)
-            new[part] = applied
-            self._record("salt", stats, part)
-        if salt.apply:
-            self._check_regime()
+        state = self.owner.states["salt"]
+        new, metrics = salt_stage.reweight(
+            salt, state, self._batch(), advantages, features, entropy, lengths, self.plan.source, partition_prompts
+        )
+        self.metrics.update(metrics)
         return new.to(device=advantages.device, dtype=advantages.dtype)
-
-    def _check_regime(self):
-        """Log salt/out_of_regime (0/1) and, at most once per REGIME_WARN_EVERY steps, warn when this step's D_a or
-        sign-flip share (partition-size weighted over the batch, as logged) is far above SALT Table 10's."""
-        d_a, sign_flip = (float(self.metrics[f"salt/{key}"].nanmean()) for key in ("D_a", "sign_flip"))
-        out = d_a > REGIME_MAX_D_A or sign_flip > REGIME_MAX_SIGN_FLIP  # NaN (no moving coefficient): in regime
-        self.metrics["salt/out_of_regime"] = torch.full((self.size,), float(out))
-        owner = self.owner
-        if out and (owner.last_regime_warning is None or owner.steps - owner.last_regime_warning >= REGIME_WARN_EVERY):
-            owner.last_regime_warning = owner.steps
-            warnings.warn(
-                f"step {owner.steps}: SALT's coefficients are far outside SALT Table 10's regime: D_a = {d_a:.2f} "
-                f"(paper 0.24 ± 0.04; warns above {REGIME_MAX_D_A}), sign-flip share = {sign_flip:.2f} (warns above "
-                f"{REGIME_MAX_SIGN_FLIP}). See docs/salt_regime.md for what to try; salt/out_of_regime is logged "
-                f"every step, this warning at most once per {REGIME_WARN_EVERY} steps.",
-                SaltRegimeWarning,
-                stacklevel=3,
-            )
-
-    def _entropy_alpha(self, entropy, lengths):
-        """SALT App. F.3 entropy-alpha's α_t from H_t, the token-weighted mean normalized entropy of this step's
-        responses (every rollout, before curation), and the run's running min/max of H_t (including this step)."""
-        h_t = float(entropy.sum() / lengths.sum().clamp(min=1))
-        low, high = self.owner.entropy_range or (h_t, h_t)
-        self.owner.entropy_range = (min(low, h_t), max(high, h_t))
-        for key, value in zip(("H_t", "H_min", "H_max"), (h_t, *self.owner.entropy_range)):
-            self.metrics[f"salt/{key}"] = torch.full((self.size,), value)
-        return entropy_alpha(h_t, *self.owner.entropy_range)
 
     def rows(self, slot_advantages):
         """Per-slot a' (N,) -> (row value (N,), multiplicity (N,)): row r's sequence advantage is the mean a' of the

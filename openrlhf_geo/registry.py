@@ -1,25 +1,28 @@
-"""What varies between methods, registered once: rollout curations, policy losses and reward / advantage
-adjustments. SALT's variants are rows of `salt.VARIANTS`.
+"""What varies between methods, registered once: advantage estimators, rollout curations, policy losses and reward /
+advantage adjustments. SALT's variants are rows of `salt.VARIANTS`.
 
 Each entry carries its function, the config that holds its settings, what each engine cannot run (`fork` returns why
-the fork refuses a setting; every method runs on the local engine) and the namespace of its logged metrics. The
-pipeline and both engines dispatch through these tables, `options.validate` asks them which engine refuses what, and
-the `--baseline.curation` / `--baseline.policy_loss` choices are their names. A new method is one function plus one
-registration (docs/architecture.md, "How to add ...").
+the fork refuses a setting; every method runs on the local engine) and the namespace of its logged metrics. An entry
+is a pure function of explicit inputs (a `stages.Batch`, tensors) plus, where it remembers something across steps,
+its own State (`state`: built once per run, checkpointed by the pipeline under the entry's name). The pipeline and
+both engines dispatch through these tables, `options.validate` asks them which engine refuses what, and the
+`--advantage_estimator`, `--baseline.curation` and `--baseline.policy_loss` choices are their names. A new method is
+one function plus one registration (docs/architecture.md, "How to add ...").
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 ENGINES = ("local", "fork")
-# the estimators whose sequence advantages come from each prompt's own rollouts, without batch whitening: a method that
-# reads or rearranges a prompt's group (`needs_groups`) runs only on these (both engines; the local engine's are the
-# first two)
-GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 
 
 def _runs_everywhere(settings) -> str | None:
     """No objection (the default `fork` and `check` of an entry)."""
+    return None
+
+
+def _stateless(settings, seed):
+    """No State (the default `state` of an entry)."""
     return None
 
 
@@ -41,25 +44,47 @@ class Registry(dict):
 
 
 @dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator (--advantage_estimator <name>; `salt` is SALT on one of these, its --salt.base).
+
+    advantages  (rewards (N,), group_ids (N,)) -> sequence advantages (N,): the local engine's computation; None:
+                the fork only
+    upstream    the fork runs upstream's own branch of this name (OpenRLHF 0.11.2's compute_advantages_and_returns);
+                False: the fork refuses it (its experience maker has no seam for another estimator)
+    whitens     None for an estimator whose advantages come from each prompt's own rollouts, without batch whitening
+                (SALT's bases, and what a method that reads a prompt's group needs); else why it is not one
+    """
+
+    name: str
+    advantages: Callable | None
+    upstream: bool = True
+    whitens: str | None = None
+
+
+@dataclass(frozen=True)
 class Curation:
     """Picks which rollout fills each slot of the batch, between the rewards and the group statistics.
 
-    plan     (step, rewards (N,) CPU, hidden (N, d) | None) -> (geoalign.CurationPlan, stats); `step` is the
-             pipeline's GeometryStep (group_ids, corrupted, owner: configs, generators, projector)
+    plan     (settings, state, batch: stages.Batch, rewards (N,) CPU, hidden (N, d) | None)
+             -> (stages.CurationPlan, stats)
+    state    (settings, seed) -> its State (None: it remembers nothing across steps); seed: the run's --train.seed
     config   the GeometryConfig field holding its settings ("baseline": chosen by --baseline.curation <name>;
              "geoalign": --geoalign.enable)
     metrics  the namespace its stats are logged under (<metrics>/<stat key>)
+    record   the name its plan's per-rollout `score` has in the local engine's curation records (None: not recorded)
     drops    (settings) -> whether the plan can drop rollouts (keep False; only the local engine takes that)
     fork     (settings) -> why the fork cannot run it with these settings, None when it can
     check    (settings) -> what is wrong with its settings (BaselineConfig's validation calls it), None when fine
     needs_hidden  the plan reads the last-token hidden states (the fork gathers them only then)
-    needs_groups  it picks among each prompt's rollouts: the estimator must be one of GROUP_ESTIMATORS
+    needs_groups  it picks among each prompt's rollouts: the estimator must be a group one (`group_estimators`)
     """
 
     name: str
     plan: Callable
+    state: Callable = _stateless
     config: str = "baseline"
     metrics: str = "baseline"
+    record: str | None = None
     drops: Callable = lambda settings: False
     fork: Callable = _runs_everywhere
     check: Callable = _runs_everywhere
@@ -72,19 +97,20 @@ class PolicyLoss:
     """The per-token policy loss (--baseline.policy_loss <name>), with its settings in BaselineConfig.
 
     loss       (config, log_probs, old_log_probs, advantages (N, T), mask, clip_low, clip_high, generator)
-               -> (per-token loss (N, T), stats); None: the engine's own PPO clipped surrogate (the local engine's
-               `clipped_surrogate`, the fork's upstream PolicyLoss)
+               -> (per-token loss (N, T), stats)
+    upstream   the fork keeps upstream's PolicyLoss (the same loss, with its own options); False: the fork calls `loss`
     clip_frac  the stats key of the share of valid tokens the PPO ratio clip cuts off (logged as clip_frac);
                None: no ratio clip, clip_frac 0
     check      (config, eps_low) -> why the engine's PPO clip ratios do not fit this loss, None when they do
-    metrics    the namespace its stats are logged under (<metrics>/<stat key>)
+    metrics    the namespace its stats are logged under (<metrics>/<stat key>; None: not logged)
     """
 
     name: str
-    loss: Callable | None
+    loss: Callable
+    upstream: bool = False
     clip_frac: str | None = None
     check: Callable = lambda config, eps_low: None
-    metrics: str = "baseline"
+    metrics: str | None = "baseline"
 
 
 @dataclass(frozen=True)
@@ -93,15 +119,14 @@ class Adjustment:
     "advantage", after the group statistics, before SALT) without choosing rollouts; settings in BaselineConfig.
 
     flag     the flag that turns it on (for messages)
-    adjust   (step, values (N,), config, **inputs) -> (adjusted values (N,), stats); `step` is the pipeline's
-             GeometryStep, each input a zero-arg callable the engine passes (`GeometryStep.adjust`), called only
-             when the adjustment runs
+    adjust   (config, batch: stages.Batch, values (N,), **inputs) -> (adjusted values (N,), stats); each input a
+             zero-arg callable the engine passes (`GeometryStep.adjust`), called only when the adjustment runs
     inputs   the names of the inputs it reads ("references": PAR's reference rewards, "responses" and "verifier":
              the decoded responses and the math verifier); an engine that cannot provide one refuses it (`fork`)
     enabled  (config) -> whether its flag is on
     fork     (config) -> why the fork cannot run it, None when it can
     needs_groups  it reads each prompt's rollouts as a group: the engine's estimator must be per-prompt without
-             batch whitening (GROUP_ESTIMATORS)
+             batch whitening (`group_estimators`)
     """
 
     name: str
@@ -115,9 +140,30 @@ class Adjustment:
     needs_groups: bool = True
 
 
+ESTIMATORS = Registry("--advantage_estimator")
 CURATIONS = Registry("--baseline.curation")
 POLICY_LOSSES = Registry("--baseline.policy_loss")
 ADJUSTMENTS = Registry("a --baseline.* adjustment")
+
+
+def register_estimator(name, **info):
+    """Decorator: register `advantages` as estimator `name` (Estimator's fields as keywords)."""
+
+    def add(advantages):
+        ESTIMATORS.register(Estimator(name, advantages, **info))
+        return advantages
+
+    return add
+
+
+def group_estimators() -> tuple:
+    """The estimators whose sequence advantages come from each prompt's own rollouts, without batch whitening."""
+    return tuple(name for name, entry in ESTIMATORS.items() if entry.whitens is None)
+
+
+def local_estimators() -> tuple:
+    """The estimators the local engine computes."""
+    return tuple(name for name, entry in ESTIMATORS.items() if entry.advantages is not None)
 
 
 def register_curation(name, **info):
@@ -194,9 +240,9 @@ def refusals(config, engine: str, estimator: str | None = None) -> list:
     for entry, flag, settings in entries:
         if engine == "fork":
             out.append(entry.fork(settings))
-        if entry.needs_groups and estimator is not None and estimator not in GROUP_ESTIMATORS:
+        if entry.needs_groups and estimator is not None and estimator not in group_estimators():
             out.append(
-                f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(GROUP_ESTIMATORS)} "
+                f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(group_estimators())} "
                 f"or salt with one of them as --salt.base (got {estimator!r}{via})"
             )
     return [message for message in out if message is not None]

@@ -23,6 +23,7 @@ from openrlhf_geo.baselines import (
     semantic_entropy,
     token_covariance,
 )
+from openrlhf_geo.losses import clipped_surrogate
 
 
 def multiplicity(plan):
@@ -629,5 +630,8 @@ def test_policy_loss_dispatch_broadcasts_sequence_advantages_and_passes_the_sett
     )
     assert_close(got, want)
     assert stats == want_stats
-    with pytest.raises(ValueError, match="the engine's own loss"):
-        baselines.policy_loss(baselines.BaselineConfig(), new, old, adv, mask, 0.2, 0.2)
+    # the default, ppo, is registered too: PPO's clipped surrogate (the fork keeps upstream's PolicyLoss for it)
+    got, stats = baselines.policy_loss(baselines.BaselineConfig(), new, old, sequence_adv, mask, 0.2, 0.3)
+    want, clipped = clipped_surrogate(new, old, sequence_adv, 0.2, 0.3)
+    assert_close(got, want)
+    assert stats == {"clip_frac": float((clipped & mask).sum()) / float(mask.sum())}

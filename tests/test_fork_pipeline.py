@@ -1,20 +1,19 @@
 """The REAL patched openrlhf 0.11.2 modules, imported from the materialized fork (CPU, test-only import shims).
 
-Covers: upstream's own parser with the fork's flags; Actor.forward (padded and packed) returning upstream's
-log-probs plus correct features / hidden states; PolicyModelActor.forward's return value; the experience maker's
-SALT advantages against `salt_advantages`; GeoAlign rectification on micro-batched Experiences; PolicyLoss
-gradients under replacement against an explicitly duplicated batch; metrics through `info` and the replay-buffer
-split/merge; GeoAlign state in checkpoints.
+Covers: hub ids and local model paths passing upstream's parser, and `train` shipping the fork to Ray workers
+(the other parse tests: test_fork_parse.py); Actor.forward (padded and packed) returning upstream's log-probs plus
+correct features / hidden states; PolicyModelActor.forward's return value; the experience maker's SALT advantages
+against `salt_advantages`; GeoAlign rectification on micro-batched Experiences; PolicyLoss gradients under
+replacement against an explicitly duplicated batch; metrics through `info` and the replay-buffer split/merge;
+GeoAlign state in checkpoints.
 """
 
 import copy
 import dataclasses
 import itertools
 import math
-import re
 import runpy
 import sys
-import warnings
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -26,9 +25,7 @@ from hypothesis import strategies as st
 
 from openrlhf_geo import geoalign, pipeline
 from openrlhf_geo.fork import hooks as fork_hooks
-from openrlhf_geo.fork import install as fork
-from openrlhf_geo.fork import launch
-from openrlhf_geo.geoalign import CurationPlan
+from openrlhf_geo.stages import CurationPlan
 
 pytestmark = pytest.mark.fork
 V = 48  # tiny vocabulary
@@ -62,201 +59,7 @@ def load_actor(up, tiny_path, packing=False, temperature=1.0):
     return actor
 
 
-# ── upstream's parser (`parse`, `BASE_ARGV`: fork_helpers.py; the `up` fixture: conftest.py) ──
-
-
-def test_help_lists_upstream_and_fork_flags(up, monkeypatch, capsys):
-    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
-    with pytest.raises(SystemExit) as caught:
-        launch.main(["--help"])
-    out = capsys.readouterr().out
-    assert caught.value.code == 0
-    flags = set(re.findall(r"(--[\w.]+)", out))
-    assert {"--algo.advantage.estimator", "--advantage_estimator", "--vllm.num_engines", "--salt.variant"} <= flags
-    assert {"--geoalign.projector.hidden_sizes", "--reward.noise.type", "--reward.noise.rate"} <= flags
-    assert "salt (openrlhf-geo" in " ".join(out.split())
-
-
-def help_entries(text):
-    """--help text -> {option: its entry, whitespace collapsed}."""
-    entries, current = {}, None
-    for line in text.splitlines():
-        start = re.match(r"\s{2}(--[\w.]+)", line)
-        if start:
-            current = start.group(1)
-            entries[current] = line
-        elif current and line.startswith(" " * 4):
-            entries[current] += " " + line
-        else:
-            current = None
-    return {option: " ".join(entry.split()) for option, entry in entries.items()}
-
-
-def test_help_of_both_engines_shows_each_config_flag_with_its_dataclass_default(up, monkeypatch, capsys):
-    from dataclasses import MISSING
-
-    from openrlhf_geo import cli
-    from openrlhf_geo.baselines import BaselineConfig
-    from openrlhf_geo.config_flags import flag_fields, shown
-    from openrlhf_geo.geoalign import GeoAlignConfig
-    from openrlhf_geo.rewards.noise import NoiseConfig
-    from openrlhf_geo.salt import SaltConfig
-
-    monkeypatch.setenv(fork.CACHE_ENV, str(up.cache))
-    with pytest.raises(SystemExit):
-        launch.main(["--help"])
-    fork_help = help_entries(capsys.readouterr().out)
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--help"])
-    local_help = help_entries(capsys.readouterr().out)
-    checked = 0
-    for config in (SaltConfig, GeoAlignConfig, NoiseConfig, BaselineConfig):
-        for f, option, _ in flag_fields(config):
-            default = f.default if f.default is not MISSING else f.default_factory()
-            renamed = f"{f.name} " if not option.endswith(f".{f.name}") else ""
-            want = f"(default {renamed}{shown(default)}"
-            for engine, entries in (("fork", fork_help), ("local", local_help)):
-                assert want in entries.get(option, ""), (engine, option, entries.get(option))
-                checked += 1
-    assert checked > 60
-
-
-def test_advantage_estimator_salt_parses_to_its_base_plus_salt(up, monkeypatch):
-    args = parse(up, monkeypatch, ["--advantage_estimator", "salt", "--salt.base", "rloo"])
-    assert args.algo.advantage.estimator == "rloo" and args.salt.enable
-    assert args.critic.model_name_or_path is None  # upstream's own post-parse logic saw a group estimator
-    flat = parse(up, monkeypatch, ["--advantage_estimator", "group_norm"])
-    assert flat.algo.advantage.estimator == "group_norm" and not flat.salt.enable and not flat.geoalign.enable
-
-
-def test_every_fork_flag_reaches_the_nested_args(up, monkeypatch):
-    argv = (
-        "--advantage_estimator salt --salt.base dr_grpo --salt.variant fixed-alpha --salt.alpha 0.3 "
-        "--salt.features exact --salt.dim 256 --salt.seed 3 --salt.group_prompts 2 "
-        "--geoalign.enable --geoalign.preset rlhf --geoalign.alpha 0.1 --geoalign.mode amplify --geoalign.gdi mean "
-        "--geoalign.prototype plain --geoalign.max_flag_frac 0.3 --geoalign.min_scores 8 "
-        "--geoalign.max_pairs_per_side 2 --geoalign.device cpu --geoalign.projector.hidden_sizes 16 8 "
-        "--geoalign.projector.out_dim 4 --geoalign.projector.steps 5 --geoalign.projector.lr 0.01 "
-        "--geoalign.projector.val_acc 0.9 --geoalign.projector.val_frac 0.3 --geoalign.projector.no_warm_start "
-        "--reward.noise.type flip --reward.noise.rate 0.25 --reward.noise.seed 5"
-    ).split()
-    args = parse(up, monkeypatch, argv)
-    salt = args.salt
-    assert (salt.base, salt.variant, salt.alpha, salt.features, salt.dim, salt.seed, salt.group_prompts) == (
-        "dr_grpo",
-        "fixed-alpha",
-        0.3,
-        "exact",
-        256,
-        3,
-        2,
-    )
-    assert args.algo.advantage.estimator == "dr_grpo"
-    config = fork_hooks.ExperienceGeometry(args).pipeline.geoalign
-    assert (config.alpha, config.mode, config.gdi, config.prototype, config.max_flag_frac) == (
-        0.1,
-        "amplify",
-        "mean",
-        "plain",
-        0.3,
-    )
-    assert (config.min_scores, config.max_pairs_per_side, config.device) == (8, 2, "cpu")
-    assert (config.hidden_sizes, config.out_dim, config.steps, config.lr) == ((16, 8), 4, 5, 0.01)
-    assert (config.val_acc, config.val_frac, config.warm_start) == (0.9, 0.3, False)
-    noise = fork_hooks.ExperienceGeometry(args).pipeline.noise
-    assert (noise.type, noise.rate, noise.seed, noise.levels) == ("flip", 0.25, 5, (0.0, 1.0))
-    assert args.reward.num_nodes == 1  # upstream's --reward.* flags live beside --reward.noise.*
-
-
-def test_every_baseline_flag_reaches_the_nested_args(up, monkeypatch):
-    argv = (
-        "--advantage_estimator group_norm --baseline.policy_loss clip_cov --baseline.clip_cov_ratio 0.001 "
-        "--baseline.clip_cov_lb 0.5 --baseline.clip_cov_ub 4 --baseline.curation pf_ppo_bw "
-        "--baseline.pf_ppo_keep_count --baseline.seed_grpo_alpha 0.25 --actor.eps_clip_low_high 1 1"
-    ).split()
-    config = fork_hooks.ExperienceGeometry(parse(up, monkeypatch, argv)).pipeline.baseline
-    assert (config.policy_loss, config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub) == (
-        "clip_cov",
-        0.001,
-        0.5,
-        4.0,
-    )
-    assert (config.curation, config.pf_ppo_keep_count, config.seed_grpo_alpha) == ("pf_ppo_bw", True, 0.25)
-    argv = "--advantage_estimator group_norm --baseline.policy_loss kl_cov --baseline.kl_cov_ratio 0.01 "
-    kl = parse(up, monkeypatch, [*argv.split(), "--baseline.kl_cov_coef", "2"])
-    assert (kl.baseline.kl_cov_ratio, kl.baseline.kl_cov_coef) == (0.01, 2.0)
-
-
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        ("--salt.variant full", "--salt.variant only applies with --advantage_estimator salt"),
-        ("--advantage_estimator salt --salt.dim 1000", "--salt.dim must be a perfect square"),
-        ("--geoalign.mode replace", "--geoalign.mode only applies with --geoalign.enable"),
-        ("--reward.noise.rate 0.1", "needs --reward.noise.type flip or swap"),
-        ("--advantage_estimator group_norm --geoalign.enable --geoalign.mode drop", "--geoalign.mode drop changes"),
-        ("--advantage_estimator reinforce_baseline --geoalign.enable", "needs a per-prompt group estimator"),
-        ("--advantage_estimator salt --salt.base reinforce_baseline", "upstream whitens the whole batch after"),
-        ("--salt.diagnostics --salt.variant only-main", "--salt.variant only applies with --advantage_estimator"),
-        ("--advantage_estimator group_norm --geoalign.enable --geoalign.device cuda", "starts without a GPU"),
-        ("--advantage_estimator salt --ds.ring_attn_size 2 --vllm.num_engines 1", "--ds.ring_attn_size 2 splits"),
-        ("--salt.diagnostics --ds.ring_attn_size 2 --vllm.num_engines 1", "(its --salt.diagnostics too)"),
-        (
-            "--advantage_estimator salt --train.batch_size 30",
-            "--train.batch_size 30 is not a multiple of --rollout.n_samples_per_prompt 4: --advantage_estimator salt "
-            "partitions rollouts by whole prompts",
-        ),
-        ("--salt.diagnostics --train.batch_size 2", "use --train.batch_size 4, or set --salt.group_prompts"),
-        ("--actor.model_name_or_path /nonexistent/model", "--actor.model_name_or_path /nonexistent/model: no such"),
-        ("--actor.model_name_or_path ./no/model", "--actor.model_name_or_path ./no/model: no such file or directory"),
-        ("--actor.model_name_or_path ~/no/model", "--actor.model_name_or_path ~/no/model: no such file or directory"),
-        ("--reward.model_name_or_path org/rm,../no/rm", "--reward.model_name_or_path ../no/rm: no such file or"),
-        ("--advantage_estimator bogus", "invalid choice: 'bogus'"),
-        ("--baseline.par_references 2", "PAR needs, every step, reward-model scores of M reference responses"),
-        ("--baseline.curation pods --baseline.pods_m 2", "--baseline.curation pods drops rollouts"),
-        ("--advantage_estimator group_norm --baseline.curation pf_ppo_br", "use PF-PPO with --baseline.pf_ppo_keep"),
-        ("--baseline.curation pf_ppo_br --baseline.pf_ppo_keep_count --geoalign.enable", "use one of them"),
-        ("--advantage_estimator reinforce_baseline --baseline.seed_grpo_alpha 0.5", "needs a per-prompt group"),
-        ("--baseline.policy_loss clip_cov --actor.dual_clip 3", "--actor.dual_clip would be silently ignored"),
-        ("--baseline.policy_loss kl_cov --actor.policy_loss_type gspo", "gspo would be silently ignored"),
-        ("--baseline.kl_cov_ratio 0.1", "--baseline.kl_cov_ratio only applies with --baseline.policy_loss kl_cov"),
-        ("--baseline.policy_loss clip_cov --actor.eps_clip_low_high 1.5 1.5", "a low PPO clip ratio <= 1 (got 1.5)"),
-    ],
-)
-def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, message):
-    with pytest.raises(SystemExit) as caught:
-        parse(up, monkeypatch, argv.split())
-    assert caught.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monkeypatch, capsys, tmp_path):
-    """Found before Ray starts, not at the first save hours in (a real read-only mount: tests/test_fork_faults.py)."""
-    blocker, GRPO = tmp_path / "a_file", ["--advantage_estimator", "group_norm"]
-    blocker.write_text("")
-    for argv, flag in (
-        (["--ckpt.save_steps", "1", "--ckpt.path", str(blocker / "ckpt")], "--ckpt.path"),
-        (["--ckpt.output_dir", str(blocker / "out")], "--ckpt.output_dir"),
-    ):
-        with pytest.raises(SystemExit) as caught:
-            parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out"), *argv])
-        assert caught.value.code == 2
-        err = capsys.readouterr().err
-        assert f"{flag} {blocker}/" in err and "cannot write there (Not a directory" in err, err
-    # --ckpt.path is only written with periodic saves; a folder that does not exist yet is created by upstream
-    args = parse(
-        up, monkeypatch, [*GRPO, "--ckpt.path", str(blocker / "ckpt"), "--ckpt.output_dir", str(tmp_path / "new")]
-    )
-    assert args.ckpt.path == str(blocker / "ckpt") and not (tmp_path / "new").exists()
-
-    def read_only(*args, **kwargs):
-        raise OSError(30, "Read-only file system", kwargs.get("dir"))
-
-    monkeypatch.setattr(fork_hooks.tempfile, "TemporaryFile", read_only)  # as root, permission bits do not stop it
-    with pytest.raises(SystemExit):
-        parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert f"--ckpt.output_dir {tmp_path / 'out'}: cannot write there (Read-only file system" in err
+# ── parsing with the tiny model, and the launch up to ray.init (the other parse tests: test_fork_parse.py) ──
 
 
 def test_hub_ids_and_existing_model_paths_pass_parsing(up, tiny_path, monkeypatch):
@@ -266,17 +69,6 @@ def test_hub_ids_and_existing_model_paths_pass_parsing(up, tiny_path, monkeypatc
     assert args.actor.model_name_or_path == "Qwen/Qwen2.5-0.5B"
     local = parse(up, monkeypatch, [*argv, "--actor.model_name_or_path", tiny_path])
     assert local.actor.model_name_or_path == tiny_path
-
-
-def test_async_training_warns_that_salt_partitions_leave_the_optimizer_steps(up, monkeypatch):
-    from openrlhf_geo import GeoWarning
-
-    argv = ["--advantage_estimator", "salt", "--train.batch_size", "8", "--train.async_enable"]
-    with pytest.warns(GeoWarning, match=r"--train.async_enable: SALT's partitions \(--train.batch_size 8 rollouts\)"):
-        parse(up, monkeypatch, argv)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GeoWarning)
-        parse(up, monkeypatch, argv[:-1])  # synchronous: partitions are optimizer steps, nothing to warn about
 
 
 def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
@@ -819,7 +611,7 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     )
     maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=4)
     first = maker.make_experience_batch(rollouts(up, 4, seed=3))
-    assert maker.geometry.pipeline.projector is not None  # created and trained in the first batch
+    assert maker.geometry.pipeline.states["geoalign"].projector is not None  # created and trained in the first batch
     curate_keys = ("pairs", "flag_frac", "val_acc", "gdi_p50", "gdi_p95", "cos_gt_0.8", "cos_gt_0.8_val")
     for key in (*curate_keys, "precision", "recall"):
         assert all(e.info[f"geo/{key}"].shape == (len(e.index),) for e in first)  # real curate's metrics
@@ -841,7 +633,8 @@ def test_geoalign_state_rides_in_checkpoints_and_restores(up, tiny_path, monkeyp
     resumed.experience_maker = resumed_maker
     resumed.best_eval_metric_key, resumed.best_eval_metric_value = "", -1.0
     resumed.restore_best_checkpoint_state(saved[0]["client_states"])
-    for a, b in zip(resumed_maker.geometry.pipeline.projector.state_dict().values(), state["projector"].values()):
+    projector = resumed_maker.geometry.pipeline.states["geoalign"].projector
+    for a, b in zip(projector.state_dict().values(), state["stages"]["geoalign"]["projector"].values()):
         assert torch.equal(a, b)
     # same state => the next batch is processed identically
     batch = rollouts(up, 4, seed=4)

@@ -20,7 +20,6 @@ from openrlhf_geo.geoalign import (
     MODES,
     PROTOTYPES,
     SKIP_REASONS,
-    CurationPlan,
     GeoAlignConfig,
     Projector,
     _minibatches,
@@ -37,6 +36,7 @@ from openrlhf_geo.geoalign import (
     rectify,
 )
 from openrlhf_geo.rewards.noise import flip_binary
+from openrlhf_geo.stages import CurationPlan
 
 # Small projector so each curate call takes milliseconds.
 TINY = GeoAlignConfig(hidden_sizes=(16,), out_dim=8, steps=5)
@@ -70,7 +70,7 @@ def planted(n_prompts=64, group=16, dim=128, rate=0.1, seed=0):
 
 def same_result(a, b):
     (plan_a, stats_a), (plan_b, stats_b) = a, b
-    for field in ("source", "weight", "keep", "flagged", "gdi"):
+    for field in ("source", "weight", "keep", "flagged", "score"):
         assert_close(getattr(plan_a, field), getattr(plan_b, field), rtol=0, atol=0, equal_nan=True)
     assert stats_a["skipped_reason"] == stats_b["skipped_reason"]
     drop = {"time_s", "skipped_reason"}
@@ -268,7 +268,7 @@ def test_pairs_of_a_single_prompt_train_every_step_without_early_stopping():
     assert stats["prompts_paired"] == 1.0 and stats["pairs"] > 0
     assert stats["proj_steps"] == 12.0 and math.isnan(stats["val_acc"]) and stats["proj_train_acc"] > 0
     assert stats["skipped_reason"] == "" and not math.isnan(stats["kde_mode"])
-    assert stats["n_scored"] == (~torch.isnan(plan.gdi)).sum()
+    assert stats["n_scored"] == (~torch.isnan(plan.score)).sum()
 
 
 @settings(max_examples=60)
@@ -589,7 +589,7 @@ def test_planted_outliers_are_found():
 def test_curate_flags_the_pointwise_rule_on_the_returned_gdi():
     hidden, rewards, ids, corrupted = planted(seed=1)
     plan, stats = curate(hidden, rewards, ids, replace(SMALL, alpha=0.12), gen(0), corrupted=corrupted)
-    scores = plan.gdi.double().numpy()
+    scores = plan.score.double().numpy()
     scored = ~np.isnan(scores)
     density = scott_kde(scores[scored], scores[scored])
     expected = np.zeros(len(scores), dtype=bool)
@@ -610,7 +610,7 @@ def test_the_opt_in_cap_keeps_the_highest_gdi_candidates_of_the_threshold_rule()
     hidden, rewards, ids, _ = planted(seed=1)
     cfg = replace(SMALL, alpha=0.3, rule="threshold", max_flag_frac=0.05)
     plan, stats = curate(hidden, rewards, ids, cfg, gen(0))
-    scores = plan.gdi.double().numpy()
+    scores = plan.score.double().numpy()
     scored = ~np.isnan(scores)
     expected, step = reference_threshold(scores[scored], cfg.alpha)
     assert abs(stats["kde_threshold"] - expected) <= 2 * step
@@ -675,7 +675,7 @@ def test_tied_prompts_are_untouched_and_curate_is_deterministic():
     plan = first[0]
     assert plan.flagged.any() and not plan.flagged[tied].any()
     assert torch.equal(plan.source[tied], torch.nonzero(tied)[:, 0]) and bool(plan.keep[tied].all())
-    assert bool(torch.isnan(plan.gdi[tied]).all())
+    assert bool(torch.isnan(plan.score[tied]).all())
     same_result(first, curate(hidden, rewards, ids, cfg, gen(5)))
 
 
@@ -720,7 +720,7 @@ def test_curate_is_invariant_to_the_scale_of_hidden_states():
         same_result(base, curate(scaled, rewards, ids, TINY, gen(2)))
     plan, stats = curate(hidden * 1e19, rewards, ids, TINY, gen(2))
     assert stats["pairs"] == base[1]["pairs"] and stats["skipped_reason"] == ""
-    assert bool(torch.isfinite(plan.gdi[~torch.isnan(base[0].gdi)]).all())
+    assert bool(torch.isfinite(plan.score[~torch.isnan(base[0].score)]).all())
 
 
 def test_curate_is_invariant_to_a_common_positive_scale_of_the_rewards():
@@ -810,7 +810,7 @@ def test_the_opt_in_score_minimum_flags_nothing_after_training():
     assert_skipped(stats, "few_scores")
     assert stats["prompts_paired"] >= 2 and stats["n_scored"] < 100
     assert stats["proj_steps"] > 0 and not math.isnan(stats["val_acc"])  # the projector still trains
-    assert not math.isnan(stats["gdi_p50"]) and bool((~torch.isnan(plan.gdi)).any())
+    assert not math.isnan(stats["gdi_p50"]) and bool((~torch.isnan(plan.score)).any())
 
 
 def test_equal_gdi_scores_flag_nothing():

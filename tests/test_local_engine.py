@@ -14,6 +14,8 @@ from openrlhf_geo.lab.task import addition_problems, build_model, build_tokenize
 from openrlhf_geo.local import engine, rundir
 from openrlhf_geo.local.engine import Rollouts, Trainer
 from openrlhf_geo.local.flags import parse_args
+from openrlhf_geo.losses import clipped_surrogate
+from openrlhf_geo.registry import ESTIMATORS
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +128,10 @@ def test_tokens_after_eos_change_nothing(tokenizer):
     st.lists(st.lists(st.sampled_from([0.0, 1.0, 0.5, -1.0]), min_size=2, max_size=6), min_size=1, max_size=5),
     st.sampled_from(["group_norm", "dr_grpo"]),
 )
-def test_group_advantages_match_numpy(groups, estimator):
+def test_registered_estimators_match_numpy(groups, estimator):
     rewards = torch.tensor([r for g in groups for r in g], dtype=torch.float32)
     ids = torch.tensor([10 * i for i, g in enumerate(groups) for _ in g])  # non-contiguous prompt ids
-    got = engine.group_advantages(rewards, ids, estimator)
+    got = ESTIMATORS[estimator].advantages(rewards, ids)
     expected = []
     for g in groups:
         g = np.array(g, dtype=np.float64)
@@ -147,7 +149,7 @@ def test_clipped_surrogate_matches_numpy(seed, eps):
         -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3,
     )
     adv = torch.randn(4, generator=g, dtype=torch.float64)
-    loss, clipped = engine.clipped_surrogate(logprobs, old, adv, *eps)
+    loss, clipped = clipped_surrogate(logprobs, old, adv, *eps)
     ratio = np.exp(logprobs.numpy() - old.numpy())
     a = adv.numpy()[:, None]
     unclipped, clip = ratio * a, np.clip(ratio, 1 - eps[0], 1 + eps[1]) * a
@@ -298,7 +300,9 @@ def test_resume_reproduces_the_next_step(tokenizer, tmp_path):
 
     first = Trainer(args, tiny_model(tokenizer), tokenizer, rows, contains_five)
     first.step()
-    assert first.pipeline.projector is not None  # GeoAlign ran, so its projector is part of the state
+    assert (
+        first.pipeline.states["geoalign"].projector is not None
+    )  # GeoAlign ran, so its projector is part of the state
     rundir.save_checkpoint(tmp_path, first.state_dict())
     torch.manual_seed(1234)  # a different global RNG state must not matter after loading
     resumed = Trainer(args, tiny_model(tokenizer, seed=7), tokenizer, rows, contains_five)
@@ -307,7 +311,10 @@ def test_resume_reproduces_the_next_step(tokenizer, tmp_path):
 
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
-    for a, b in zip(straight.pipeline.projector.parameters(), resumed.pipeline.projector.parameters()):
+    for a, b in zip(
+        straight.pipeline.states["geoalign"].projector.parameters(),
+        resumed.pipeline.states["geoalign"].projector.parameters(),
+    ):
         assert torch.equal(a, b)
     timing = {k for k in expected if k.startswith("time/") or k == "geo/time_s" or k == "salt/solve_ms"}
     same = {k: v for k, v in expected.items() if k not in timing}

@@ -15,11 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_geo import geoalign, pipeline
-from openrlhf_geo.geoalign import CurationPlan, GeoAlignConfig
+from openrlhf_geo import geoalign, pipeline, salt_stage
+from openrlhf_geo.geoalign import GeoAlignConfig
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline, check_finite
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
 from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
+from openrlhf_geo.stages import CurationPlan
 
 
 def fixed_plan(source, weight=None, keep=None):
@@ -122,7 +123,7 @@ def test_a_salt_run_logs_the_group_statistics_of_a_and_of_the_objectives_a_prime
     groups, F = group_ids.tolist(), features.numpy()
     for key, coefficients in ((None, a), ("applied", new)):
         expected = _np_coefficient_group_stats(coefficients.numpy(), F, groups)
-        for name in pipeline.APPLIED_GROUP_KEYS:
+        for name in salt_stage.APPLIED_GROUP_KEYS:
             got = float(step.metrics[f"salt/{name}_{key}" if key else f"salt/{name}"][0])
             assert got == pytest.approx(expected[name], rel=1e-6), (name, key)  # metrics are float32
 
@@ -158,7 +159,7 @@ def test_a_partition_without_signal_logs_its_ratio_stats_as_nan_and_the_batch_va
     u = a.numpy()[:6]
     K = F[:6] @ F[:6].T / 6
     n_eff = float(u @ K @ u) / float((u**2 * np.diag(K)).sum())  # Eq. 6 on the Gram, float64
-    for key in pipeline.UNDEFINED_WITHOUT_SIGNAL:
+    for key in salt_stage.UNDEFINED_WITHOUT_SIGNAL:
         values = step.metrics[f"salt/{key}"]
         assert bool(torch.isnan(values[6:]).all()) and bool(torch.isfinite(values[:6]).all()), key
     assert float(step.metrics["salt/n_eff_in"].nanmean()) == pytest.approx(n_eff, rel=1e-5)
@@ -181,7 +182,7 @@ def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_rang
         h_t = sum(sums) / float(lengths.sum())  # per token, not per response: 8.6 / 20, 2.0 / 20, 5.0 / 20
         seen.append(h_t)
         assert float(step.metrics["salt/H_t"][0]) == pytest.approx(h_t)
-        assert pipe.entropy_range == pytest.approx((min(seen), max(seen)))
+        assert pipe.states["salt"].entropy_range == pytest.approx((min(seen), max(seen)))
         alpha = entropy_alpha(h_t, min(seen), max(seen))
         assert float(step.metrics["salt/alpha"][0]) == pytest.approx(alpha)
     assert float(step.metrics["salt/alpha"][0]) == pytest.approx((0.25 - 0.1) / (0.43 - 0.1))
@@ -338,14 +339,14 @@ def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
     flags = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(pipeline.REGIME_WARN_EVERY):
+        for _ in range(salt_stage.REGIME_WARN_EVERY):
             step = salt_regime_step(pipe, inside)
             d_a, flip = (float(step.metrics[f"salt/{k}"].nanmean()) for k in ("D_a", "sign_flip"))
             flags.append(float(step.metrics["salt/out_of_regime"][0]))
-            far = d_a > pipeline.REGIME_MAX_D_A or flip > pipeline.REGIME_MAX_SIGN_FLIP
+            far = d_a > salt_stage.REGIME_MAX_D_A or flip > salt_stage.REGIME_MAX_SIGN_FLIP
             assert far != inside, (d_a, flip)  # the synthetic batch is where the test says it is
-        assert flags == [0.0 if inside else 1.0] * pipeline.REGIME_WARN_EVERY
-        regime = [str(w.message) for w in caught if issubclass(w.category, pipeline.SaltRegimeWarning)]
+        assert flags == [0.0 if inside else 1.0] * salt_stage.REGIME_WARN_EVERY
+        regime = [str(w.message) for w in caught if issubclass(w.category, salt_stage.SaltRegimeWarning)]
         assert len(regime) == (0 if inside else 1)
         if inside:
             return
@@ -354,7 +355,7 @@ def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
         resumed.load_state_dict(pipe.state_dict())  # a resume keeps the window
         salt_regime_step(pipe, inside=False)
         salt_regime_step(resumed, inside=False)
-    regime = [str(w.message) for w in caught if issubclass(w.category, pipeline.SaltRegimeWarning)]
+    regime = [str(w.message) for w in caught if issubclass(w.category, salt_stage.SaltRegimeWarning)]
     assert len(regime) == 3 and regime[1].startswith("step 51: ") and regime[2].startswith("step 51: ")
 
 
@@ -364,8 +365,8 @@ def test_a_users_warnings_show_only_their_message(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import warnings\n"
-        "from openrlhf_geo import pipeline, salt\n"
-        "warnings.warn('step 1: far outside', pipeline.SaltRegimeWarning)\n"
+        "from openrlhf_geo import salt, salt_stage\n"
+        "warnings.warn('step 1: far outside', salt_stage.SaltRegimeWarning)\n"
         "warnings.warn('ARPACK did not converge', salt.SaltSolverWarning)\n"
         "warnings.warn('not ours', DeprecationWarning)\n"
     )
@@ -429,3 +430,63 @@ def test_learning_signal_guard_is_quiet_while_there_is_signal():
         guard.check(torch.ones(8), groups)
     assert not signal_warnings(caught)
     assert guard.check(torch.ones(8), groups) == {"signal/tied_groups": 1.0}  # no mask: no truncation share
+
+
+def _fixture_run(pipe, step):
+    """The run `tests/fixtures/pipeline_state_v1.pt` recorded: rollout step `step`'s outputs on its fixed inputs."""
+    g = torch.Generator().manual_seed(100 + step)
+    rewards = (torch.rand(16, generator=g) > 0.5).float()
+    hidden, features = torch.randn(16, 6, generator=g), torch.randn(16, 10, generator=g, dtype=torch.float64)
+    entropy = torch.rand(16, generator=g) * 3
+    group_ids = torch.arange(16) // 4
+    noisy, corrupted = pipe.corrupt(rewards, group_ids)
+    step = pipe.start(group_ids, corrupted)
+    slot_rewards = step.curate(noisy, hidden)
+    out = step.reweight((slot_rewards - 0.5).double(), features, entropy, torch.full((16,), 3.0))
+    value, multiplicity = step.rows(out)
+    metrics = {k: v for k, v in step.metrics.items() if not k.endswith(("time_s", "solve_ms"))}
+    return {"rewards": noisy, "source": step.plan.source, "a": out, "value": value, "multiplicity": multiplicity,
+            "metrics": metrics}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["geoalign+rand-proj+noise", "pf_ppo_br+entropy-alpha"])
+def test_a_checkpoint_written_before_the_stages_owned_their_state_resumes_bit_for_bit(name):
+    """tests/fixtures/pipeline_state_v1.pt: the pipeline state after two steps, and the third step's outputs, written
+    by the pipeline as of 0.1.0.dev0 (state format 1, every stage's memory in one flat dict: the four streams,
+    GeoAlign's projector, SALT's entropy range and regime clock). Loaded into today's pipeline, the third step is the
+    same, bit for bit (every stream, the warm projector, the entropy range carried over)."""
+    from openrlhf_geo.baselines import BaselineConfig
+
+    configs = {
+        "geoalign+rand-proj+noise": GeometryConfig(
+            salt=SaltConfig(variant="rand-proj", features="exact"),
+            geoalign=GeoAlignConfig(hidden_sizes=(8,), out_dim=4, steps=2),
+            noise=NoiseConfig("flip", 0.25),
+            seed=3,
+        ),
+        "pf_ppo_br+entropy-alpha": GeometryConfig(
+            salt=SaltConfig(variant="entropy-alpha", features="exact"),
+            baseline=BaselineConfig(curation="pf_ppo_br"),
+            seed=5,
+        ),
+    }
+    fixture = torch.load("tests/fixtures/pipeline_state_v1.pt", weights_only=True)[name]
+    assert "format" not in fixture["state"] and "generators" in fixture["state"]  # really the old layout
+    pipe = GeometryPipeline(configs[name])
+    pipe.load_state_dict(fixture["state"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", salt_stage.SaltRegimeWarning)
+        got = _fixture_run(pipe, 2)
+    expected = fixture["next"]
+    assert got["metrics"].keys() == expected["metrics"].keys()
+    for key in ("rewards", "source", "a", "value", "multiplicity"):
+        assert torch.equal(got[key], expected[key]), key
+    for key, values in expected["metrics"].items():
+        assert torch.equal(got["metrics"][key].isnan(), values.isnan()), key
+        assert torch.equal(got["metrics"][key].nan_to_num(), values.nan_to_num()), key
+    # and the state it writes now is the stages' own, which loads back to the same pipeline
+    state = pipe.state_dict()
+    assert state["format"] == pipeline.STATE_FORMAT and "salt" in state["stages"]
+    again = GeometryPipeline(configs[name])
+    again.load_state_dict(state)
+    assert again.state_dict()["steps"] == 3

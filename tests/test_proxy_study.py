@@ -15,13 +15,14 @@ import scipy.stats
 import torch
 
 from openrlhf_geo import salt
+from openrlhf_geo.estimators import group_norm
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.jsonl import strict_json
 from openrlhf_geo.lab import recipe, studies
 from openrlhf_geo.lab.studies import salt_proxy as proxy_study
 from openrlhf_geo.lab.studies.base import ConditionStudy
 from openrlhf_geo.lab.task import build_model, build_tokenizer
-from openrlhf_geo.local.engine import generate_rollouts, group_advantages, response_forward
+from openrlhf_geo.local.engine import generate_rollouts, response_forward
 from openrlhf_geo.local.flags import parse_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "studies" / "salt-proxy.md"
@@ -215,7 +216,7 @@ def test_analyse_reads_the_default_proxy_from_salt_config(tiny, monkeypatch, fea
     monkeypatch.setattr(salt, "SaltConfig", Default)
     default = proxy_study.default_proxy()
     assert default == {"features": features, "dim": 64, "seed": 0, "gram": "raw"}
-    a = group_advantages(batch.rewards, batch.group_ids, "group_norm")
+    a = group_norm(batch.rewards, batch.group_ids)
     record = proxy_study.analyse(model, batch, a, 1.0, default, seed=0, step=0)
     assert ("default" in record["sets"]) == (features == "sketch") and record["default_is_exact"] == (
         features == "exact"

@@ -141,9 +141,9 @@ def _cancelling_batch(seed, m=24, dim=40):
         dim, generator=g, dtype=torch.float64
     )
     rewards = (torch.rand(m, generator=g) < 0.5).double()
-    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.estimators import group_norm
 
-    a = group_advantages(rewards, torch.arange(m) // 4, "group_norm")
+    a = group_norm(rewards, torch.arange(m) // 4)
     return a, features
 
 

@@ -171,14 +171,14 @@ def test_salt_on_the_gram_factor_equals_salt_on_the_features(m, dim, seed):
 
 def test_analyse_batch_measures_grpo_cancellation_and_leaves_tied_batches_undefined():
     from openrlhf_geo import diagnostics
-    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.estimators import group_norm
 
     g = torch.Generator().manual_seed(3)
     features = torch.randn(16, 40, generator=g, dtype=torch.float64)
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 1, 1, 1])
     lengths = torch.randint(5, 30, (16,), generator=g)
     record = real_lm_geometry.analyse_batch(rewards, features @ features.T, lengths, 4)
-    a = group_advantages(rewards.double(), torch.arange(16) // 4, "group_norm")
+    a = group_norm(rewards.double(), torch.arange(16) // 4)
     direct = diagnostics.effective_sample_size(a, diagnostics.gram(features), 0.0)
     assert math.isclose(record["n_eff"], direct, rel_tol=1e-6) and record["signal"] == 1.0
     assert record["mixed"] == 0.75 and record["accuracy"] == rewards.mean().item()

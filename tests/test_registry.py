@@ -1,7 +1,9 @@
-"""The method registries: a new curation or policy loss is one function plus one registration, and runs through the
-pipeline and the local engine; the fork's refusals and the flag choices come from the registries."""
+"""The method registries: a new estimator, curation, adjustment or policy loss is one function plus one
+registration, and runs through the pipeline and the local engine; the fork's refusals and the flag choices come from
+the registries; a stage reads its inputs and its own state, never the pipeline."""
 
 import argparse
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -11,22 +13,22 @@ import torch
 
 from openrlhf_geo import options, registry
 from openrlhf_geo.baselines import BaselineConfig
-from openrlhf_geo.geoalign import CurationPlan
 from openrlhf_geo.lab.task import build_model, build_tokenizer
 from openrlhf_geo.local.engine import Rollouts, Trainer
 from openrlhf_geo.local.flags import parse_args
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
 from openrlhf_geo.salt import VARIANTS, Variant
+from openrlhf_geo.stages import CurationPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
-def drop_last_plan(step, rewards, hidden):
+def drop_last_plan(config, state, batch, rewards, hidden):
     """Toy curation: each prompt's last rollout leaves the batch."""
     plan = CurationPlan.identity(len(rewards))
     last = torch.ones_like(plan.keep)
-    last[:-1] = step.group_ids[1:] != step.group_ids[:-1]
+    last[:-1] = batch.group_ids[1:] != batch.group_ids[:-1]
     plan.keep[last], plan.weight[last], plan.flagged[last] = False, 0.0, True
     return plan, {"toy/dropped_frac": float(last.double().mean())}
 
@@ -72,10 +74,10 @@ def test_a_registered_curation_and_policy_loss_train_on_the_local_engine(toys):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def halve_first(step, advantages, config, *, responses):
+def halve_first(config, batch, advantages, *, responses):
     """Toy adjustment: halves the advantage of each prompt's first slot, reading the responses it was given."""
-    first = torch.ones(step.size, dtype=torch.bool)
-    first[1:] = step.group_ids[1:] != step.group_ids[:-1]
+    first = torch.ones(batch.size, dtype=torch.bool)
+    first[1:] = batch.group_ids[1:] != batch.group_ids[:-1]
     return torch.where(first, advantages / 2, advantages), {"toy_adjust/responses": float(len(responses()))}
 
 
@@ -104,6 +106,86 @@ def test_a_registered_adjustment_runs_through_the_pipeline_and_both_refusal_path
         parse(["--baseline.seed_grpo_alpha", "0.5"], engine="fork")
     (refused,) = registry.refusals(GeometryConfig(baseline=BaselineConfig(seed_grpo_alpha=0.5)), "local", "rloo_x")
     assert refused.startswith("--baseline.seed_grpo_alpha needs a per-prompt group estimator")  # needs_groups
+
+
+class Counter:
+    """Toy State: counts the batches its curation saw."""
+
+    def __init__(self, start):
+        self.calls = start
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def counting_plan(config, state, batch, rewards, hidden):
+    state.calls += 1
+    return CurationPlan.identity(len(rewards)), {"calls": float(state.calls)}
+
+
+def test_a_curation_owns_its_state_and_the_pipeline_checkpoints_it_under_the_curations_name(monkeypatch):
+    toy = registry.Curation("toy", counting_plan, state=lambda config, seed: Counter(10 * seed))
+    monkeypatch.setitem(registry.CURATIONS, "toy", toy)
+    config = GeometryConfig(baseline=BaselineConfig(curation="toy"), seed=2)
+    first = GeometryPipeline(config)
+    for _ in range(2):
+        first.start(torch.tensor([0, 0])).curate(torch.tensor([0.0, 1.0]), None)
+    assert first.states["toy"].calls == 22  # built from the run's seed, updated by the stage alone
+    state = first.state_dict()
+    assert state["stages"]["toy"] == {"calls": 22}
+    resumed = GeometryPipeline(config)
+    resumed.load_state_dict(state)
+    step = resumed.start(torch.tensor([0, 0]))
+    step.curate(torch.tensor([0.0, 1.0]), None)
+    assert step.metrics["baseline/calls"].tolist() == [23.0, 23.0]
+
+
+def test_stages_never_read_the_pipeline():
+    """What a registered stage is handed: its settings, its own state, a stages.Batch and tensors. None of the modules
+    that register stages imports the pipeline, names its objects or reaches for an owner."""
+    for module in ("baselines", "estimators", "geoalign", "losses", "salt_stage"):
+        tree = ast.parse((ROOT / "openrlhf_geo" / f"{module}.py").read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {"pipeline", "openrlhf_geo.pipeline"} & imported, module
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        assert not {"GeometryStep", "GeometryPipeline"} & names, module
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "owner"], module
+
+
+def leave_one_out_mean(rewards, group_ids):
+    """Toy estimator: r_i minus the mean of its prompt's other rollouts (RLOO), computed here."""
+    out = torch.zeros_like(rewards)
+    for g in torch.unique(group_ids):
+        rows = group_ids == g
+        r = rewards[rows]
+        out[rows] = r - (r.sum() - r) / max(len(r) - 1, 1)
+    return out
+
+
+def test_a_registered_estimator_is_a_flag_choice_and_trains_on_the_local_engine(monkeypatch):
+    monkeypatch.setitem(
+        registry.ESTIMATORS, "toy_rloo", registry.Estimator("toy_rloo", leave_one_out_mean, upstream=False)
+    )
+    import openrlhf_geo.local.flags as flags
+
+    monkeypatch.setattr(flags, "ESTIMATORS", (*registry.local_estimators(), "salt"))
+    assert "toy_rloo" in registry.group_estimators()  # no whitening: SALT and the group methods may use it
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    args = parse_args(
+        ["--actor.model_name_or_path", "unused", "--data.prompt_dataset", "unused", "--actor.adam.lr", "1e-2"]
+        + ["--advantage_estimator", "toy_rloo"]
+    )
+    prompts, responses = ["1+2="] * 3 + ["2+2="] * 3, ["\\boxed{3}", "5", "\\boxed{3}", "\\boxed{4}", "1", "2"]
+    trainer = Trainer(args, model, tokenizer, [], None)
+    seen = []
+    trainer._update = lambda batch, advantages: seen.append(advantages) or {}
+    trainer.learn(hand_batch(tokenizer, prompts, responses, [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]))
+    assert seen[0].tolist() == pytest.approx([0.5, -1.0, 0.5, 1.0, -0.5, -0.5])  # r - mean of the other two
 
 
 def test_a_salt_variant_row_parses_and_trains_on_the_local_engine(monkeypatch):
@@ -182,7 +264,7 @@ def test_unknown_names_list_the_registered_ones():
     with pytest.raises(ValueError, match="--baseline.curation must be one of pf_ppo_br, pf_ppo_bw, pods"):
         BaselineConfig(curation="bogus")
     with pytest.raises(ValueError, match="registered twice"):
-        registry.POLICY_LOSSES.register(registry.PolicyLoss("ppo", None))
+        registry.POLICY_LOSSES.register(registry.PolicyLoss("ppo", unclipped_loss))
 
 
 def test_the_architecture_doc_names_every_registered_method():

@@ -222,5 +222,5 @@ def test_the_fork_parses_the_code_rule_into_its_pipeline(up, monkeypatch):
     from openrlhf_geo.fork import hooks as fork_hooks
 
     args = fork_parse(up, monkeypatch, "--advantage_estimator salt --salt.k_rule code --salt.rho 0.5".split())
-    salt = fork_hooks.ExperienceGeometry(args).pipeline.salt
+    salt = fork_hooks.ExperienceGeometry(args).pipeline.config.salt
     assert (salt.k_rule, salt.rho) == ("code", 0.5)

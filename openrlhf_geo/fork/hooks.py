@@ -44,7 +44,6 @@ from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import (
-    FORK_STEP_STRIDE,
     GeometryPipeline,
     SignalGuard,
     check_finite,
@@ -53,6 +52,7 @@ from openrlhf_geo.pipeline import (
     salt_partition_prompts,
 )
 from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
+from openrlhf_geo.stages import FORK_STEP_STRIDE
 
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
 STATE_KEY = "openrlhf_geo"  # checkpoint client_states entry
@@ -124,7 +124,7 @@ def validate_args(args) -> None:
             stacklevel=2,
         )
     baseline = args.geometry.baseline
-    if baseline is not None and POLICY_LOSSES[baseline.policy_loss].loss is not None:
+    if baseline is not None and not POLICY_LOSSES[baseline.policy_loss].upstream:
         ignored = {
             "--actor.dual_clip": args.actor.dual_clip is not None,
             "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
@@ -238,7 +238,7 @@ def policy_loss(args, upstream):
     --baseline.policy_loss clip_cov | kl_cov a BaselinePolicyLoss taking its clip ratios and aggregation."""
     geometry = _section(args, "geometry")
     baseline = None if geometry is None else geometry.baseline
-    if baseline is None or POLICY_LOSSES[baseline.policy_loss].loss is None:
+    if baseline is None or POLICY_LOSSES[baseline.policy_loss].upstream:
         return upstream
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     generator = torch.Generator().manual_seed(args.train.seed + rank)  # Clip-Cov's draw, one stream per rank
@@ -451,7 +451,7 @@ class GeometryBatch:
             self.dump["labels"] = labels
         noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
         self.step = pipeline.start(self.group_ids, corrupted)
-        if pipeline.noise.enabled:
+        if pipeline.config.noise.enabled:
             # Training uses the corrupted `experience.rewards`; upstream copies them into info["reward"] after the
             # length penalties (train/reward); train/noise/clean_reward logs the verifier's clean reward.
             for exp in experiences:
@@ -508,7 +508,7 @@ class GeometryBatch:
         if self.dump is not None:
             self.dump["salt_in"] = a.clone()
         a = self.step.adjust("advantage", a, responses=self._responses, verifier=lambda: self.owner.verifier)
-        if pipeline.salt is not None:
+        if pipeline.config.salt is not None:
             spec = pipeline.config.spec
             lengths = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))
             inputs = {

@@ -35,6 +35,7 @@ from transformers import GenerationConfig
 
 from openrlhf_geo import GeoWarning, baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
+from openrlhf_geo.groups import group_index, tied_groups
 from openrlhf_geo.pipeline import (
     GeometryPipeline,
     SignalGuard,
@@ -42,10 +43,10 @@ from openrlhf_geo.pipeline import (
     minibatch_order,
     minibatch_partitions,
     salt_partition_prompts,
-    stream,
 )
-from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
+from openrlhf_geo.registry import ESTIMATORS, POLICY_LOSSES, adjustment_inputs
 from openrlhf_geo.rewards.math_verify import PROBLEMS
+from openrlhf_geo.stages import stream
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
 MAX_FILTER_ROUNDS = 4
@@ -246,41 +247,6 @@ def token_entropy(logits, prompt_width, temperature=1.0):
     return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
 
 
-def group_advantages(rewards, group_ids, estimator, eps=1e-9):
-    """Per-rollout advantages (N,) from rewards (N,) and prompt ids (N,), float64 group statistics.
-
-    group_norm (GRPO): (r - mean_g) / (std_g + eps), std with Bessel's correction as upstream OpenRLHF;
-    dr_grpo (Dr. GRPO): r - mean_g. A single-rollout group gets advantage 0.
-    """
-    if estimator not in ("group_norm", "dr_grpo"):
-        raise ValueError(f"the local engine supports estimators group_norm and dr_grpo (got {estimator!r})")
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
-    group = group.to(rewards.device)
-    r = rewards.double()
-    n = torch.zeros(int(group.max()) + 1, dtype=torch.float64, device=r.device).index_add_(
-        0, group, torch.ones_like(r)
-    )
-    mean = torch.zeros_like(n).index_add_(0, group, r) / n
-    centred = r - mean[group]
-    if estimator == "dr_grpo":
-        return centred.to(rewards.dtype)
-    var = torch.zeros_like(n).index_add_(0, group, centred**2) / (n - 1).clamp(min=1)
-    adv = centred / (var.sqrt()[group] + eps)
-    return torch.where(n[group] > 1, adv, 0.0).to(rewards.dtype)
-
-
-def clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high):
-    """PPO-clip per token -> (loss (N, R), clipped (N, R) bool): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
-
-    logprobs / old_logprobs (N, R), advantages (N,) broadcast over tokens. eps_high > eps_low is DAPO's clip-higher.
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages[:, None].to(ratio.dtype)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
-
-
 def approx_kl(logprobs, ref_logprobs, estimator="k3"):
     """Per-token KL(pi || pi_ref) estimate (N, R): k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r."""
     log_ratio = logprobs - ref_logprobs
@@ -310,12 +276,8 @@ def aggregate(per_token, mask, mode, normalizer):
 
 def dynamic_filter(rewards, group_ids):
     """DAPO dynamic sampling: (N,) bool keeping the prompts whose rewards are not all equal."""
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
-    n = int(group.max()) + 1
-    r = rewards.detach().cpu().double()
-    low = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce(0, group, r, "amin")
-    high = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, group, r, "amax")
-    return (high > low)[group]
+    group, n_groups = group_index(group_ids)
+    return ~tied_groups(rewards.detach().cpu(), group, n_groups)[group]
 
 
 @torch.no_grad()
@@ -513,13 +475,13 @@ class Trainer:
         # reward noise, GeoAlign, SALT: the pipeline the fork runs too (its own random streams, seeded from `seed`)
         self.pipeline = GeometryPipeline(args.geometry)  # built once at parse time (options.validate)
         self.signal = SignalGuard(args.rollout.max_new_tokens)  # warns when a step has nothing to learn from
-        salt, n = self.pipeline.salt, args.rollout.n_samples_per_prompt
+        salt, n = self.pipeline.config.salt, args.rollout.n_samples_per_prompt
         # SALT's m = B*G is the optimizer mini-batch (SALT §3.1, Table 4): prompts per AdamW step by default, and
         # then each AdamW step trains on exactly one partition's rollouts
         self.partition_prompts = salt_partition_prompts(salt, args.train.batch_size, n)
         self.minibatch_prompts = minibatch_partitions(salt, args.train.batch_size, n)
         self.minibatch_generator = stream(seed, "minibatch")
-        self.baseline = self.pipeline.baseline or baselines.BaselineConfig()
+        self.baseline = self.pipeline.config.baseline or baselines.BaselineConfig()
         self.loss_generator = stream(seed, "loss")  # Clip-Cov's token draw
         self.verifier = verifier
         self.optimizer = torch.optim.AdamW(
@@ -529,7 +491,7 @@ class Trainer:
             weight_decay=args.actor.adam.weight_decay,
         )
         self.reference = None  # the frozen initial policy: KL's reference and PAR's reference-response sampler
-        if args.algo.kl.init_coef > 0 or "references" in adjustment_inputs(self.pipeline.baseline):  # PAR's
+        if args.algo.kl.init_coef > 0 or "references" in adjustment_inputs(self.pipeline.config.baseline):  # PAR's
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
@@ -568,7 +530,7 @@ class Trainer:
         # Seed-GRPO's per-prompt scaling
         kept = step.kept.to(rewards.device)
         advantages = torch.zeros_like(rewards)
-        advantages[kept] = group_advantages(rewards[kept], batch.group_ids[kept], args.algo.advantage.estimator)
+        advantages[kept] = ESTIMATORS[args.algo.advantage.estimator].advantages(rewards[kept], batch.group_ids[kept])
         advantages = step.adjust(
             "advantage", advantages, responses=lambda: batch.responses, verifier=lambda: self.verifier
         )
@@ -648,8 +610,8 @@ class Trainer:
         (rollout settings), scored by the reward function with the rollouts' ±1 mapping and without injected noise
         (the noise experiments corrupt the policy's rewards) -> (N, M), each rollout its prompt's M rewards."""
         args, m = self.args, self.baseline.par_references
-        prompt = torch.unique(batch.group_ids.cpu(), return_inverse=True)[1]  # each rollout's prompt, 0..P-1
-        rows = [int(torch.nonzero(prompt == g)[0, 0]) for g in range(int(prompt.max()) + 1)]  # one row per prompt
+        prompt, n_prompts = group_index(batch.group_ids)  # each rollout's prompt, 0..P-1
+        rows = [int(torch.nonzero(prompt == g)[0, 0]) for g in range(n_prompts)]  # one row per prompt
         references = generate_rollouts(
             self.reference,
             self.tokenizer,
@@ -679,7 +641,7 @@ class Trainer:
                 self.misspecified_pay(batch.prompts, batch.responses, batch.answers), dtype=torch.bool
             )
         rewards, corrupted = self.pipeline.corrupt(rewards, batch.group_ids, paid)
-        batch.corrupted = corrupted if self.pipeline.noise.enabled else None
+        batch.corrupted = corrupted if self.pipeline.config.noise.enabled else None
         batch.rewards = rewards.to(self.device)
 
     @torch.no_grad()
@@ -739,8 +701,7 @@ class Trainer:
             if mini >= n:
                 minibatches = [torch.arange(n)]
             elif self.minibatch_prompts:
-                _, prompt = torch.unique(batch.group_ids.cpu(), return_inverse=True)
-                partition = prompt // self.minibatch_prompts
+                partition = group_index(batch.group_ids)[0] // self.minibatch_prompts
                 order = minibatch_order(partition, self.minibatch_generator)
                 # one step per partition: slicing `mini` rows after a short partition splits the next one in two
                 sizes = torch.unique_consecutive(partition[order], return_counts=True)[1]
@@ -780,24 +741,14 @@ class Trainer:
         eps_low, eps_high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
         share = float(mask.sum()) / float(tokens)  # this micro-batch's part of the mini-batch's tokens
         out = {}
+        # the registered loss: PPO's clipped surrogate (default), SALT App. I's Clip-Cov / KL-Cov (arXiv 2505.22617)
         registered = POLICY_LOSSES[self.baseline.policy_loss]
-        if registered.loss is None:  # the engine's own PPO clipped surrogate
-            per_token, clipped = clipped_surrogate(
-                logprobs, batch.old_logprobs[index], advantages[index], eps_low, eps_high
-            )
-            out["clip_frac"] = float((clipped & mask).sum()) / float(tokens)
-        else:  # a registered loss, e.g. SALT App. I's Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
-            per_token, stats = baselines.policy_loss(
-                self.baseline,
-                logprobs,
-                batch.old_logprobs[index],
-                advantages[index],
-                mask,
-                eps_low,
-                eps_high,
-                self.loss_generator,
-            )
-            out["clip_frac"] = stats.get(registered.clip_frac, 0.0) * share  # None: no ratio clip (KL-Cov)
+        per_token, stats = baselines.policy_loss(
+            self.baseline, logprobs, batch.old_logprobs[index], advantages[index], mask, eps_low, eps_high,
+            self.loss_generator,
+        )  # fmt: skip
+        out["clip_frac"] = stats.get(registered.clip_frac, 0.0) * share  # None: no ratio clip (KL-Cov)
+        if registered.metrics is not None:
             out.update({f"{registered.metrics}/{key}": value * share for key, value in stats.items()})
         policy_loss = aggregate(per_token, mask, args.actor.loss_agg_mode, normalizer)
         loss = policy_loss
@@ -885,12 +836,10 @@ __all__ = [
     "Trainer",
     "aggregate",
     "approx_kl",
-    "clipped_surrogate",
     "distinct_fraction",
     "dynamic_filter",
     "evaluate",
     "generate_rollouts",
-    "group_advantages",
     "response_forward",
     "response_mask",
     "token_entropy",

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_geo import options
+from openrlhf_geo import options, registry
 from openrlhf_geo.config_flags import default_text
 from openrlhf_geo.local import rundir
 from openrlhf_geo.rewards.noise import NoiseConfig
 
-ESTIMATORS = ("group_norm", "dr_grpo", "salt")
-LOCAL_SALT_BASES = ("group_norm", "dr_grpo")
+# the registered estimators the local engine computes (registry.ESTIMATORS), and SALT on one of its group ones
+ESTIMATORS = (*registry.local_estimators(), "salt")
+LOCAL_SALT_BASES = tuple(name for name in registry.local_estimators() if name in registry.group_estimators())
 
 
 def build_parser():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_geo.config_flags import setting
+from openrlhf_geo.groups import group_index, group_range
 
 NOISE_TYPES = ("none", "flip", "swap", "misspecified")
 
@@ -39,7 +40,7 @@ def _check(rewards, group_ids, rate, generator):
 
 def corruption_mask(group_ids, rate, generator=None):
     """(N,) bool: floor(rate·n_g) + Bernoulli(frac(rate·n_g)) rollouts of each prompt g, uniformly at random."""
-    _, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    group, _ = group_index(group_ids)
     n = group.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.bool)
@@ -82,15 +83,12 @@ def swap_to_extremes(rewards, group_ids, rate, generator=None):
     """
     _check(rewards, group_ids, rate, generator)
     selected = corruption_mask(group_ids, rate, generator).to(rewards.device)
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1 if group.numel() else 0
+    group, n_groups = group_index(group_ids)
+    group = group.to(rewards.device)
     r = rewards.double()
     mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, r)
     mean = mean / torch.bincount(group, minlength=n_groups)
-    low = torch.full((n_groups,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, group, r, "amin")
-    high = torch.full((n_groups,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
-        0, group, r, "amax"
-    )
+    low, high = group_range(r, group, n_groups)
     target = torch.where(r < mean[group], high[group], low[group]).to(rewards.dtype)
     new = torch.where(selected, target, rewards)
     return new, selected & (new != rewards)

@@ -97,7 +97,7 @@ def analyse_batch(hidden, clean, group_ids, rate, generator, rollouts=False) -> 
     record["accuracy"] = float(clean.mean())
     record["skipped"] = stats["skipped_reason"]
     if corrupted is not None:
-        gdi = plan.gdi.double().cpu().numpy()
+        gdi = plan.score.double().cpu().numpy()
         scored = np.isfinite(gdi)
         record.update(precision=float(stats["precision"]), recall=float(stats["recall"]), auroc=float(stats["auroc"]))
         count = pair_count(rewards, group_ids)

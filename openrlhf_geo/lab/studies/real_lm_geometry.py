@@ -223,12 +223,12 @@ def analyse_batch(rewards, gram, lengths, samples_per_prompt, *, seed=None, fami
     seed (`draw_seed`'s key (T, cap, G, batch)): add amendment item 3's nulls (`null_subspaces`); families ({name:
     (B,) labels of the prompts}): add item 4's shares (`family_records`, defined for a tied batch too)."""
     from openrlhf_geo import diagnostics
-    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.estimators import group_norm
     from openrlhf_geo.salt import salt_advantages
 
     m = rewards.numel()
     group_ids = torch.arange(m) // samples_per_prompt
-    a = group_advantages(rewards.double(), group_ids, "group_norm")  # upstream's GRPO: Bessel std, eps 1e-9
+    a = group_norm(rewards.double(), group_ids)  # upstream's GRPO: Bessel std, eps 1e-9
     factor = gram_factor(gram)
     new, stats, geo = salt_advantages(a, factor, return_basis=True)
     groups = diagnostics.group_geometry(a, geo.gram, group_ids, is_gram=True)
@@ -374,7 +374,7 @@ def resample(data, setup, count=PROMPT_REPLICATES, gap_count=GAP_REPLICATES) -> 
     replicate and batch, "n_eff_point": (batches,) Eq. 6 on the batches as drawn, and at the longest cap "gap":
     subspace_gap_replicates'}}. Every condition draws from prompt_weights (seed 20261204): the same draws at every
     cap and temperature of a G, so differences between caps are paired."""
-    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.estimators import group_norm
 
     collection = data["collection"]
     T, samples, longest = collection["temperature"], collection["samples"], max(setup["caps"])
@@ -387,7 +387,7 @@ def resample(data, setup, count=PROMPT_REPLICATES, gap_count=GAP_REPLICATES) -> 
             values, apart, points, kept = [], [], [], []
             for rows, w in zip(batches, weights):
                 idx = torch.as_tensor(rows)
-                a = group_advantages(rewards[idx].double(), torch.arange(len(rows)) // G, "group_norm")
+                a = group_norm(rewards[idx].double(), torch.arange(len(rows)) // G)
                 K = geometry["gram"][idx][:, idx]
                 values.append(weighted_n_eff(a.numpy(), K.numpy(), w, G))
                 apart.append(weighted_n_eff(a.numpy(), K.numpy(), w, G, copies="apart"))

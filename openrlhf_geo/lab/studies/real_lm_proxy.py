@@ -158,7 +158,7 @@ def minibatch_metrics(a, grams) -> dict:
 
 
 def analyse_block(data, model, block, sizes, tables, progress=None) -> dict:
-    from openrlhf_geo.local.engine import group_advantages
+    from openrlhf_geo.estimators import group_norm
 
     collection = data["collection"]
     samples_all, cap = collection["samples"], collection["caps"][-1]
@@ -197,7 +197,7 @@ def analyse_block(data, model, block, sizes, tables, progress=None) -> dict:
     for name, sub in splits:
         sub_t = torch.as_tensor(sub)
         m = len(sub)
-        a = group_advantages(rewards[sub_t].double(), group_ids[sub_t], "group_norm")
+        a = group_norm(rewards[sub_t].double(), group_ids[sub_t])
         perm = torch.as_tensor(generator.permutation(m))
         grams = {name: K[sub_t][:, sub_t] for name, K in (("exact", exact), ("default", default), ("kronecker", kron),
                                                          *refs.items())}  # fmt: skip

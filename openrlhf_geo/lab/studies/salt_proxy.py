@@ -423,10 +423,10 @@ def run_seed(job, progress=None):
     """The GRPO run of one seed up to its last checkpoint, analysing the batch of step t + 1 at each checkpoint t
     (before its update) -> the run directory. Resumes from <run>/trainer.pt (the state at the first checkpoint not
     yet analysed) when it matches; `progress(step)` after each analysed checkpoint."""
-    from openrlhf_geo.local.engine import group_advantages
     from openrlhf_geo.local.flags import parse_args
     from openrlhf_geo.local.reward import shared_reward_fn
     from openrlhf_geo.local.training import load_model, make_trainer, read_dataset
+    from openrlhf_geo.registry import ESTIMATORS
 
     run = Path(job["out"])
     done = done_steps(job)
@@ -462,7 +462,7 @@ def run_seed(job, progress=None):
     def hook(batch):
         t = trainer.global_step - 1  # Trainer.step counts the step before collecting its rollouts
         if t in pending:
-            advantages = group_advantages(batch.rewards, batch.group_ids, args.algo.advantage.estimator)
+            advantages = ESTIMATORS[args.algo.advantage.estimator].advantages(batch.rewards, batch.group_ids)
             temperature = args.rollout.temperature
             record = analyse(trainer.model, batch, advantages, temperature, job["default"], job["seed"], t)
             _atomic_write(step_file(run, t), json.dumps(strict_json(record), indent=1) + "\n")

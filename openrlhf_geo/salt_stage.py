@@ -1,0 +1,168 @@
+"""SALT as a pipeline stage: `reweight` runs SALT Eq. 12-18 (`salt.salt_advantages`) on each partition of one
+rollout batch's slot advantages, with the App. B / D.1 diagnostics and SALT's regime guard, from explicit inputs plus
+its own `SaltState` (its random stream, entropy-alpha's running range of H_t, the regime warning's clock).
+
+Metrics are per-slot (N,) float tensors named `salt/<key>`: a partition's stats on its slots (partition-size
+weighted when averaged over the batch). `salt/out_of_regime` flags steps far outside SALT Table 10's regime
+(`SaltRegimeWarning`, docs/salt_regime.md).
+"""
+
+import math
+import warnings
+
+import torch
+
+from openrlhf_geo import GeoWarning, diagnostics
+from openrlhf_geo.groups import group_index
+from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
+from openrlhf_geo.stages import Batch, record
+
+# What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
+# batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
+DIAGNOSTIC_KEYS = ("pr", "k", "gap", "n_eff_in", "alpha", "m")
+# App. D.1 / B group statistics that depend on the coefficients (the rest describe the features only): with SALT
+# applied they are also logged for a' as salt/<key>_applied (a' need not vanish on a tied group).
+APPLIED_GROUP_KEYS = ("n_eff_group", "n_eff_group_left_out", "n_eff_means", "g_norm")
+# SALT stats that are ratios over the coefficients a: undefined (0/0) on a partition whose groups are all tied (a = 0,
+# no GRPO update). `salt_advantages` returns its documented fill values there (n_eff 0, α_t 1, D_a 0, U⊥ gain 1);
+# logged as such, a study's mean over steps would count each such partition as perfect cancellation. They are
+# logged NaN instead (the batch value is the nanmean over the partitions with signal), with salt/no_signal = 1.
+UNDEFINED_WITHOUT_SIGNAL = ("n_eff_in", "n_eff_out", "alpha", "D_a", "D_g", "U_perp_gain")
+
+# SALT's regime guard. SALT Table 10 (App. F.5, DeepSeek-R1-Distill-Qwen-7B / MATH-TRAIN, mean ± sd over 5 seeds of
+# the last 20 % of checkpoints): GRPO + SALT has D_a = 0.24 ± 0.04, D_g = 0.16 ± 0.03, n_eff 0.31 -> 0.80.
+# REGIME_MAX_D_A = 0.6 is 2.5x that D_a (9 sd above it). Sign flips are not in the paper, but bounded by D_a: a
+# flipped a_i moves by at least |a_i|, so D_a^2 >= (share of ||a||^2 on flipped rollouts); at Table 10's D_a that share
+# is <= 0.24^2 ~ 0.06, and a flipped fraction of 0.25 among equal-magnitude a_i (binary rewards) forces D_a >= 0.5.
+REGIME_MAX_D_A = 0.6
+REGIME_MAX_SIGN_FLIP = 0.25
+REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_regime is logged every step)
+
+
+class SaltRegimeWarning(GeoWarning):
+    """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
+
+
+class SaltState:
+    """What SALT remembers across steps: its random stream (`generator`, the rand-proj / random-assign variants),
+    entropy-alpha's running (H_min, H_max) of H_t over the run (`entropy_range`, None before the first step) and the
+    step of the last SaltRegimeWarning (`last_regime_warning`)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.entropy_range: tuple[float, float] | None = None
+        self.last_regime_warning: int | None = None
+
+    def state_dict(self) -> dict:
+        return {
+            "generator": self.generator.get_state(),
+            "entropy_range": self.entropy_range,
+            "last_regime_warning": self.last_regime_warning,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.entropy_range = state["entropy_range"]
+        self.last_regime_warning = state["last_regime_warning"]
+
+
+def reweight(
+    salt: SaltConfig,
+    state: SaltState,
+    batch: Batch,
+    advantages: torch.Tensor,
+    features: torch.Tensor,
+    entropy: torch.Tensor | None,
+    lengths: torch.Tensor,
+    source: torch.Tensor,
+    partition_prompts: int = 0,
+) -> tuple[torch.Tensor, dict]:
+    """SALT on the slots' sequence advantages a (N,) -> (a' (N,) float64 CPU, dropped slots 0; per-slot metrics).
+
+    features (N, D), entropy (N,) (normalized token-entropy sums) and lengths (N,) (response tokens) per ROLLOUT;
+    slot i holds rollout source[i]'s (the curation plan's); entropy-alpha's H_t is over every rollout. Partitions
+    of `partition_prompts` consecutive prompts (0: the whole batch; SALT §3.1's m = BG is the optimizer mini-batch,
+    which the engines resolve) each get one `salt_advantages` call. With SaltConfig.apply False, a' = a and the metrics
+    describe the geometry of a.
+    """
+    a = advantages.detach().cpu().double()
+    features, lengths = features.detach().cpu()[source], lengths.detach().cpu().double()
+    size, metrics, text = a.numel(), {}, {}
+    alpha_input = None
+    if salt.needs_entropy:
+        alpha_input = _entropy_alpha(state, entropy.detach().cpu().double(), lengths, metrics, size)
+    new = torch.zeros_like(a)
+    kept = torch.nonzero(batch.kept)[:, 0]
+    # prompts numbered over every slot, as the engines' mini-batches see them (a dropped slot is still a row)
+    prompt, n_prompts = group_index(batch.group_ids)
+    n_prompts = n_prompts if kept.numel() else 0
+    prompt = prompt[kept]
+    per = partition_prompts or max(n_prompts, 1)
+    for first in range(0, n_prompts, per):
+        part = kept[(prompt >= first) & (prompt < first + per)]
+        if part.numel() == 0:  # every slot of the partition dropped
+            continue
+        out, stats, (basis, is_top, gram) = salt_advantages(
+            a[part],
+            features[part],
+            salt.variant,
+            salt.alpha,
+            state.generator,
+            entropy=alpha_input,
+            gram=salt.gram,
+            return_basis=True,
+            k_rule=salt.k_rule,
+            rho=salt.rho,
+        )
+        applied = out if salt.apply else a[part]
+        if not salt.apply:  # diagnostics only: the geometry of the unchanged coefficients a (D_a = 0, ...)
+            stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}
+            stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
+            stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
+        stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, lengths[source][part]))
+        # SALT App. D.1 (Eq. 37) weights each response by "the scalar coefficient used by the objective" and calls it
+        # "the normalized advantage" Â: for a SALT run these differ (a vs a'). The plain keys use a, comparable with
+        # the backbone's rows of Table 10; the coefficient-weighted ones are logged for a' too.
+        stats.update(diagnostics.group_geometry(a[part], gram, batch.group_ids[part], is_gram=True))
+        if salt.apply:
+            out_geometry = diagnostics.group_geometry(applied, gram, batch.group_ids[part], is_gram=True)
+            stats.update({f"{key}_applied": out_geometry[key] for key in APPLIED_GROUP_KEYS})
+        no_signal = not bool(a[part].any())
+        if no_signal:
+            stats.update(dict.fromkeys(UNDEFINED_WITHOUT_SIGNAL, math.nan))
+        stats["no_signal"] = float(no_signal)
+        new[part] = applied
+        record(metrics, text, "salt", stats, size, part)
+    if salt.apply:
+        metrics["salt/out_of_regime"] = _check_regime(state, batch.step, metrics, size)
+    return new, metrics
+
+
+def _check_regime(state, step, metrics, size):
+    """salt/out_of_regime (0/1 per slot); at most once per REGIME_WARN_EVERY steps, warn when this step's D_a or
+    sign-flip share (partition-size weighted over the batch, as logged) is far above SALT Table 10's."""
+    d_a, sign_flip = (float(metrics[f"salt/{key}"].nanmean()) for key in ("D_a", "sign_flip"))
+    out = d_a > REGIME_MAX_D_A or sign_flip > REGIME_MAX_SIGN_FLIP  # NaN (no moving coefficient): in regime
+    last = state.last_regime_warning
+    if out and (last is None or step - last >= REGIME_WARN_EVERY):
+        state.last_regime_warning = step
+        warnings.warn(
+            f"step {step}: SALT's coefficients are far outside SALT Table 10's regime: D_a = {d_a:.2f} "
+            f"(paper 0.24 ± 0.04; warns above {REGIME_MAX_D_A}), sign-flip share = {sign_flip:.2f} (warns above "
+            f"{REGIME_MAX_SIGN_FLIP}). See docs/salt_regime.md for what to try; salt/out_of_regime is logged "
+            f"every step, this warning at most once per {REGIME_WARN_EVERY} steps.",
+            SaltRegimeWarning,
+            stacklevel=4,
+        )
+    return torch.full((size,), float(out))
+
+
+def _entropy_alpha(state, entropy, lengths, metrics, size):
+    """SALT App. F.3 entropy-alpha's α_t from H_t, the token-weighted mean normalized entropy of this step's
+    responses (every rollout, before curation), and the run's running min/max of H_t (including this step)."""
+    h_t = float(entropy.sum() / lengths.sum().clamp(min=1))
+    low, high = state.entropy_range or (h_t, h_t)
+    state.entropy_range = (min(low, h_t), max(high, h_t))
+    for key, value in zip(("H_t", "H_min", "H_max"), (h_t, *state.entropy_range)):
+        metrics[f"salt/{key}"] = torch.full((size,), value)
+    return entropy_alpha(h_t, *state.entropy_range)
