@@ -979,3 +979,24 @@ def test_a_save_on_a_full_disk_is_reported_as_no_space_left(save_ckpt, tmp_path,
     with pytest.raises(RuntimeError) as caught:
         save_ckpt(FakeEngine(fail=torch_error), tmp_path, "global_step2")
     assert caught.value is torch_error
+
+
+def test_a_recorded_step_replays_through_the_pipeline_and_nothing_is_recorded_without_the_variable(
+    up, tiny_path, monkeypatch, tmp_path
+):
+    """OPENRLHF_GEO_DUMP_DIR: the experience maker's batch is `fork.replay.RecordingBatch`, which writes each step's
+    record, and the record replays through the pipeline bit for bit (what the CPU smoke checks on real runs)."""
+    from smoke_helpers import assert_steps_replay
+
+    argv = _engine_cases()["salt+geoalign+noise"].split()
+    monkeypatch.setenv("OPENRLHF_GEO_DUMP_DIR", str(tmp_path))
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    before = rollouts(up, 4, seed=21)
+    recorded = maker.make_experience_batch(copy.deepcopy(before))
+    dump = torch.load(tmp_path / "step0001.pt", weights_only=False)
+    assert {"curate", "reweight", "salt_in", "labels", "state_after"} <= dump.keys()
+    assert_steps_replay("salt+geoalign+noise", {1: dump})
+    monkeypatch.delenv("OPENRLHF_GEO_DUMP_DIR")
+    plain = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5).make_experience_batch(copy.deepcopy(before))
+    torch.testing.assert_close(row_advantages(recorded, 16), row_advantages(plain, 16), rtol=0, atol=0)
+    assert [p.name for p in tmp_path.glob("step*.pt")] == ["step0001.pt"]  # none from the run without the variable

@@ -408,7 +408,12 @@ class ExperienceGeometry:
         return log_probs
 
     def start_batch(self, experiences):
-        """Begin one rollout batch (all rewards known): reward noise; returns the batch's remaining steps."""
+        """Begin one rollout batch (all rewards known): reward noise; returns the batch's remaining steps (recorded
+        for the replay tests when OPENRLHF_GEO_DUMP_DIR is set: `fork.replay`)."""
+        if os.environ.get(DUMP_ENV):
+            from openrlhf_geo.fork.replay import RecordingBatch
+
+            return RecordingBatch(self, experiences)
         return GeometryBatch(self, experiences)
 
 
@@ -439,16 +444,6 @@ class GeometryBatch:
     def _start(self, clean):
         """Reward noise and the pipeline's step; -> the rewards training sees (prompt order)."""
         experiences, pipeline = self.experiences, self.owner.pipeline
-        self.dump = None
-        if os.environ.get(DUMP_ENV):
-            state = pipeline.state_dict()
-            self.dump = {"config": pipeline.config, "state": state, "group_ids": self.group_ids, "clean": clean}
-            # the prompts' --data.label_key values in prompt order: what the policy ranks' records name
-            # (record_training_step), so a test can tell which SALT partition each optimizer step trained on
-            labels = [None] * len(self.indices)
-            for row, label in zip(self.indices.tolist(), (x for exp in experiences for x in exp.labels)):
-                labels[row] = label
-            self.dump["labels"] = labels
         noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
         self.step = pipeline.start(self.group_ids, corrupted)
         if pipeline.config.noise.enabled:
@@ -478,10 +473,7 @@ class GeometryBatch:
             raise RuntimeError("experience order changed between start_batch and curate")
         hidden = self._geometry("hidden") if self.owner.pipeline.curation.needs_hidden else None
         rewards = rewards.reshape(-1)  # (N,) or an HTTP reward model's (N, 1)
-        slot_rewards = self.step.curate(rewards, hidden)
-        if self.dump is not None:
-            self.dump["curate"] = {"rewards": rewards, "hidden": hidden, "out": slot_rewards}
-        return slot_rewards
+        return self.step.curate(rewards, hidden)
 
     def _responses(self):
         """The N response texts in prompt order, decoded with the experience maker's tokenizer (special tokens
@@ -505,8 +497,6 @@ class GeometryBatch:
             return advantages
         pipeline = self.owner.pipeline
         a = advantages.reshape(-1)
-        if self.dump is not None:
-            self.dump["salt_in"] = a.clone()
         a = self.step.adjust("advantage", a, responses=self._responses, verifier=lambda: self.owner.verifier)
         if pipeline.config.salt is not None:
             spec = pipeline.config.spec
@@ -517,11 +507,7 @@ class GeometryBatch:
                 "lengths": lengths,
                 "partition_prompts": self.owner.partition_prompts,
             }
-            if self.dump is not None:
-                self.dump["reweight"] = {"advantages": a.clone(), **inputs}
             a = self.step.reweight(a, **inputs)
-            if self.dump is not None:
-                self.dump["reweight"]["out"] = a.clone()
         value, _ = self.step.rows(a)
         return value.view_as(advantages)
 
@@ -536,27 +522,6 @@ class GeometryBatch:
             return
         _, multiplicity = self.step.rows(torch.zeros(len(self.indices)))
         identity = torch.equal(multiplicity, torch.ones_like(multiplicity))
-        if self.dump is not None:
-            gaps = None
-            if self.experiences[0].rollout_log_probs is not None:
-                # per rollout, max |vLLM - actor| log-prob of its sampled tokens; ~0 when vLLM holds the actor weights
-                gaps = self._prompt_order(
-                    torch.cat(
-                        [
-                            ((e.rollout_log_probs - e.action_log_probs).abs() * e.action_mask).amax(-1)
-                            for e in self.experiences
-                        ]
-                    )
-                )
-            self.dump.update(
-                multiplicity=multiplicity,
-                metrics={k: v.clone() for k, v in self.step.metrics.items()},
-                state_after=self.owner.pipeline.state_dict(),
-                logprob_gap=gaps,
-            )
-            folder = Path(os.environ[DUMP_ENV])
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save(self.dump, folder / f"step{self.owner.pipeline.steps:04d}.pt")  # continues on resume
         # a slot whose partition has no value (NaN: e.g. salt/n_eff_group with every group tied) gets the batch's
         # nanmean, so that upstream's plain mean over the slots logs what the local engine logs (its nanmean)
         metrics = self.step.metrics
