@@ -984,8 +984,9 @@ def test_a_save_on_a_full_disk_is_reported_as_no_space_left(save_ckpt, tmp_path,
 def test_a_recorded_step_replays_through_the_pipeline_and_nothing_is_recorded_without_the_variable(
     up, tiny_path, monkeypatch, tmp_path
 ):
-    """OPENRLHF_GEO_DUMP_DIR: the experience maker's batch is `fork.replay.RecordingBatch`, which writes each step's
-    record, and the record replays through the pipeline bit for bit (what the CPU smoke checks on real runs)."""
+    """OPENRLHF_GEO_DUMP_DIR: the experience maker's batch is `fork.hooks.RecordingBatch` (`fork.replay`), which
+    writes each step's record, and the record replays through the pipeline bit for bit (what the CPU smoke checks on
+    real runs)."""
     from smoke_helpers import assert_steps_replay
 
     argv = _engine_cases()["salt+geoalign+noise"].split()

@@ -86,7 +86,14 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
 
 def test_the_fork_is_one_package_and_local_holds_only_the_engine_and_its_command_line():
     assert not list(PACKAGE.glob("fork*.py")) and not (PACKAGE / "cpu_fork.py").exists()
-    assert {p.stem for p in (PACKAGE / "fork").glob("*.py")} == {"__init__", "install", "launch", "hooks", "cpu"}
+    assert {p.stem for p in (PACKAGE / "fork").glob("*.py")} == {
+        "__init__",
+        "install",
+        "launch",
+        "hooks",
+        "replay",
+        "cpu",
+    }
     local = {p.stem for p in (PACKAGE / "local").glob("*.py")}
     assert local == {"__init__", "engine", "flags", "training", "reward", "rundir", "tracking", "kernels"}
     assert not (PACKAGE / "local" / "studies").exists()

@@ -41,6 +41,7 @@ import torch
 from openrlhf_geo import GeoWarning, baselines, features, options
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.fork.install import DUMP_ENV
+from openrlhf_geo.fork.replay import Recorder
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import (
@@ -411,8 +412,6 @@ class ExperienceGeometry:
         """Begin one rollout batch (all rewards known): reward noise; returns the batch's remaining steps (recorded
         for the replay tests when OPENRLHF_GEO_DUMP_DIR is set: `fork.replay`)."""
         if os.environ.get(DUMP_ENV):
-            from openrlhf_geo.fork.replay import RecordingBatch
-
             return RecordingBatch(self, experiences)
         return GeometryBatch(self, experiences)
 
@@ -533,6 +532,10 @@ class GeometryBatch:
             for key, values in filled.items():
                 exp.info[key] = values[rows].clone()
             exp.__dict__.pop(SIDE_ATTR, None)
+
+
+class RecordingBatch(Recorder, GeometryBatch):
+    """GeometryBatch plus the replay tests' step record (`fork.replay`, OPENRLHF_GEO_DUMP_DIR only)."""
 
 
 # ── optimizer mini-batches = SALT partitions (trainer/ppo_trainer.py, trainer/ray/ppo_actor.py) ──

@@ -1,9 +1,10 @@
 """The fork's step records for the tests that replay a real run (OPENRLHF_GEO_DUMP_DIR; never set in a user's run).
 
-`RecordingBatch` is `hooks.GeometryBatch` plus a record of one rollout step: the pipeline's state before and after,
-the inputs and outputs of its curation and of SALT, the multiplicities, the metrics and each rollout's vLLM-vs-actor
-log-prob gap, saved as <dump>/stepNNNN.pt. tests/smoke_helpers.py replays each record through `openrlhf_geo.pipeline`
-and compares. `hooks.ExperienceGeometry.start_batch` picks it when the variable is set; nothing of it runs otherwise.
+`Recorder` is what `hooks.RecordingBatch` adds to `hooks.GeometryBatch`: a record of one rollout step (the pipeline's
+state before and after, the inputs and outputs of its curation and of SALT, the multiplicities, the metrics and each
+rollout's vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt. tests/smoke_helpers.py replays each record
+through `openrlhf_geo.pipeline` and compares. `hooks.ExperienceGeometry.start_batch` picks the recording batch only
+when the variable is set; nothing of it runs otherwise.
 """
 
 import os
@@ -11,12 +12,11 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_geo.fork.hooks import GeometryBatch
 from openrlhf_geo.fork.install import DUMP_ENV
 
 
-class RecordingBatch(GeometryBatch):
-    """A GeometryBatch that records what it computes (module docstring)."""
+class Recorder:
+    """Mixed in before `hooks.GeometryBatch`: records what the batch computes (module docstring)."""
 
     def _start(self, clean):
         pipeline, experiences = self.owner.pipeline, self.experiences
