@@ -13,7 +13,7 @@ def read_requirements(path):
 
 setup(
     name="openrlhf-geo",
-    version="0.1.0.dev0",
+    version="0.1.0",
     description="OpenRLHF 0.11.2 fork with SALT advantage reweighting and GeoAlign rollout curation",
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",

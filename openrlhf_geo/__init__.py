@@ -11,7 +11,7 @@ Engines: ``openrlhf_geo.fork`` (patched OpenRLHF 0.11.2 on Ray) and ``openrlhf_g
 
 import warnings
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 
 class GeoWarning(UserWarning):
