@@ -382,7 +382,7 @@ REWARDS = torch.tensor([1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.float)
 
 def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(geoalign, "curate", stub_curate(SOURCE, calls=calls))
+    monkeypatch.setattr(geoalign.plan, "curate", stub_curate(SOURCE, calls=calls))
     argv = "--advantage_estimator group_norm --geoalign.enable --reward.noise.type flip --reward.noise.rate 0.5"
     maker = make_maker(up, tiny_path, monkeypatch, argv.split(), micro_batch=5)
     samples = rollouts(up, 3, seed=5, rewards=REWARDS)
@@ -407,7 +407,7 @@ def test_geoalign_rectifies_a_micro_batched_experience_list(up, tiny_path, monke
 
 def test_an_http_reward_models_per_sample_lists_give_the_same_advantages(up, tiny_path, monkeypatch):
     """An HTTP reward model answers a list per query, so upstream's rewards are (B, 1): found by the CPU smoke."""
-    monkeypatch.setattr(geoalign, "curate", stub_curate(SOURCE))
+    monkeypatch.setattr(geoalign.plan, "curate", stub_curate(SOURCE))
     argv = "--advantage_estimator salt --geoalign.enable --reward.noise.type flip --reward.noise.rate 0.5".split()
     results = []
     for shape in ((1,), (1, 1)):
@@ -443,7 +443,7 @@ def test_the_fork_warns_when_a_run_has_no_learning_signal_and_logs_signal_metric
 
 
 def test_metrics_survive_the_replay_buffer_split_and_merge(up, tiny_path, monkeypatch):
-    monkeypatch.setattr(geoalign, "curate", stub_curate(SOURCE))
+    monkeypatch.setattr(geoalign.plan, "curate", stub_curate(SOURCE))
     maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)
     result = maker.make_experience_batch(rollouts(up, 3, seed=5, rewards=REWARDS))
     ex = up.experience
@@ -481,7 +481,7 @@ def merged(up, experiences):
 @pytest.mark.parametrize("salt", [False, True], ids=["grpo", "salt"])
 def test_replacement_gradients_equal_an_explicitly_duplicated_batch(up, tiny_path, monkeypatch, salt):
     estimator = "--advantage_estimator " + ("salt --salt.features exact" if salt else "group_norm")
-    monkeypatch.setattr(geoalign, "curate", stub_curate(SOURCE))
+    monkeypatch.setattr(geoalign.plan, "curate", stub_curate(SOURCE))
     fork_maker = make_maker(up, tiny_path, monkeypatch, [*estimator.split(), "--geoalign.enable"], micro_batch=5)
     samples = rollouts(up, 3, seed=9, rewards=REWARDS)
     weighted = merged(up, fork_maker.make_experience_batch(samples))

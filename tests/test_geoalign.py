@@ -22,7 +22,6 @@ from openrlhf_geo.geoalign import (
     SKIP_REASONS,
     GeoAlignConfig,
     Projector,
-    _minibatches,
     best_random_probs,
     curate,
     deviation,
@@ -35,6 +34,7 @@ from openrlhf_geo.geoalign import (
     prototype,
     rectify,
 )
+from openrlhf_geo.geoalign.pairs import _minibatches
 from openrlhf_geo.rewards.noise import flip_binary
 from openrlhf_geo.stages import CurationPlan
 
@@ -240,7 +240,7 @@ def test_validation_split_holds_out_whole_prompts(monkeypatch):
         seen.update(winner=winner, val_mask=val_mask)
         return real(projector, hidden, winner, loser, dist, config, generator, val_mask=val_mask)
 
-    monkeypatch.setattr(geoalign, "fit_projector", spy)
+    monkeypatch.setattr(geoalign.plan, "fit_projector", spy)
     hidden, rewards, ids, _ = planted(20, 6, 16, 0.0, seed=6)
     _, stats = curate(hidden, rewards, ids, TINY, gen(0))
     prompt = ids[seen["winner"]]
@@ -651,7 +651,7 @@ def test_cos_gt_0_8_is_the_share_of_projected_pair_directions_near_the_prototype
         seen["cos"] = (v @ v_proto / v.norm(dim=1) / v_proto.norm()).numpy()
         return real(v, v_proto)
 
-    monkeypatch.setattr(geoalign, "deviation", spy)
+    monkeypatch.setattr(geoalign.plan, "deviation", spy)
     hidden, rewards, ids, _ = planted(16, 8, 16, 0.1, seed=3)
     _, stats = curate(hidden, rewards, ids, TINY, gen(0))
     assert len(seen["cos"]) == stats["pairs"]

@@ -57,7 +57,9 @@ def test_row_values_and_multiplicities_equal_an_explicit_slot_sum(data, n):
 
 
 def test_drop_removes_slots_from_group_statistics_salt_and_multiplicities(monkeypatch):
-    monkeypatch.setattr(geoalign, "curate", fixed_plan([0, 1, 2, 3, 4, 5], [1, 0, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1]))
+    monkeypatch.setattr(
+        geoalign.plan, "curate", fixed_plan([0, 1, 2, 3, 4, 5], [1, 0, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1])
+    )
     salt = SaltConfig(features="exact")
     pipe = GeometryPipeline(GeometryConfig(salt=salt, geoalign=GeoAlignConfig(mode="drop")))
     group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -292,7 +294,7 @@ def test_seed_grpo_scales_each_prompts_kept_slots_by_its_answer_entropy(monkeypa
     clusters of the slots' responses (a replaced slot answers as its source), G = kept slots of the prompt."""
     from openrlhf_geo.baselines import BaselineConfig
 
-    monkeypatch.setattr(geoalign, "curate", fixed_plan([0, 0, 2, 3, 4, 5, 6, 7], keep=[1, 1, 1, 1, 1, 1, 1, 0]))
+    monkeypatch.setattr(geoalign.plan, "curate", fixed_plan([0, 0, 2, 3, 4, 5, 6, 7], keep=[1, 1, 1, 1, 1, 1, 1, 0]))
     config = GeometryConfig(geoalign=GeoAlignConfig(mode="drop"), baseline=BaselineConfig(seed_grpo_alpha=0.4))
     step = GeometryPipeline(config).start(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
     step.curate(torch.zeros(8), torch.randn(8, 4))

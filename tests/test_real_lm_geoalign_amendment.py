@@ -29,7 +29,7 @@ def batch(prompts=8, samples=8, d=16, seed=0):
 
 def test_cos_gt_0_8_val_is_the_share_of_held_out_pairs_near_the_prototype(monkeypatch):
     seen = {}
-    held_out, deviation = geoalign._held_out_pairs, geoalign.deviation
+    held_out, deviation = geoalign.plan._held_out_pairs, geoalign.plan.deviation
 
     def spy_split(*args):
         seen["val"] = held_out(*args).numpy()
@@ -39,8 +39,8 @@ def test_cos_gt_0_8_val_is_the_share_of_held_out_pairs_near_the_prototype(monkey
         seen["v"], seen["proto"] = v.numpy().astype(np.float64), v_proto.numpy().astype(np.float64)
         return deviation(v, v_proto)
 
-    monkeypatch.setattr(geoalign, "_held_out_pairs", spy_split)
-    monkeypatch.setattr(geoalign, "deviation", spy_deviation)
+    monkeypatch.setattr(geoalign.plan, "_held_out_pairs", spy_split)
+    monkeypatch.setattr(geoalign.plan, "deviation", spy_deviation)
     hidden, rewards, ids = batch(seed=1)
     _, stats = curate(hidden, rewards, ids, SMALL, torch.Generator().manual_seed(0))
     v, proto, val = seen["v"], seen["proto"], seen["val"]
@@ -80,14 +80,14 @@ def test_crossfit_trains_on_the_other_folds_only_and_as_curate_trains(monkeypatc
         trained_on.append(set(ids[winner].tolist()) | set(ids[loser].tolist()))
         return fit(projector, h, winner, loser, *args, **kwargs)
 
-    monkeypatch.setattr(geoalign, "fit_projector", spy)
+    monkeypatch.setattr(geoalign.pairs, "fit_projector", spy)
     records = study.crossfit(hidden, rewards, ids, held_out)
     assert sorted(r["prompt"] for r in records) == list(range(8))  # every prompt held out once
     for fold, train in zip(held_out, trained_on):
         assert not train & set(fold.tolist())  # no prompt on both sides
         assert train | set(fold.tolist()) == set(range(8))
     # curate on the training prompts alone (math preset, seed 0) trains the same projector: same steps, prototype
-    monkeypatch.setattr(geoalign, "fit_projector", fit)
+    monkeypatch.setattr(geoalign.pairs, "fit_projector", fit)
     for f, fold in enumerate(held_out):
         keep = ~torch.isin(ids, fold)
         _, stats = curate(hidden[keep], rewards[keep], ids[keep], GeoAlignConfig.preset("math"),
@@ -111,11 +111,11 @@ def test_crossfit_metrics_are_the_held_out_prompts_orientation_accuracy_and_cosi
         seen["proto"] = prototype(v, margins, kind)[0]
         return prototype(v, margins, kind)
 
-    monkeypatch.setattr(geoalign, "fit_projector", spy_fit)
-    monkeypatch.setattr(geoalign, "prototype", spy_prototype)
+    monkeypatch.setattr(geoalign.pairs, "fit_projector", spy_fit)
+    monkeypatch.setattr(geoalign.scores, "prototype", spy_prototype)
     fold = held_out[:1]
     records = study.crossfit(hidden, rewards, ids, fold)
-    scale = geoalign._pow2_scale(hidden)
+    scale = geoalign.pairs._pow2_scale(hidden)
     for rec in records:
         rows = torch.nonzero(ids == rec["prompt"])[:, 0].tolist()
         pairs = [(w, l) for w in rows for l in rows if rewards[w] > rewards[l]]

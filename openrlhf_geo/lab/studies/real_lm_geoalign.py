@@ -147,11 +147,12 @@ def crossfit(hidden, rewards, group_ids, held_out) -> list[dict]:
     (share of the prompt's projected directions with cosine > 0.8 to that prototype, Eq. 6), the fold's
     "proj_steps" and "train_consensus"}; NaN metrics for a prompt without pairs or a fold without training pairs."""
     from openrlhf_geo import geoalign as ga
+    from openrlhf_geo.geoalign import pairs, plan, scores
 
     config = ga.GeoAlignConfig.preset("math")
     r = rewards.double()
-    h = (hidden * ga._pow2_scale(hidden)).float()  # curate's exact power-of-two rescale
-    winner, loser, dist, _ = ga._directed_pairs(h, r, group_ids, config.max_pairs_per_side, None)
+    h = (hidden * pairs._pow2_scale(hidden)).float()  # curate's exact power-of-two rescale
+    winner, loser, dist, _ = plan._directed_pairs(h, r, group_ids, config.max_pairs_per_side, None)
     pair_prompt = group_ids[winner]
     records = []
     for f, fold in enumerate(held_out):
@@ -162,22 +163,22 @@ def crossfit(hidden, rewards, group_ids, held_out) -> list[dict]:
             # curate's Eq. 4 on the training pairs, the generator drawn in curate's order: split, init, training
             generator = torch.Generator().manual_seed(PROJECTOR_SEED)
             tw, tl, td = winner[train], loser[train], dist[train]
-            val_mask = ga._held_out_pairs(pair_prompt[train], torch.unique(pair_prompt[train]), config.val_frac,
+            val_mask = plan._held_out_pairs(pair_prompt[train], torch.unique(pair_prompt[train]), config.val_frac,
                                           generator)  # fmt: skip
-            projector = ga._ready_projector(None, h.shape[1], config, generator)
-            probe, steps = ga.fit_projector(projector, h, tw, tl, td, config, generator, val_mask=val_mask)
+            projector = plan._ready_projector(None, h.shape[1], config, generator)
+            probe, steps = pairs.fit_projector(projector, h, tw, tl, td, config, generator, val_mask=val_mask)
             with torch.no_grad():
-                out = projector.pair_forward(*ga._compact(h, winner, loser, dist, torch.ones_like(held)))
+                out = projector.pair_forward(*pairs._compact(h, winner, loser, dist, torch.ones_like(held)))
                 s_pos, s_neg = out @ probe
             v = F.normalize(out[0].double(), dim=1)
-            v_proto, consensus = ga.prototype(v[train], ga._pair_margins(r, tw, tl), config.prototype)
-            cos = 1 - ga.deviation(v, v_proto)
+            v_proto, consensus = scores.prototype(v[train], plan._pair_margins(r, tw, tl), config.prototype)
+            cos = 1 - scores.deviation(v, v_proto)
             fit = {"proj_steps": float(steps), "train_consensus": consensus}
         for prompt in fold.tolist():
             mine = pair_prompt == prompt
             rec = {"prompt": prompt, "fold": f, "pairs": int(mine.sum()), "val_acc": math.nan, "cos_gt_0.8": math.nan}
             if len(train) and mine.any():
-                rec["val_acc"] = ga._orientation_acc(s_pos[mine], s_neg[mine])
+                rec["val_acc"] = pairs._orientation_acc(s_pos[mine], s_neg[mine])
                 rec["cos_gt_0.8"] = float((cos[mine] > 0.8).double().mean())
             records.append({**rec, **fit})
     return records
