@@ -191,7 +191,8 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
     second_dumps = dumps(second)
     if not FULL:
         saved = second_dumps[1]["state_after"]  # what global_step1 holds
-    assert saved["projector"] is not None and saved["entropy_range"] is not None  # there is state to restore
+    stages = saved["stages"]  # there is state to restore:
+    assert stages["geoalign"]["projector"] is not None and stages["salt"]["entropy_range"] is not None
     SMOKE._assert_state_equal(second_dumps[2]["state"], saved)
     SMOKE.assert_steps_replay("kill_mid_save", second_dumps)
 

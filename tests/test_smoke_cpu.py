@@ -104,7 +104,8 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
     before, after = _dumps(out, "salt_geoalign_flip"), _dumps(out, "resume")
     assert sorted(before) == [1, 2] and sorted(after) == [3, 4]
     saved = before[2]["state_after"]
-    assert saved["projector"] is not None and saved["entropy_range"] is not None  # there was state to restore
+    stages = saved["stages"]  # there was state to restore:
+    assert stages["geoalign"]["projector"] is not None and stages["salt"]["entropy_range"] is not None
     _assert_state_equal(after[3]["state"], saved)
 
 
