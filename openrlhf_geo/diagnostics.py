@@ -310,7 +310,9 @@ def group_geometry(advantages, features_or_gram, group_ids, eps: float = 1e-8, *
         raise ValueError(f"eps must be >= 0 (got {eps})")
     index = index.to(c.device)
     sizes = torch.bincount(index, minlength=n_groups).to(torch.float64)
-    per_group = {key: [] for key in ("r_in", "pr_in", "e_tot", "e_sh", "e_delta", "rho_delta", "g_norm", "b_delta")}
+    per_group: dict[str, list[float]] = {
+        key: [] for key in ("r_in", "pr_in", "e_tot", "e_sh", "e_delta", "rho_delta", "g_norm", "b_delta")
+    }
     n_eff_in = []  # Eq. 50 of the groups with signal only
     for b in range(n_groups):
         rows = torch.nonzero(index == b)[:, 0]

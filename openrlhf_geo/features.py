@@ -31,10 +31,11 @@ the extra memory is O(chunk_size·V + B·S) (+ R·D for the output), and never f
 import functools
 import math
 import operator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Literal, NamedTuple, cast, overload
 
 import numpy as np
 import torch
@@ -102,7 +103,9 @@ def _hash_storage(seed: int, vocab_size: int, hidden_size: int, dim: int, device
     return hashes, tuple(offsets.tolist())
 
 
-def sketch_hashes(vocab_size: int, hidden_size: int, dim: int = DEFAULT_DIM, seed: int = 0, device="cpu"):
+def sketch_hashes(
+    vocab_size: int, hidden_size: int, dim: int = DEFAULT_DIM, seed: int = 0, device="cpu"
+) -> SketchHashes:
     """The fixed hash functions of the TensorSketch of (V, d) matrices into D = dim buckets, as `SketchHashes`.
 
     Signs are independent Rademacher, so E[sign(a) sign(a')] = [a = a'] for entries a, a' of the (V, d) grid and the
@@ -140,7 +143,9 @@ def _projection_storage(seed: int, vocab_size: int, hidden_size: int, k: int, de
     return tuple((2 * m.float() - 1).mul_(scale).to(device) for m in (se_t, sh_t))
 
 
-def kronecker_projections(vocab_size: int, hidden_size: int, dim: int = 4096, seed: int = 0, device="cpu"):
+def kronecker_projections(
+    vocab_size: int, hidden_size: int, dim: int = 4096, seed: int = 0, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed projections S_e (k, V) and S_h (k, d), k = sqrt(dim), float32, of the `kronecker` features.
 
     Entries are independent Rademacher ±1/sqrt(k), so E[S_eᵀS_e] = I_V and E[S_hᵀS_h] = I_d exactly (the sketch's
@@ -270,6 +275,41 @@ def _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids) -> _T
     return _Tokens(rows, cols, response, num_responses, weight, rows_dev, cols_dev, y)
 
 
+@overload
+def lm_head_features(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    method: str = "sketch",
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    *,
+    temperature: float = 1.0,
+    segment_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_log_probs: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def lm_head_features(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    method: str = "sketch",
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    *,
+    temperature: float = 1.0,
+    segment_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_log_probs: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
 def lm_head_features(
     logits: torch.Tensor,
     hidden: torch.Tensor,
@@ -283,7 +323,23 @@ def lm_head_features(
     segment_ids: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_log_probs: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def lm_head_features(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    method: str = "sketch",
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    *,
+    temperature: float = 1.0,
+    segment_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_log_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SALT Eq. 19: one LM-head-gradient feature row per response: exact, TensorSketch or Kronecker sketch.
 
     Inputs are aligned: `logits[b, t]` (B, S, V), pre-temperature, any float dtype, is the distribution that
@@ -322,7 +378,8 @@ def lm_head_features(
         out = _kronecker_features(logits, hidden, masked, dim, seed, temperature, chunk_size, log_probs)
     if len(masked.rows) and not bool(torch.isfinite(out).all()):
         _raise_non_finite(logits, hidden, masked.rows, masked.cols)
-    return (out, log_probs) if return_log_probs else out
+    # log_probs is the tensor made above exactly when return_log_probs
+    return (out, cast(torch.Tensor, log_probs)) if return_log_probs else out
 
 
 def _exact_features(logits, hidden, masked: _Tokens, temperature, chunk_size, log_probs) -> torch.Tensor:
@@ -392,7 +449,8 @@ class _Chunk(NamedTuple):
     part: slice  # its tokens among the masked ones
     ids: torch.Tensor  # (u,) the distinct responses present, on the device
     assign: torch.Tensor  # (u, n) float32: weight 1/(T_i τ) of token t in the row of its response, else 0
-    index: torch.Tensor  # (n,) arange(n) on the device
+    # ignore: the field shadows tuple.index in the stub (never called on a _Chunk; `.index` reads the field)
+    index: torch.Tensor  # type: ignore[assignment]  # (n,) arange(n) on the device
 
 
 def _chunks(masked: _Tokens, chunk_size: int, device):
@@ -403,9 +461,9 @@ def _chunks(masked: _Tokens, chunk_size: int, device):
     starts = range(0, len(masked.rows), chunk_size)
     chunk_ids, local = [], np.empty_like(response)
     for start in starts:
-        ids, inverse = np.unique(response[start : start + chunk_size], return_inverse=True)
+        present, inverse = np.unique(response[start : start + chunk_size], return_inverse=True)
         local[start : start + chunk_size] = inverse
-        chunk_ids.append(torch.from_numpy(ids).to(device))
+        chunk_ids.append(torch.from_numpy(present).to(device))
     local_dev = torch.from_numpy(local).to(device)
     weight_dev = torch.from_numpy(masked.weight).to(device=device, dtype=torch.float32)
     token_index = torch.arange(chunk_size, device=device)
@@ -464,7 +522,7 @@ class _TensorSketchTiles:
         self.hidden_spectra = torch.empty(self.size, half, dtype=torch.complex64, device=device)
         self.zero = torch.zeros((), device=device)  # a float32 shift: bf16 logits minus it are float32
 
-    def spectrum(self, z, y, h):
+    def spectrum(self, z, y, h) -> tuple[torch.Tensor, torch.Tensor]:
         """(rfft(C_V e_t) ∘ rfft(C_d h_t) per convolution block (n, L, P/2 + 1) complex64, a view of the buffers;
         log softmax(z_t/τ)[y_t] (n,) float32, from the same exp pass) for n ≤ size tokens: logits z (n, V) of any
         float dtype (read, never written), tokens y (n,), hidden h (n, d) float32."""
@@ -590,7 +648,9 @@ def _raise_non_finite(logits, hidden, rows, cols):
     raise ValueError("features overflowed float32 although logits and hidden are finite; check their scale")
 
 
-def last_token_hidden(hidden: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor | None = None):
+def last_token_hidden(
+    hidden: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Hidden state at each response's last masked token (GeoAlign's input), (R, d) in hidden's dtype.
 
     `hidden` (B, S, d), `mask` (B, S) and `segment_ids` as in `lm_head_features` (padded: R = B; packed: R = max
@@ -629,7 +689,7 @@ class GeometrySpec:
 
 
 @contextmanager
-def lm_head_input(model, enabled=True):
+def lm_head_input(model, enabled=True) -> Iterator[SimpleNamespace]:
     """Capture the lm_head input (final post-norm hidden states) of the forward run inside the block.
 
     Yields a namespace whose `.hidden` is (B, S, d) padded or (1, T, d) packed after the forward. The hook sits on
@@ -655,7 +715,7 @@ ENTROPY_CHUNK = 256  # positions per chunk of the token-entropy pass (peak extra
 @torch.no_grad()
 def response_geometry(
     spec, logits, hidden, labels, producing, response, temperature=1.0, segment_ids=None, rows=None, log_probs=False
-):
+) -> dict[str, torch.Tensor]:
     """Per-response geometry of one forward, small float32 CPU tensors: {"features" (R, D), "hidden" (R, d),
     "entropy" (R,)}, each only when `spec` asks for it. Both engines call this on their own layouts.
     With `log_probs` and features, also "log_probs": log softmax(z_s)[labels_s] at the producing positions (0

@@ -8,7 +8,7 @@ import torch
 from openrlhf_geo.registry import register_policy_loss
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high):
+def clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip per token -> (loss (N, R), clipped (N, R) bool): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
     logprobs / old_logprobs (N, R), advantages (N,) broadcast over tokens or (N, R). eps_high > eps_low is DAPO's
@@ -22,7 +22,9 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high):
 
 
 @register_policy_loss("ppo", upstream=True, clip_frac="clip_frac", metrics=None)
-def ppo(config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator):
+def ppo(
+    config, log_probs, old_log_probs, advantages, mask, clip_low, clip_high, generator
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate; stats {"clip_frac": the share of valid tokens the ratio clip cuts off}."""
     per_token, clipped = clipped_surrogate(log_probs, old_log_probs, advantages, clip_low, clip_high)
     return per_token, {"clip_frac": float((clipped & mask).sum()) / max(float(mask.sum()), 1.0)}

@@ -18,6 +18,7 @@ import math
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from openrlhf_geo import registry
 from openrlhf_geo.baselines import BaselineConfig
@@ -177,7 +178,7 @@ def validate(args, engine="local") -> None:
             raise ValueError(f"--actor.entropy_coef must be >= 0 (got {actor.entropy_coef})")
 
 
-def check_local_path(flag, value):
+def check_local_path(flag: str, value: str | None) -> None:
     """ValueError when a model flag's `value` reads as a local path and does not exist: both engines, before anything
     loads (never a hub download of a typo, nor, in the fork, an error from a Ray actor minutes later).
 
@@ -241,9 +242,9 @@ def geometry_config(args) -> GeometryConfig:
     )
 
 
-def flag_config(args):
+def flag_config(args) -> dict[str, Any]:
     """The nested argparse namespace as {"group.flag": plain value} (tuples as lists), for storing and comparing."""
-    out = {}
+    out: dict[str, Any] = {}
 
     def visit(prefix, value):
         if isinstance(value, SimpleNamespace):

@@ -40,6 +40,7 @@ limit or when every prompt's rollouts have had equal rewards for several steps i
 
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -51,7 +52,7 @@ from openrlhf_geo.groups import group_index, tied_groups
 from openrlhf_geo.registry import ESTIMATORS, active_adjustments, active_curation, group_estimators
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
 from openrlhf_geo.salt import SaltConfig
-from openrlhf_geo.stages import Batch, CurationPlan, Stream, record, stream
+from openrlhf_geo.stages import Batch, CurationPlan, State, Stream, record, stream
 
 # The learning-signal guard. A response cut at the length limit has no final answer for a verifier to pay, and a
 # prompt whose rollouts all got the same reward has zero group advantages: a run where that holds everywhere trains on
@@ -206,7 +207,7 @@ def minibatch_order(partition, generator) -> torch.Tensor:
     return torch.cat([blocks[b][torch.randperm(len(blocks[b]), generator=generator)] for b in order])
 
 
-def check_finite(name, values, group_ids, step):
+def check_finite(name: str, values: torch.Tensor, group_ids: torch.Tensor, step: int) -> None:
     """Raise a ValueError naming the step, the prompt and the value when `values` (N,) holds NaN/inf.
 
     Both engines call it on rewards and advantages before anything reaches an optimizer step or a checkpoint.
@@ -256,7 +257,7 @@ class GeometryPipeline:
         self.config = config
         self.curation = active_curation(config)  # the registered Curation, or None
         # Independent streams: switching one method on never shifts another's random draws.
-        self.states = {"noise": Stream(torch.Generator().manual_seed(config.noise.seed))}
+        self.states: dict[str, State] = {"noise": Stream(torch.Generator().manual_seed(config.noise.seed))}
         if self.curation is not None:
             settings = getattr(config, self.curation.config)
             if (state := self.curation.state(settings, config.seed)) is not None:
@@ -269,13 +270,14 @@ class GeometryPipeline:
     def active(self) -> bool:
         return self.config.active
 
-    def corrupt(self, rewards, group_ids, paid=None):
+    def corrupt(self, rewards, group_ids, paid=None) -> tuple[torch.Tensor, torch.Tensor]:
         """--reward.noise.*: (rewards (N,), group_ids (N,)) -> (rewards the trainer sees, corrupted (N,) bool).
         paid (N,) bool: the rollouts a misspecified verifier pays (type misspecified only; the engine's task hook)."""
         check_finite("reward", rewards, group_ids, self.steps + 1)
-        return corrupt(rewards, group_ids, self.config.noise, self.states["noise"].generator, paid)
+        noise = cast(Stream, self.states["noise"])  # the Stream __init__ built (load_state_dict only refills it)
+        return corrupt(rewards, group_ids, self.config.noise, noise.generator, paid)
 
-    def start(self, group_ids, corrupted=None):
+    def start(self, group_ids, corrupted=None) -> "GeometryStep":
         """Begin one rollout batch of N = len(group_ids) rollouts in prompt order."""
         self.steps += 1
         return GeometryStep(self, group_ids.detach().cpu().long(), corrupted)
@@ -309,7 +311,7 @@ class GeometryStep:
             self.metrics["noise/corrupted"] = corrupted.detach().cpu().float()
 
     @property
-    def kept(self):
+    def kept(self) -> torch.Tensor:
         """(N,) bool: slots that take part in the group statistics and SALT (False only for plans that drop rollouts:
         GeoAlign `drop`, PODS, PF-PPO without keep_count; local engine only)."""
         return self.plan.keep
@@ -320,7 +322,7 @@ class GeometryStep:
     def _record(self, prefix, stats, part=slice(None)):
         record(self.metrics, self.text_metrics, prefix, stats, self.size, part)
 
-    def curate(self, rewards, hidden):
+    def curate(self, rewards, hidden) -> torch.Tensor:
         """The registered curation (GeoAlign, PF-PPO, PODS, ...) between rewards and group statistics: rewards (N,)
         -> slot rewards rewards[source]. hidden (N, d): the input of a curation that `needs_hidden` (else None)."""
         entry = self.owner.curation
@@ -342,7 +344,7 @@ class GeometryStep:
         self._record(entry.metrics, stats)
         return rewards[self.plan.source.to(rewards.device)]
 
-    def adjust(self, stage, values, **inputs):
+    def adjust(self, stage, values, **inputs) -> torch.Tensor:
         """The registered adjustments (registry.ADJUSTMENTS) of `stage` that the run's --baseline.* flags turn on, in
         registration order: values (N,) -> adjusted (N,); the identity when none is on. "reward": PAR on the rewards
         before `curate`, its stats batch scalars (`batch_metrics`: they describe every rollout, before any slot
@@ -361,7 +363,7 @@ class GeometryStep:
                 self._record(entry.metrics, stats, self.kept)
         return values
 
-    def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0):
+    def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0) -> torch.Tensor:
         """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0): `salt_stage.reweight` with
         the run's SaltState. features (N, D), entropy (N,) and lengths (N,) per ROLLOUT. Without SALT a' = a."""
         salt = self.owner.config.salt
@@ -375,7 +377,7 @@ class GeometryStep:
         self.metrics.update(metrics)
         return new.to(device=advantages.device, dtype=advantages.dtype)
 
-    def rows(self, slot_advantages):
+    def rows(self, slot_advantages) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot a' (N,) -> (row value (N,), multiplicity (N,)): row r's sequence advantage is the mean a' of the
         slots it fills (identical copies agree up to solver rounding), its multiplicity the summed slot weights."""
         weight = (self.plan.weight * self.kept).to(slot_advantages.device, slot_advantages.dtype)

@@ -12,8 +12,12 @@ one function plus one registration (docs/architecture.md, "How to add ...").
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 ENGINES = ("local", "fork")
+
+_F = TypeVar("_F")  # a registered function (an estimator's may be None: the fork only)
+_E = TypeVar("_E", bound="Estimator | Curation | PolicyLoss | Adjustment")  # a registry's entry
 
 
 def _runs_everywhere(settings) -> str | None:
@@ -33,7 +37,7 @@ class Registry(dict):
         super().__init__()
         self.flag = flag
 
-    def register(self, entry):
+    def register(self, entry: _E) -> _E:
         if entry.name in self:
             raise ValueError(f"{self.flag} {entry.name!r} is registered twice")
         self[entry.name] = entry
@@ -146,7 +150,7 @@ POLICY_LOSSES = Registry("--baseline.policy_loss")
 ADJUSTMENTS = Registry("a --baseline.* adjustment")
 
 
-def register_estimator(name, **info):
+def register_estimator(name: str, **info: Any) -> Callable[[_F], _F]:
     """Decorator: register `advantages` as estimator `name` (Estimator's fields as keywords)."""
 
     def add(advantages):
@@ -166,7 +170,7 @@ def local_estimators() -> tuple:
     return tuple(name for name, entry in ESTIMATORS.items() if entry.advantages is not None)
 
 
-def register_curation(name, **info):
+def register_curation(name: str, **info: Any) -> Callable[[_F], _F]:
     """Decorator: register `plan` as curation `name` (Curation's fields as keywords)."""
 
     def add(plan):
@@ -176,7 +180,7 @@ def register_curation(name, **info):
     return add
 
 
-def register_policy_loss(name, **info):
+def register_policy_loss(name: str, **info: Any) -> Callable[[_F], _F]:
     """Decorator: register `loss` as policy loss `name` (PolicyLoss's fields as keywords)."""
 
     def add(loss):
@@ -186,7 +190,7 @@ def register_policy_loss(name, **info):
     return add
 
 
-def register_adjustment(name, stage, flag, **info):
+def register_adjustment(name: str, stage: str, flag: str, **info: Any) -> Callable[[_F], _F]:
     """Decorator: register `adjust` as adjustment `name` at `stage`, on with `flag` (Adjustment's fields as
     keywords)."""
 
@@ -215,7 +219,7 @@ def baseline_curations() -> tuple:
     return tuple(name for name, entry in CURATIONS.items() if entry.config == "baseline")
 
 
-def active_curation(config):
+def active_curation(config) -> Curation | None:
     """The curation a GeometryConfig turns on (GeoAlign or a --baseline.curation), or None."""
     if config.geoalign is not None:
         return next(entry for entry in CURATIONS.values() if entry.config == "geoalign")

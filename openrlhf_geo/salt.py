@@ -12,7 +12,7 @@ import numbers
 import time
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 import scipy.linalg
@@ -103,7 +103,8 @@ def _check_alpha(variant: str, alpha, name: str) -> None:
         raise ValueError(
             f"{name} is required by, and only used with, variant fixed-alpha (variant {variant!r}, {name} {alpha!r})"
         )
-    if alpha is not None and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and 0 <= alpha <= 1):
+    # ignore: typeshed's int.__le__ takes no numbers.Real, and Real declares no reflected __ge__ (a stub limitation)
+    if alpha is not None and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and 0 <= alpha <= 1):  # type: ignore[operator]
         raise ValueError(f"{name} must be a number in [0, 1] (got {alpha!r})")
 
 
@@ -116,7 +117,8 @@ def _check_k_rule(k_rule, rho, prefix: str) -> None:
         return
     if k_rule != "code":
         raise ValueError(f"{prefix}rho only applies with {prefix}k_rule code (got {prefix}k_rule {k_rule})")
-    if not (isinstance(rho, numbers.Real) and not isinstance(rho, bool) and 0 < rho <= 2):
+    # ignore: typeshed's int.__lt__ takes no numbers.Real, and Real declares no reflected __gt__ (a stub limitation)
+    if not (isinstance(rho, numbers.Real) and not isinstance(rho, bool) and 0 < rho <= 2):  # type: ignore[operator]
         raise ValueError(f"{prefix}rho must be a number in (0, 2], the released code's range (got {rho!r})")
 
 
@@ -427,9 +429,11 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
             f"entropy is required by, and only used with, variant entropy-alpha (variant={variant!r}, "
             f"entropy={entropy!r})"
         )
-    if entropy is not None and not (isinstance(entropy, numbers.Real) and 0 <= entropy <= 1):
+    # ignore: typeshed's int.__le__ takes no numbers.Real, and Real declares no reflected __ge__ (a stub limitation)
+    if entropy is not None and not (isinstance(entropy, numbers.Real) and 0 <= entropy <= 1):  # type: ignore[operator]
         raise ValueError(f"entropy must be entropy_alpha(H_t, H_min, H_max), a number in [0, 1] (got {entropy!r})")
-    if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps >= 0):
+    # ignore: numbers.Real declares no __ge__, and typeshed's reflected int.__le__ takes no Real (a stub limitation)
+    if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps >= 0):  # type: ignore[operator]
         raise ValueError(f"eps must be a finite number >= 0 (got {eps!r})")
     return advantages.detach().to(device="cpu", dtype=torch.float64)
 
@@ -440,6 +444,60 @@ class SaltGeometry(NamedTuple):
     basis: torch.Tensor  # (m, r) float64: P_k = B Bᵀ when is_top, else I − B Bᵀ
     is_top: bool
     gram: torch.Tensor  # (m, m) float64 K = F Fᵀ / m (the unbiased K̂ under gram="shrink")
+
+
+@overload
+def salt_advantages(
+    advantages: torch.Tensor,
+    features: torch.Tensor,
+    variant: str = "full",
+    alpha: float | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    entropy: float | None = None,
+    eps: float = 1e-8,
+    gram: str = "raw",
+    sketch_shape: tuple[int, int] | None = None,
+    return_basis: Literal[False] = False,
+    k_rule: str = "paper",
+    rho: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@overload
+def salt_advantages(
+    advantages: torch.Tensor,
+    features: torch.Tensor,
+    variant: str = "full",
+    alpha: float | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    entropy: float | None = None,
+    eps: float = 1e-8,
+    gram: str = "raw",
+    sketch_shape: tuple[int, int] | None = None,
+    return_basis: Literal[True],
+    k_rule: str = "paper",
+    rho: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float], SaltGeometry]: ...
+
+
+@overload
+def salt_advantages(
+    advantages: torch.Tensor,
+    features: torch.Tensor,
+    variant: str = "full",
+    alpha: float | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    entropy: float | None = None,
+    eps: float = 1e-8,
+    gram: str = "raw",
+    sketch_shape: tuple[int, int] | None = None,
+    return_basis: bool = False,
+    k_rule: str = "paper",
+    rho: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], SaltGeometry]: ...
 
 
 @torch.no_grad()
@@ -457,7 +515,7 @@ def salt_advantages(
     return_basis: bool = False,
     k_rule: str = "paper",
     rho: float | None = None,
-):
+) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], SaltGeometry]:
     """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D) -> (a', stats) [+ basis].
 
     One call is one SALT partition: §3.1 takes the m = BG responses of "the current mini-batch" (Eq. 12).

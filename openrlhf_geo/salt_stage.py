@@ -87,9 +87,12 @@ def reweight(
     """
     a = advantages.detach().cpu().double()
     features, lengths = features.detach().cpu()[source], lengths.detach().cpu().double()
-    size, metrics, text = a.numel(), {}, {}
+    size = a.numel()
+    metrics: dict[str, torch.Tensor] = {}  # salt/<key> -> (N,) per slot
+    text: dict[str, str] = {}
     alpha_input = None
     if salt.needs_entropy:
+        assert entropy is not None  # the engines pass it whenever SALT needs it (GeometrySpec.entropy)
         alpha_input = _entropy_alpha(state, entropy.detach().cpu().double(), lengths, metrics, size)
     new = torch.zeros_like(a)
     kept = torch.nonzero(batch.kept)[:, 0]

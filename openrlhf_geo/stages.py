@@ -7,7 +7,9 @@ lives across steps (a random stream, GeoAlign's projector, SALT's entropy range)
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Protocol, TypeVar, overload
 
 import torch
 
@@ -25,10 +27,20 @@ STREAM_OFFSETS = {
 # `step`, PartitionSampler's order at ppo_train call `step`), and Clip-Cov's seed + rank (one stream per rank).
 FORK_STEP_STRIDE = 1_000_003
 
+_T = TypeVar("_T")
+
 
 def stream(seed: int, name: str) -> torch.Generator:
     """The CPU generator of stream `name` (STREAM_OFFSETS) for a run seeded with `seed`."""
     return torch.Generator().manual_seed(seed + STREAM_OFFSETS[name])
+
+
+class State(Protocol):
+    """What a stage remembers across steps, checkpointed by the pipeline under the stage's name."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Stream:
@@ -100,7 +112,13 @@ class CurationPlan:
         """The same plan with every tensor on `device`."""
         return CurationPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
 
-    def apply(self, x):
+    @overload
+    def apply(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def apply(self, x: Sequence[_T]) -> list[_T]: ...
+
+    def apply(self, x: torch.Tensor | Sequence[_T]) -> torch.Tensor | list[_T]:
         """The kept slots' content, in slot order: `x[source[keep]]` for a tensor (rows) or a sequence (items)."""
         index = self.source[self.keep]
         if isinstance(x, torch.Tensor):

@@ -6,6 +6,7 @@ bash scripts/setup_cpu.sh test
 . .venv/bin/activate
 ruff check .
 ruff format --check .
+mypy  # the core's types (pyproject.toml [tool.mypy])
 # Two xdist workers share the CI machine's two cores: one BLAS/OpenMP thread each (oversubscribed BLAS threads made
 # small eigensolves 40-250x slower on a shared 2-core machine).
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1

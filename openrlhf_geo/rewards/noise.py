@@ -38,7 +38,7 @@ def _check(rewards, group_ids, rate, generator):
         raise ValueError(f"generator must be a CPU torch.Generator (got device {generator.device})")
 
 
-def corruption_mask(group_ids, rate, generator=None):
+def corruption_mask(group_ids, rate, generator=None) -> torch.Tensor:
     """(N,) bool: floor(rate·n_g) + Bernoulli(frac(rate·n_g)) rollouts of each prompt g, uniformly at random."""
     group, _ = group_index(group_ids)
     n = group.numel()
@@ -56,7 +56,7 @@ def corruption_mask(group_ids, rate, generator=None):
     return rank < count.long()[group]
 
 
-def flip_binary(rewards, group_ids, rate, generator=None, *, levels=(0.0, 1.0)):
+def flip_binary(rewards, group_ids, rate, generator=None, *, levels=(0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """Flip binary rewards of a fraction `rate` of each prompt's rollouts -> (new_rewards (N,), corrupted (N,) bool).
 
     `levels` = (low, high), the two reward values: (0, 1) (GRPO) or (-1, 1) (DAPO). Never inferred from the batch
@@ -74,7 +74,7 @@ def flip_binary(rewards, group_ids, rate, generator=None, *, levels=(0.0, 1.0)):
     return torch.where(corrupted, flipped, rewards), corrupted
 
 
-def swap_to_extremes(rewards, group_ids, rate, generator=None):
+def swap_to_extremes(rewards, group_ids, rate, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
     """HH-style corruption -> (new_rewards (N,), corrupted (N,) bool).
 
     A selected rollout below its prompt's mean reward gets the prompt's max, one at or above the mean gets the
@@ -94,7 +94,7 @@ def swap_to_extremes(rewards, group_ids, rate, generator=None):
     return new, selected & (new != rewards)
 
 
-def pay_wrong(rewards, paid):
+def pay_wrong(rewards, paid) -> tuple[torch.Tensor, torch.Tensor]:
     """A verifier that also pays some wrong rollouts -> (new_rewards (N,), corrupted (N,) bool).
 
     paid (N,) bool: the rollouts the misspecified verifier pays; each gets the top reward 1 (a correct verdict under
@@ -172,7 +172,7 @@ class NoiseConfig:
         return self.type != "none"
 
 
-def corrupt(rewards, group_ids, config, generator=None, paid=None):
+def corrupt(rewards, group_ids, config, generator=None, paid=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply `config`'s corruption -> (new_rewards (N,), corrupted (N,) bool); type none: (rewards, all False).
 
     paid (N,) bool: for type misspecified, the rollouts the misspecified verifier pays (`pay_wrong`), which only
