@@ -9,10 +9,11 @@ and call, in this order:
     slot_rewards = step.curate(rewards, hidden)                  --geoalign.*      GeoAlign Eq. 3-8 (plan), or
                                                                  --baseline.curation  PF-PPO / PODS (plan): the
                                                                  registered curation (registry.CURATIONS)
-    (the engine's group statistics on the slot rewards -> sequence advantages a (N,))
+    (the engine's estimator, registry.ESTIMATORS, on the slot rewards -> sequence advantages a (N,))
     a = step.adjust("advantage", a, responses=..., verifier=...)  --baseline.seed_grpo_alpha  Seed-GRPO: the
                                                                  registered adjustments (registry.ADJUSTMENTS)
     a_slot = step.reweight(a, features, entropy, lengths)        --salt.*          SALT Eq. 12-18 per partition
+                                                                 (salt_stage.reweight)
     value, multiplicity = step.rows(a_slot)                       what each rollout's row carries into the loss
     step.metrics                                                   {"salt/pr": (N,), "geo/flag_frac": (N,), ...}
 
@@ -32,6 +33,11 @@ sample-weighted mean (upstream's `info` logging; the local engine's `nanmean`) i
 weighted for SALT. String stats (`geo/skipped_reason`) live in `step.text_metrics`. The baselines' stats are
 `baseline/<name>/<stat>`. When SALT applies, `salt/out_of_regime` flags steps far outside SALT Table 10's regime
 (`SaltRegimeWarning`, docs/salt_regime.md).
+
+Each stage is a function of its settings, a `stages.Batch` and tensors; what one remembers across steps is its own
+State (reward noise and PF-PPO: a random stream; GeoAlign: its stream and projector; SALT: its stream, entropy-alpha's
+range and the warning clock), built once per run and held in `GeometryPipeline.states` by stage name, which is all
+the pipeline checkpoints (format 2; a format-1 state of the snapshots before 0.1.0 loads).
 
 `SignalGuard` (one per engine, whatever the flags) checks each rollout batch for learning signal: it logs
 `signal/truncated` and `signal/tied_groups` and warns (`LearningSignalWarning`) when most responses hit the length
