@@ -5,12 +5,13 @@ GDI aggregation (Eq. 7), prototype (Eq. 5) and projector (Eq. 4, §4.2)."""
 import math
 import numbers
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
 from openrlhf_geo.config_flags import setting
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # alpha: §5.1 "Implementation" (0.05 on Math, 0.12 on HH-RLHF; App. C.2 sensitivity);
     # val_acc: App. C.1 early stop "once validation accuracy surpasses ... 95% for Math and 85% for HH-RLHF".
     "math": {"alpha": 0.05, "val_acc": 0.95},
@@ -154,7 +155,7 @@ class GeoAlignConfig:
             raise ValueError(f"--geoalign.device must be a torch device string (got {self.device!r})") from error
 
     @classmethod
-    def preset(cls, name, **overrides):
+    def preset(cls, name, **overrides) -> "GeoAlignConfig":
         """The "math" or "rlhf" preset (PRESETS, §5.1 and App. C.1) with `overrides` applied and validated."""
         if name not in PRESETS:
             raise ValueError(f"unknown GeoAlign preset {name!r}; choose one of {sorted(PRESETS)}")

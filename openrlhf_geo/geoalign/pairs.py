@@ -29,18 +29,18 @@ class Projector(nn.Module):
         self.reset_parameters(generator)
 
     @torch.no_grad()
-    def reset_parameters(self, generator=None):
+    def reset_parameters(self, generator=None) -> None:
         """PyTorch's default nn.Linear init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn on the CPU from `generator`."""
         for layer in self.layers:
             bound = 1 / math.sqrt(layer.in_features)
             for param in (layer.weight, layer.bias):
                 param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=generator))
 
-    def forward(self, u):
+    def forward(self, u) -> torch.Tensor:
         """M(u): (P, in_dim) -> (P, out_dim). The naive form; training uses the equal but cheaper `pair_forward`."""
         return self._tail(self.layers[0](u))
 
-    def pair_forward(self, hidden, winner, loser, dist):
+    def pair_forward(self, hidden, winner, loser, dist) -> torch.Tensor:
         """Both orientations (M(u_p), M(-u_p)) stacked as (2, P, out_dim), for u_p = (h_w - h_l) / dist_p.
 
         Pair-factored first layer: W1 u_p = (Z_w - Z_l) / dist_p with Z = hidden W1^T computed once per rollout
@@ -70,7 +70,7 @@ def _group_slots(group):
     return slots
 
 
-def preference_pairs(rewards, group_ids, max_per_side=0, generator=None):
+def preference_pairs(rewards, group_ids, max_per_side=0, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
     """GeoAlign Eq. 3: every (k, l) of the same prompt with r_k > r_l -> (winner (P,), loser (P,)) long, on the CPU.
 
     rewards (N,), group_ids (N,) any integers. Tied or single-rollout prompts give no pair (§4.5). max_per_side
@@ -103,7 +103,7 @@ def _pow2_scale(x):
     return 2.0 ** -math.frexp(peak)[1] if peak > 0 else 1.0
 
 
-def pair_distances(hidden, winner, loser, group_ids):
+def pair_distances(hidden, winner, loser, group_ids) -> torch.Tensor:
     """||h_w - h_l|| per pair (P,) float64, from the within-prompt Gram of prompt-centred hidden states.
 
     hidden (N, d), winner/loser (P,) pairs of the same prompt, group_ids (N,). The Gram is taken of hidden scaled
@@ -139,7 +139,7 @@ def pair_distances(hidden, winner, loser, group_ids):
     return d2.sqrt() / scale
 
 
-def orientation_loss(s_pos, s_neg):
+def orientation_loss(s_pos, s_neg) -> torch.Tensor:
     """GeoAlign Eq. 4: mean softplus(-w^T M(u)) + mean softplus(w^T M(-u)); s_pos, s_neg (P,) probe scores of +-u."""
     return F.softplus(-s_pos).mean() + F.softplus(s_neg).mean()
 
@@ -165,7 +165,9 @@ def _minibatches(pairs, batch, steps, generator=None):
 
 
 @torch.enable_grad()  # trains even when the caller runs under no_grad (OpenRLHF's experience maker does)
-def fit_projector(projector, hidden, winner, loser, dist, config, generator=None, *, val_mask=None):
+def fit_projector(
+    projector, hidden, winner, loser, dist, config, generator=None, *, val_mask=None
+) -> tuple[torch.Tensor, int]:
     """Train M_psi and a fresh linear probe w with the orientation loss (Eq. 4) -> (probe (out_dim,), steps).
 
     hidden (N, d) in the projector's dtype and device; winner, loser (P,) long; dist (P,) = ||h_w - h_l|| > 0.

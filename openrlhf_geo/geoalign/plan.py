@@ -36,7 +36,7 @@ SAME_TOL = 1e-6
 SCORE_TOL = 1e-5
 
 
-def best_random_probs(rewards, stable):
+def best_random_probs(rewards, stable) -> torch.Tensor:
     """GeoAlign Eq. 8 per prompt: P(best stable rollout) = 1/2, the other S-1 stable ones share 1/2 (S = 1: all).
 
     rewards, stable (n, G) (one prompt per row; padding is simply not stable) -> (n, G) float64, 0 off the stable
@@ -52,7 +52,7 @@ def best_random_probs(rewards, stable):
     return torch.where(size == 1, stable.double(), probs)
 
 
-def rectify(flagged, rewards, group_ids, mode="replace", generator=None):
+def rectify(flagged, rewards, group_ids, mode="replace", generator=None) -> CurationPlan:
     """GeoAlign §4.4 rectification: flags -> CurationPlan; "stable" = not flagged (scored or not). A prompt whose
     rollouts are all flagged is left unchanged (Eq. 8 needs a stable rollout; the paper does not treat this case).
     flagged, rewards, group_ids (N,).
@@ -243,7 +243,9 @@ def _outcome_stats(flagged, scores, corrupted, skipped):
     return out
 
 
-def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
+def curate(
+    hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None
+) -> tuple[CurationPlan, dict]:
     """GeoAlign on one rollout batch (Algorithm 1, function GeoAlign) -> (CurationPlan, stats: dict).
 
     hidden (N, d) last-response-token final hidden states (any float dtype and magnitude; computed in float32 on

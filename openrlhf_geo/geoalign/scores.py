@@ -14,7 +14,7 @@ SPREAD_ULPS = 64
 KDE_GRID = 2048  # grid points between the smallest and largest GDI score for the threshold rule's crossing
 
 
-def prototype(v, margins, kind="margin"):
+def prototype(v, margins, kind="margin") -> tuple[torch.Tensor, float]:
     """GeoAlign Eq. 5: v_proto = normalize(sum_p (r_k - r_l) v_p) -> (v_proto (o,), resultant length in [0, 1]).
 
     v (P, o) unit pair directions, margins (P,) = r_k - r_l > 0 (finite; ValueError otherwise); kind "plain" uses
@@ -34,12 +34,12 @@ def prototype(v, margins, kind="margin"):
     return F.normalize(centroid, dim=0), (centroid.norm() / weights.sum()).item()
 
 
-def deviation(v, v_proto):
+def deviation(v, v_proto) -> torch.Tensor:
     """GeoAlign Eq. 6: s_p = 1 - cos(v_p, v_proto) for unit v (P, o) and v_proto (o,) -> (P,) in [0, 2]."""
     return 1 - v @ v_proto
 
 
-def gdi(dev, winner, loser, n, kind="cumulative"):
+def gdi(dev, winner, loser, n, kind="cumulative") -> torch.Tensor:
     """GeoAlign Eq. 7: GDI_i = sum of s_p over the pairs containing rollout i (as winner or loser) -> (n,).
 
     dev (P,) deviations, winner/loser (P,) long; kind "mean" divides by the rollout's pair count (§5.4's
@@ -92,7 +92,7 @@ def _tail_start(kde, z, alpha):
     return float(optimize.brentq(lambda x: kde(x)[0] - level, left, grid[i])), float(mode)
 
 
-def kde_tail_threshold(scores, alpha):
+def kde_tail_threshold(scores, alpha) -> tuple[float, float]:
     """The threshold rule's tail start: the first point right of the density mode where f̂ < alpha * f̂(mode).
 
     scores (n,) float64 (any finite scale: the KDE works on standardized scores, see _kde); f̂ = scipy
@@ -109,7 +109,7 @@ def kde_tail_threshold(scores, alpha):
     return center + half * threshold, center + half * mode
 
 
-def kde_flags(scores, alpha, rule="pointwise"):
+def kde_flags(scores, alpha, rule="pointwise") -> tuple[np.ndarray, float, float]:
     """GeoAlign §4.4 anomaly rule on one batch's GDI scores (n,) float64 -> (flags (n,) bool, mode, threshold).
 
     f̂ = scipy `gaussian_kde` of the scores, Scott's bandwidth (the paper says "KDE"; kernel and bandwidth are not
@@ -137,7 +137,7 @@ def kde_flags(scores, alpha, rule="pointwise"):
     return (z > z[top]) & (density < alpha * density.max()), float(scores[top]), math.nan
 
 
-def detection_auroc(score, bad, scored):
+def detection_auroc(score, bad, scored) -> tuple[float, int, int]:
     """AUROC of `score` for the `bad` items among the `scored` ones (arrays of one length) -> (auroc, n+, n-).
 
     Mann-Whitney U / (n+ n-): P(a bad item outscores a clean one) + 1/2 P(tie); NaN without both classes.
