@@ -2,7 +2,9 @@
 from rewards (N,) and prompt ids (N,), with float64 group statistics.
 
 The local engine computes the ones with a function; the fork runs upstream's branch of the same name in OpenRLHF
-0.11.2's `compute_advantages_and_returns` (tests/test_fork_pipeline.py checks that both give the same advantages).
+0.11.2's `compute_advantages_and_returns` where upstream has one (`upstream=True`), and otherwise computes the
+registered function in place of upstream's dr_grpo advantages (fork.hooks.GeometryBatch.salt);
+tests/test_fork_pipeline.py checks that both engines give the same advantages.
 `salt` is not an estimator of its own: SALT reweights the sequence advantages of its --salt.base, one of the group
 estimators (SALT §3: a' replaces the group-normalized advantages).
 """
@@ -25,7 +27,7 @@ def _centred(rewards, group_ids):
     return r - mean[group], n, group
 
 
-@register_estimator("group_norm")
+@register_estimator("group_norm", upstream=True)
 def group_norm(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """GRPO: (r - mean_g) / (std_g + 1e-9), std with Bessel's correction as upstream OpenRLHF; a single-rollout group
     gets 0."""
@@ -35,16 +37,17 @@ def group_norm(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(n[group] > 1, adv, 0.0).to(rewards.dtype)
 
 
-@register_estimator("dr_grpo")
+@register_estimator("dr_grpo", upstream=True)
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO (Liu et al., arXiv 2503.20783): r - mean_g, no std."""
     return _centred(rewards, group_ids)[0].to(rewards.dtype)
 
 
 # The fork's other group estimator, and upstream's REINFORCE++-baseline, which is refused where a group is read.
-register_estimator("rloo")(None)
+register_estimator("rloo", upstream=True)(None)
 register_estimator(
     "reinforce_baseline",
+    upstream=True,
     whitens="upstream whitens the whole batch after the group statistics, which would re-centre and rescale what a "
     "method computed per prompt (SALT's a' must reach the loss unchanged)",
 )(None)

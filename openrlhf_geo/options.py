@@ -153,6 +153,12 @@ def validate(args, engine="local") -> None:
     refused = registry.refusals(config, engine, args.algo.advantage.estimator)
     if refused:
         raise ValueError(refused[0])
+    entry = registry.ESTIMATORS.get(args.algo.advantage.estimator)
+    if engine == "fork" and entry is not None and not entry.upstream:
+        # upstream 0.11.2 has no branch for it: its dr_grpo path runs (no std, no whitening, gamma 1), then the
+        # pipeline replaces those sequence advantages with the registered estimator's (fork.hooks.GeometryBatch.salt)
+        config = args.geometry = dataclasses.replace(config, estimator=entry.name)
+        args.algo.advantage.estimator = "dr_grpo"
     # SALT's default partition is the optimizer mini-batch's prompts (pipeline.salt_partition_prompts): a mini-batch
     # of part of a prompt's rollouts is no partition, and cuts partitions across optimizer steps in both engines
     batch = getattr(getattr(args, "train", None), "batch_size", None)

@@ -145,7 +145,9 @@ class GeometryConfig:
     salt None: SALT off (SaltConfig.apply False: diagnostics only); geoalign None: GeoAlign off; baseline None: no
     --baseline.* flag (its policy loss is the engines', the rest runs here). `salt_base` (--salt.base) is the
     group-relative estimator whose sequence advantages SALT reweights; the engines run it as their advantage
-    estimator. `seed` seeds the pipeline's random streams (the run's --train.seed).
+    estimator. `seed` seeds the pipeline's random streams (the run's --train.seed). `estimator`: in the fork, a
+    registered estimator upstream has no branch for (registry.Estimator.upstream False), which the pipeline computes
+    in place of upstream's (options.validate); None otherwise.
     """
 
     salt: SaltConfig | None = None
@@ -154,6 +156,7 @@ class GeometryConfig:
     baseline: BaselineConfig | None = None
     salt_base: str = "group_norm"
     seed: int = 0
+    estimator: str | None = None
 
     def __post_init__(self):
         bases = group_estimators()
@@ -171,7 +174,8 @@ class GeometryConfig:
     @property
     def active(self) -> bool:
         baseline = self.baseline is not None and self.baseline.in_pipeline
-        return self.salt is not None or self.geoalign is not None or self.noise.enabled or baseline
+        methods = self.salt is not None or self.geoalign is not None or self.estimator is not None
+        return methods or self.noise.enabled or baseline
 
     @property
     def spec(self) -> GeometrySpec | None:

@@ -54,15 +54,19 @@ class Estimator:
     advantages  (rewards (N,), group_ids (N,)) -> sequence advantages (N,): the local engine's computation; None:
                 the fork only
     upstream    the fork runs upstream's own branch of this name (OpenRLHF 0.11.2's compute_advantages_and_returns);
-                False: the fork refuses it (its experience maker has no seam for another estimator)
+                False: upstream's dr_grpo path runs and the fork's pipeline replaces its advantages with `advantages`
     whitens     None for an estimator whose advantages come from each prompt's own rollouts, without batch whitening
                 (SALT's bases, and what a method that reads a prompt's group needs); else why it is not one
     """
 
     name: str
     advantages: Callable | None
-    upstream: bool = True
+    upstream: bool = False
     whitens: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.advantages is None and not self.upstream:
+            raise ValueError(f"estimator {self.name!r}: no function and no upstream branch computes it")
 
 
 @dataclass(frozen=True)

@@ -1001,3 +1001,46 @@ def test_a_recorded_step_replays_through_the_pipeline_and_nothing_is_recorded_wi
     plain = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5).make_experience_batch(copy.deepcopy(before))
     torch.testing.assert_close(row_advantages(recorded, 16), row_advantages(plain, 16), rtol=0, atol=0)
     assert [p.name for p in tmp_path.glob("step*.pt")] == ["step0001.pt"]  # none from the run without the variable
+
+
+def leave_one_out(rewards, group_ids):
+    """Toy estimator for the registry: r_i minus the mean of its prompt's other rollouts (RLOO), float64, by hand."""
+    r, out = rewards.double(), torch.zeros(len(rewards), dtype=torch.float64)
+    for g in torch.unique(group_ids):
+        rows = group_ids == g
+        out[rows] = r[rows] - (r[rows].sum() - r[rows]) / (int(rows.sum()) - 1)
+    return out.to(rewards.dtype)
+
+
+@pytest.mark.parametrize("case", ["estimator", "salt-base"])
+def test_a_registered_estimator_without_an_upstream_branch_runs_in_the_fork_as_on_the_local_engine(
+    up, tiny_path, monkeypatch, case
+):
+    """registry.ESTIMATORS with upstream=False: the fork's --advantage_estimator takes it, upstream runs its dr_grpo
+    path and the pipeline replaces those advantages with the estimator's (alone, or as SALT's --salt.base), giving
+    what the local engine gives on the same rollouts."""
+    from openrlhf_geo import registry
+    from openrlhf_geo.local import flags
+
+    toy = registry.Estimator("toy_rloo", leave_one_out, upstream=False)
+    monkeypatch.setitem(registry.ESTIMATORS, "toy_rloo", toy)
+    monkeypatch.setattr(flags, "ESTIMATORS", (*registry.local_estimators(), "salt"))
+    monkeypatch.setattr(flags, "LOCAL_SALT_BASES", (*flags.LOCAL_SALT_BASES, "toy_rloo"))
+    argv = {
+        "estimator": "--advantage_estimator toy_rloo",
+        "salt-base": "--advantage_estimator salt --salt.base toy_rloo --salt.features exact",
+    }[case].split()
+    samples = rollouts(up, 4, seed=21)
+    rewards = torch.tensor([s.rewards.item() for s in samples])
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    args = maker.strategy.args
+    assert (args.algo.advantage.estimator, args.geometry.estimator) == ("dr_grpo", "toy_rloo")
+    model = copy.deepcopy(maker.actor_model_group.rank.actor.model)
+    fork_advantages = row_advantages(maker.make_experience_batch(copy.deepcopy(samples)), len(samples))
+    local_advantages, metrics = local_step(model, argv, samples, rewards)
+    torch.testing.assert_close(local_advantages.float(), fork_advantages, atol=2e-5, rtol=1e-4)
+    if case == "estimator":
+        group_ids = torch.arange(len(samples)) // args.rollout.n_samples_per_prompt
+        torch.testing.assert_close(fork_advantages, leave_one_out(rewards, group_ids).float())
+    else:
+        assert metrics["salt/D_a"] > 0  # SALT reweighted the estimator's advantages in both engines

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_geo import GeoWarning, baselines, features, options
+from openrlhf_geo import GeoWarning, baselines, features, options, registry
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.fork.replay import Recorder
@@ -67,6 +67,12 @@ def add_args(parser) -> None:
     """The fork's flags on upstream's parser: the ones both engines share (`options.add_args`) and --ckpt.overwrite
     (the local engine's flag of that name, with this engine's meaning: `check_outputs`)."""
     options.add_args(parser)
+    # the estimators registered without an upstream branch (registry.ESTIMATORS, upstream=False) are choices of
+    # upstream's --advantage_estimator too: options.validate maps them onto upstream's dr_grpo path and the pipeline
+    # computes them (GeometryBatch.salt)
+    action = next(a for a in parser._actions if a.dest == "algo.advantage.estimator")
+    added = [name for name, entry in registry.ESTIMATORS.items() if not entry.upstream and name not in action.choices]
+    action.choices = [*action.choices, *added]
     parser.add_argument(
         "--ckpt.overwrite",
         action="store_true",
@@ -465,14 +471,18 @@ class GeometryBatch:
 
     def curate(self, rewards, indices):
         """The registered curation (GeoAlign, PF-PPO) between rewards and group statistics: rewards (N,) prompt order
-        -> slot rewards."""
-        if not self.owner.active or self.owner.pipeline.curation is None:
+        -> slot rewards (kept for a registered estimator the pipeline computes, `salt`)."""
+        if not self.owner.active:
             return rewards
-        if not torch.equal(indices, self.indices):
-            raise RuntimeError("experience order changed between start_batch and curate")
-        hidden = self._geometry("hidden") if self.owner.pipeline.curation.needs_hidden else None
-        rewards = rewards.reshape(-1)  # (N,) or an HTTP reward model's (N, 1)
-        return self.step.curate(rewards, hidden)
+        curation = self.owner.pipeline.curation
+        slot_rewards = rewards.reshape(-1)  # (N,) or an HTTP reward model's (N, 1)
+        if curation is not None:
+            if not torch.equal(indices, self.indices):
+                raise RuntimeError("experience order changed between start_batch and curate")
+            hidden = self._geometry("hidden") if curation.needs_hidden else None
+            slot_rewards = self.step.curate(slot_rewards, hidden)
+        self.slot_rewards = slot_rewards
+        return rewards if curation is None else slot_rewards
 
     def _responses(self):
         """The N response texts in prompt order, decoded with the experience maker's tokenizer (special tokens
@@ -496,6 +506,8 @@ class GeometryBatch:
             return advantages
         pipeline = self.owner.pipeline
         a = advantages.reshape(-1)
+        if pipeline.config.estimator is not None:  # registered without an upstream branch: upstream ran dr_grpo's
+            a = registry.ESTIMATORS[pipeline.config.estimator].advantages(self.slot_rewards, self.group_ids).to(a)
         a = self.step.adjust("advantage", a, responses=self._responses, verifier=lambda: self.owner.verifier)
         if pipeline.config.salt is not None:
             spec = pipeline.config.spec
