@@ -25,8 +25,6 @@ fork and the local engine produce identical advantages and metrics on the same r
 """
 
 import errno
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -41,7 +39,7 @@ import torch
 from openrlhf_geo import GeoWarning, baselines, features, options, registry
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.fork.install import DUMP_ENV
-from openrlhf_geo.fork.replay import Recorder
+from openrlhf_geo.fork.replay import Recorder, record_training_step  # noqa: F401  (the ppo_actor diff's name)
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import (
@@ -631,48 +629,6 @@ def minibatch_sampling(actor_trainer, shuffle) -> dict:
     block = args.train.batch_size // _data_parallel_size(args)
     seed = args.train.seed * FORK_STEP_STRIDE + actor_trainer.openrlhf_geo_epochs
     return {"sampler": PartitionSampler(len(actor_trainer.replay_buffer), block, seed)}
-
-
-def record_training_step(actor_trainer, experience, step) -> None:
-    """ActorPPOTrainer.ppo_train after each micro-batch's training_step (`step`: its index in the epoch), only with
-    OPENRLHF_GEO_DUMP_DIR set: at the end of each optimizer step, one JSON line in <dump>/rank<r>.jsonl with the
-    labels (--data.label_key) of the rollouts this rank trained on in it, DeepSpeed's global step after it, and the
-    sha256 of this rank's weights after it (None under ZeRO-3, whose ranks hold shards). A multi-rank test reads
-    them across ranks: the same step on every rank trained on one whole SALT partition and left the same weights."""
-    folder = os.environ.get(DUMP_ENV)
-    if not folder:
-        return
-    labels = actor_trainer.__dict__.setdefault("openrlhf_geo_step_labels", [])
-    labels.extend(experience.labels)
-    args = actor_trainer.args
-    if args.train.dynamic_batch_enable:
-        last = actor_trainer.replay_buffer.dynamic_optimizer_step[step]
-    else:  # upstream's own window (iter_grad_accum_global_norm)
-        last = (step + 1) % actor_trainer.strategy.accumulated_gradient == 0
-    if not last:
-        return
-    import ray
-
-    engine = actor_trainer.actor.model
-    digest = None
-    if args.ds.zero_stage != 3:
-        digest = hashlib.sha256()
-        for name, param in engine.module.named_parameters():
-            digest.update(name.encode())
-            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
-        digest = digest.hexdigest()
-    record = {
-        "rank": torch.distributed.get_rank(),
-        "pid": os.getpid(),
-        "node": ray.get_runtime_context().get_node_id(),
-        "global_step": engine.global_steps,
-        "labels": list(labels),
-        "weights": digest,
-    }
-    labels.clear()
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    with open(Path(folder, f"rank{record['rank']}.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 # ── checkpoints (trainer/ppo_trainer.py) ──

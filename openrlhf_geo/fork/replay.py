@@ -1,5 +1,8 @@
 """The fork's step records for the tests that replay a real run (OPENRLHF_GEO_DUMP_DIR; never set in a user's run).
 
+`record_training_step` (called by the ppo_actor diff as `fork_hooks.record_training_step`) writes what each policy
+rank trained on at each optimizer step; a run without the variable returns at its first line.
+
 `Recorder` is what `hooks.RecordingBatch` adds to `hooks.GeometryBatch`: a record of one rollout step (the pipeline's
 state before and after, the inputs and outputs of its curation and of SALT, the multiplicities, the metrics and each
 rollout's vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt. tests/smoke_helpers.py replays each record
@@ -7,6 +10,8 @@ through `openrlhf_geo.pipeline` and compares. `hooks.ExperienceGeometry.start_ba
 when the variable is set; nothing of it runs otherwise.
 """
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +28,7 @@ class Recorder:
         self.dump = {"config": pipeline.config, "state": pipeline.state_dict(), "group_ids": self.group_ids}
         self.dump["clean"] = clean
         # the prompts' --data.label_key values in prompt order: what the policy ranks' records name
-        # (hooks.record_training_step), so a test can tell which SALT partition each optimizer step trained on
+        # (record_training_step), so a test can tell which SALT partition each optimizer step trained on
         labels = [None] * len(self.indices)
         for row, label in zip(self.indices.tolist(), (x for exp in experiences for x in exp.labels)):
             labels[row] = label
@@ -77,3 +82,45 @@ class Recorder:
         folder = Path(os.environ[DUMP_ENV])
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(self.dump, folder / f"step{self.owner.pipeline.steps:04d}.pt")  # continues on resume
+
+
+def record_training_step(actor_trainer, experience, step) -> None:
+    """ActorPPOTrainer.ppo_train after each micro-batch's training_step (`step`: its index in the epoch), only with
+    OPENRLHF_GEO_DUMP_DIR set: at the end of each optimizer step, one JSON line in <dump>/rank<r>.jsonl with the
+    labels (--data.label_key) of the rollouts this rank trained on in it, DeepSpeed's global step after it, and the
+    sha256 of this rank's weights after it (None under ZeRO-3, whose ranks hold shards). A multi-rank test reads
+    them across ranks: the same step on every rank trained on one whole SALT partition and left the same weights."""
+    folder = os.environ.get(DUMP_ENV)
+    if not folder:
+        return
+    labels = actor_trainer.__dict__.setdefault("openrlhf_geo_step_labels", [])
+    labels.extend(experience.labels)
+    args = actor_trainer.args
+    if args.train.dynamic_batch_enable:
+        last = actor_trainer.replay_buffer.dynamic_optimizer_step[step]
+    else:  # upstream's own window (iter_grad_accum_global_norm)
+        last = (step + 1) % actor_trainer.strategy.accumulated_gradient == 0
+    if not last:
+        return
+    import ray
+
+    engine = actor_trainer.actor.model
+    digest = None
+    if args.ds.zero_stage != 3:
+        digest = hashlib.sha256()
+        for name, param in engine.module.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
+        digest = digest.hexdigest()
+    record = {
+        "rank": torch.distributed.get_rank(),
+        "pid": os.getpid(),
+        "node": ray.get_runtime_context().get_node_id(),
+        "global_step": engine.global_steps,
+        "labels": list(labels),
+        "weights": digest,
+    }
+    labels.clear()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder, f"rank{record['rank']}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
