@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal, NamedTuple, cast, overload
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -273,57 +273,6 @@ def _masked_tokens(logits, hidden, tokens, mask, temperature, segment_ids) -> _T
     counts = np.bincount(response, minlength=num_responses)
     weight = 1.0 / (counts[response] * temperature)
     return _Tokens(rows, cols, response, num_responses, weight, rows_dev, cols_dev, y)
-
-
-@overload
-def lm_head_features(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    method: str = "sketch",
-    dim: int = DEFAULT_DIM,
-    seed: int = 0,
-    *,
-    temperature: float = 1.0,
-    segment_ids: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    return_log_probs: Literal[False] = False,
-) -> torch.Tensor: ...
-
-
-@overload
-def lm_head_features(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    method: str = "sketch",
-    dim: int = DEFAULT_DIM,
-    seed: int = 0,
-    *,
-    temperature: float = 1.0,
-    segment_ids: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    return_log_probs: Literal[True],
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def lm_head_features(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    method: str = "sketch",
-    dim: int = DEFAULT_DIM,
-    seed: int = 0,
-    *,
-    temperature: float = 1.0,
-    segment_ids: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    return_log_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def lm_head_features(

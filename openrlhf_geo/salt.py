@@ -12,7 +12,7 @@ import numbers
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, overload
+from typing import NamedTuple
 
 import numpy as np
 import scipy.linalg
@@ -446,60 +446,6 @@ class SaltGeometry(NamedTuple):
     gram: torch.Tensor  # (m, m) float64 K = F Fᵀ / m (the unbiased K̂ under gram="shrink")
 
 
-@overload
-def salt_advantages(
-    advantages: torch.Tensor,
-    features: torch.Tensor,
-    variant: str = "full",
-    alpha: float | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    entropy: float | None = None,
-    eps: float = 1e-8,
-    gram: str = "raw",
-    sketch_shape: tuple[int, int] | None = None,
-    return_basis: Literal[False] = False,
-    k_rule: str = "paper",
-    rho: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]: ...
-
-
-@overload
-def salt_advantages(
-    advantages: torch.Tensor,
-    features: torch.Tensor,
-    variant: str = "full",
-    alpha: float | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    entropy: float | None = None,
-    eps: float = 1e-8,
-    gram: str = "raw",
-    sketch_shape: tuple[int, int] | None = None,
-    return_basis: Literal[True],
-    k_rule: str = "paper",
-    rho: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float], SaltGeometry]: ...
-
-
-@overload
-def salt_advantages(
-    advantages: torch.Tensor,
-    features: torch.Tensor,
-    variant: str = "full",
-    alpha: float | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    entropy: float | None = None,
-    eps: float = 1e-8,
-    gram: str = "raw",
-    sketch_shape: tuple[int, int] | None = None,
-    return_basis: bool = False,
-    k_rule: str = "paper",
-    rho: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], SaltGeometry]: ...
-
-
 @torch.no_grad()
 def salt_advantages(
     advantages: torch.Tensor,
@@ -515,7 +461,7 @@ def salt_advantages(
     return_basis: bool = False,
     k_rule: str = "paper",
     rho: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]] | tuple[torch.Tensor, dict[str, float], SaltGeometry]:
+) -> tuple:
     """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D) -> (a', stats) [+ basis].
 
     One call is one SALT partition: §3.1 takes the m = BG responses of "the current mini-batch" (Eq. 12).
