@@ -35,9 +35,9 @@ from openrlhf_geo import losses  # noqa: F401  (registers the default policy los
 from openrlhf_geo.config_flags import setting
 from openrlhf_geo.groups import group_index
 from openrlhf_geo.registry import (
+    ADJUSTMENTS,
     CURATIONS,
     POLICY_LOSSES,
-    active_adjustments,
     baseline_curations,
     register_adjustment,
     register_curation,
@@ -152,7 +152,8 @@ class BaselineConfig:
     @property
     def in_pipeline(self) -> bool:
         """Whether a per-step pipeline baseline is on (a curation or an adjustment; the policy losses are the loss)."""
-        return self.curation is not None or bool(active_adjustments(self))
+        adjustments = (entry for entry in ADJUSTMENTS.values() if entry.config == "baseline")
+        return self.curation is not None or any(entry.enabled(self) for entry in adjustments)
 
 
 def _aggregate(per_token, mask, mode, normalizer):
@@ -537,7 +538,7 @@ def par_rewards(rewards, reference_rewards) -> tuple[torch.Tensor, dict[str, flo
     ),
     needs_groups=False,
 )
-def _par(config, batch, rewards, *, references):
+def _par(config, state, batch, rewards, *, references):
     """PAR on the batch's rewards; references() -> (N, M) rewards of M reference responses per prompt."""
     return par_rewards(rewards, references())
 
@@ -743,7 +744,7 @@ def math_answer_clusters(responses: Sequence[str], group_ids, verifier=None) -> 
     enabled=lambda config: config.seed_grpo_alpha is not None,
     inputs=("responses", "verifier"),
 )
-def _seed_grpo(config, batch, advantages, *, responses, verifier):
+def _seed_grpo(config, state, batch, advantages, *, responses, verifier):
     """Seed-GRPO on the slots' advantages (N,), after the group statistics and before SALT: each prompt's kept slots
     scaled by 1 - alpha SE(q) / log G (`seed_grpo_advantages`). responses() -> the N decoded responses per rollout (a
     slot answers as its source), clustered by final answer (`math_answer_clusters`); verifier() -> a

@@ -5,17 +5,23 @@ and call, in this order:
 
     rewards, corrupted = pipeline.corrupt(rewards, group_ids)    --reward.noise.*  reward noise
     step = pipeline.start(group_ids, corrupted)
-    rewards = step.adjust("reward", rewards, references=...)     --baseline.par_references  PAR (local engine)
-    slot_rewards = step.curate(rewards, hidden)                  --geoalign.*      GeoAlign Eq. 3-8 (plan), or
-                                                                 --baseline.curation  PF-PPO / PODS (plan): the
-                                                                 registered curation (registry.CURATIONS)
+    rewards = step.adjust("reward", rewards, references=...)     the reward adjustments: --baseline.par_references
+                                                                 PAR (local engine)
+    slot_rewards = step.curate(rewards, hidden)                  the curation (registry.CURATIONS): --geoalign.*
+                                                                 GeoAlign Eq. 3-8, or --baseline.curation PF-PPO /
+                                                                 PODS; a plan of which rollout fills each slot
     (the engine's estimator, registry.ESTIMATORS, on the slot rewards -> sequence advantages a (N,))
-    a = step.adjust("advantage", a, responses=..., verifier=...)  --baseline.seed_grpo_alpha  Seed-GRPO: the
-                                                                 registered adjustments (registry.ADJUSTMENTS)
-    a_slot = step.reweight(a, features, entropy, lengths)        --salt.*          SALT Eq. 12-18 per partition
-                                                                 (salt_stage.reweight)
+    a_slot = step.adjust("advantage", a, responses=..., verifier=...,
+                         features=..., entropy=..., lengths=..., partition_prompts=...)
+                                                                 the advantage adjustments: --baseline.seed_grpo_alpha
+                                                                 Seed-GRPO, then --salt.* SALT Eq. 12-18 per
+                                                                 partition (salt_stage.reweight)
     value, multiplicity = step.rows(a_slot)                       what each rollout's row carries into the loss
     step.metrics                                                   {"salt/pr": (N,), "geo/flag_frac": (N,), ...}
+
+Each `adjust` and `curate` is a loop over the registered stages (registry.ADJUSTMENTS, registry.CURATIONS) the run's
+GeometryConfig turns on, in order; the engine's estimator sits between the curation and the advantage adjustments
+(in the fork it is upstream's compute_advantages_and_returns), which is why there are three calls and not one.
 
 Replacement semantics (GeoAlign `replace`/`amplify`/`zero`/`drop`): slot i of the batch holds a copy of rollout
 `plan.source[i]` with loss weight `plan.weight[i]`. Every rollout keeps its own row: (1) slot i gets the reward of
@@ -34,10 +40,11 @@ weighted for SALT. String stats (`geo/skipped_reason`) live in `step.text_metric
 `baseline/<name>/<stat>`. When SALT applies, `salt/out_of_regime` flags steps far outside SALT Table 10's regime
 (`SaltRegimeWarning`, docs/salt_regime.md).
 
-Each stage is a function of its settings, a `stages.Batch` and tensors; what one remembers across steps is its own
-State (reward noise and PF-PPO: a random stream; GeoAlign: its stream and projector; SALT: its stream, entropy-alpha's
-range and the warning clock), built once per run and held in `GeometryPipeline.states` by stage name, which is all
-the pipeline checkpoints (format 2; a format-1 state of the snapshots before 0.1.0 loads).
+Each stage is a function of its settings, its State, a `stages.Batch` and tensors; what one remembers across steps is
+its own State (reward noise and PF-PPO: a random stream; GeoAlign: its stream and projector; SALT: its stream,
+entropy-alpha's range and the warning clock), built once per run by its registration and held in
+`GeometryPipeline.states` by stage name, which is all the pipeline checkpoints (format 2; a format-1 state of the
+snapshots before 0.1.0 loads).
 
 `SignalGuard` (one per engine, whatever the flags) checks each rollout batch for learning signal: it logs
 `signal/truncated` and `signal/tied_groups` and warns (`LearningSignalWarning`) when most responses hit the length
@@ -50,7 +57,7 @@ from typing import cast
 
 import torch
 
-from openrlhf_geo import GeoWarning, estimators, salt_stage  # noqa: F401  (registers the advantage estimators)
+from openrlhf_geo import GeoWarning, estimators, salt_stage  # noqa: F401  (register the estimators and SALT)
 from openrlhf_geo.baselines import BaselineConfig
 from openrlhf_geo.features import GeometrySpec
 from openrlhf_geo.geoalign import GeoAlignConfig
@@ -58,7 +65,7 @@ from openrlhf_geo.groups import group_index, tied_groups
 from openrlhf_geo.registry import ESTIMATORS, active_adjustments, active_curation, group_estimators
 from openrlhf_geo.rewards.noise import NoiseConfig, corrupt
 from openrlhf_geo.salt import SaltConfig
-from openrlhf_geo.stages import Batch, CurationPlan, State, Stream, record, stream
+from openrlhf_geo.stages import Batch, CurationPlan, State, Stream, record
 
 # The learning-signal guard. A response cut at the length limit has no final answer for a verifier to pay, and a
 # prompt whose rollouts all got the same reward has zero group advantages: a run where that holds everywhere trains on
@@ -259,21 +266,21 @@ def _from_format_1(state: dict) -> dict:
 
 
 class GeometryPipeline:
-    """One run's stages, in order, and their states: reward noise, the reward adjustments, the curation, (the
-    engine's estimator), the advantage adjustments, SALT. Each stage that remembers something across steps owns its
-    State (`states`, by stage name); `state_dict`/`load_state_dict` checkpoint them all."""
+    """One run's stages, in the order they run, and their states: reward noise, then the registered stages the
+    config turns on: the reward adjustments (`adjustments["reward"]`), the curation, (the engine's estimator), the
+    advantage adjustments with SALT last (`adjustments["advantage"]`). Each stage that remembers something across
+    steps owns its State (`states`, by stage name); `state_dict`/`load_state_dict` checkpoint them all."""
 
     def __init__(self, config: GeometryConfig):
         self.config = config
         self.curation = active_curation(config)  # the registered Curation, or None
+        self.adjustments = {stage: active_adjustments(config, stage) for stage in ("reward", "advantage")}
         # Independent streams: switching one method on never shifts another's random draws.
         self.states: dict[str, State] = {"noise": Stream(torch.Generator().manual_seed(config.noise.seed))}
-        if self.curation is not None:
-            settings = getattr(config, self.curation.config)
-            if (state := self.curation.state(settings, config.seed)) is not None:
-                self.states[self.curation.name] = state
-        if config.salt is not None:
-            self.states["salt"] = salt_stage.SaltState(stream(config.seed, "salt"))
+        curation = [] if self.curation is None else [self.curation]
+        for entry in (*self.adjustments["reward"], *curation, *self.adjustments["advantage"]):
+            if (state := entry.state(getattr(config, entry.config), config.seed)) is not None:
+                self.states[entry.name] = state
         self.steps = 0
 
     @property
@@ -355,37 +362,26 @@ class GeometryStep:
         return rewards[self.plan.source.to(rewards.device)]
 
     def adjust(self, stage, values, **inputs) -> torch.Tensor:
-        """The registered adjustments (registry.ADJUSTMENTS) of `stage` that the run's --baseline.* flags turn on, in
-        registration order: values (N,) -> adjusted (N,); the identity when none is on. "reward": PAR on the rewards
-        before `curate`, its stats batch scalars (`batch_metrics`: they describe every rollout, before any slot
-        exists); "advantage": Seed-GRPO on the slot advantages after the group statistics, before SALT, its stats on
-        the kept slots. `inputs`: zero-arg callables an adjustment reads (Adjustment.inputs), called only by one
-        that runs."""
-        baseline = self.owner.config.baseline
-        for entry in active_adjustments(baseline, stage):
+        """The registered adjustments (registry.ADJUSTMENTS) of `stage` that the run's config turns on, in their
+        order: values (N,) -> adjusted (N,); the identity when none is on. "reward": PAR on the rewards before
+        `curate`, its stats batch scalars (`batch_metrics`: they describe every rollout, before any slot exists).
+        "advantage": on the slot advantages after the engine's estimator, Seed-GRPO and then SALT (per partition,
+        dropped slots 0), their stats per slot. `inputs`: zero-arg callables a stage reads (Adjustment.inputs),
+        called only by one that runs; SALT's features(), entropy() and lengths() are per ROLLOUT (a slot reads its
+        source's)."""
+        check_finite(stage, values, self.group_ids, self.owner.steps)
+        for entry in self.owner.adjustments[stage]:
             missing = [name for name in entry.inputs if name not in inputs]
             if missing:
                 raise ValueError(f"{entry.flag}: the engine passed no {', '.join(missing)} for {entry.name}")
-            values, stats = entry.adjust(baseline, self._batch(), values, **{k: inputs[k] for k in entry.inputs})
+            settings, state = getattr(self.owner.config, entry.config), self.owner.states.get(entry.name)
+            read = {name: inputs[name] for name in entry.inputs}
+            values, stats = entry.adjust(settings, state, self._batch(), values, **read)
             if stage == "reward":
                 self.batch_metrics.update({f"{entry.metrics}/{key}": value for key, value in stats.items()})
             else:
                 self._record(entry.metrics, stats, self.kept)
         return values
-
-    def reweight(self, advantages, features=None, entropy=None, lengths=None, partition_prompts=0) -> torch.Tensor:
-        """SALT on the slots' sequence advantages a (N,) -> a' (N,) (dropped slots: 0): `salt_stage.reweight` with
-        the run's SaltState. features (N, D), entropy (N,) and lengths (N,) per ROLLOUT. Without SALT a' = a."""
-        salt = self.owner.config.salt
-        check_finite("advantage", advantages, self.group_ids, self.owner.steps)
-        if salt is None:
-            return advantages
-        state = self.owner.states["salt"]
-        new, metrics = salt_stage.reweight(
-            salt, state, self._batch(), advantages, features, entropy, lengths, self.plan.source, partition_prompts
-        )
-        self.metrics.update(metrics)
-        return new.to(device=advantages.device, dtype=advantages.dtype)
 
     def rows(self, slot_advantages) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot a' (N,) -> (row value (N,), multiplicity (N,)): row r's sequence advantage is the mean a' of the

@@ -1,5 +1,5 @@
 """What varies between methods, registered once: advantage estimators, rollout curations, policy losses and reward /
-advantage adjustments. SALT's variants are rows of `salt.VARIANTS`.
+advantage adjustments (SALT is the last advantage adjustment; its variants are rows of `salt.VARIANTS`).
 
 Each entry carries its function, the config that holds its settings, what each engine cannot run (`fork` returns why
 the fork refuses a setting; every method runs on the local engine) and the namespace of its logged metrics. An entry
@@ -123,16 +123,25 @@ class PolicyLoss:
 
 @dataclass(frozen=True)
 class Adjustment:
-    """A baseline that changes the rewards (stage "reward", before curation) or the sequence advantages (stage
-    "advantage", after the group statistics, before SALT) without choosing rollouts; settings in BaselineConfig.
+    """A stage that changes the rewards (stage "reward", before curation) or the slots' sequence advantages (stage
+    "advantage", after the engine's estimator) without choosing rollouts: the --baseline.* adjustments (PAR,
+    Seed-GRPO) and SALT.
 
     flag     the flag that turns it on (for messages)
-    adjust   (config, batch: stages.Batch, values (N,), **inputs) -> (adjusted values (N,), stats); each input a
-             zero-arg callable the engine passes (`GeometryStep.adjust`), called only when the adjustment runs
+    adjust   (settings, state, batch: stages.Batch, values (N,), **inputs) -> (adjusted values (N,), stats); each
+             input a zero-arg callable the engine passes (`GeometryStep.adjust`), called only when the stage runs.
+             stats: {key: float | None} (a "reward" stage's are batch scalars; an "advantage" stage's describe the
+             kept slots) or {key: (N,) tensor} (already per slot: SALT's per-partition stats)
+    enabled  (settings) -> whether its flag is on (asked only when its `config` field is set)
     inputs   the names of the inputs it reads ("references": PAR's reference rewards, "responses" and "verifier":
-             the decoded responses and the math verifier); an engine that cannot provide one refuses it (`fork`)
-    enabled  (config) -> whether its flag is on
-    fork     (config) -> why the fork cannot run it, None when it can
+             the decoded responses and the math verifier, "features", "entropy", "lengths", "partition_prompts":
+             SALT's); an engine that cannot provide one refuses it (`fork`)
+    config   the GeometryConfig field holding its settings (None there: off)
+    state    (settings, seed) -> its State (None: it remembers nothing across steps); seed: the run's --train.seed
+    order    its place among its stage's entries (lower first; registration order among equals): SALT is 1, after
+             the advantage baselines, because it reweights the final group advantages (SALT §3.1)
+    fork     (settings) -> why the fork cannot run it, None when it can
+    metrics  the namespace its stats are logged under (<metrics>/<stat key>)
     needs_groups  it reads each prompt's rollouts as a group: the engine's estimator must be per-prompt without
              batch whitening (`group_estimators`)
     """
@@ -143,6 +152,9 @@ class Adjustment:
     adjust: Callable
     enabled: Callable
     inputs: tuple = ()
+    config: str = "baseline"
+    state: Callable = _stateless
+    order: int = 0
     fork: Callable = _runs_everywhere
     metrics: str = "baseline"
     needs_groups: bool = True
@@ -151,7 +163,7 @@ class Adjustment:
 ESTIMATORS = Registry("--advantage_estimator")
 CURATIONS = Registry("--baseline.curation")
 POLICY_LOSSES = Registry("--baseline.policy_loss")
-ADJUSTMENTS = Registry("a --baseline.* adjustment")
+ADJUSTMENTS = Registry("an adjustment (--baseline.*, SALT)")
 
 
 def register_estimator(name: str, **info: Any) -> Callable[[_F], _F]:
@@ -195,8 +207,8 @@ def register_policy_loss(name: str, **info: Any) -> Callable[[_F], _F]:
 
 
 def register_adjustment(name: str, stage: str, flag: str, **info: Any) -> Callable[[_F], _F]:
-    """Decorator: register `adjust` as adjustment `name` at `stage`, on with `flag` (Adjustment's fields as
-    keywords)."""
+    """Decorator: register `adjust` as adjustment `name` at `stage` ("reward" or "advantage"), on with `flag`
+    (Adjustment's fields as keywords)."""
 
     def add(adjust):
         ADJUSTMENTS.register(Adjustment(name, stage, flag, adjust, **info))
@@ -205,17 +217,23 @@ def register_adjustment(name: str, stage: str, flag: str, **info: Any) -> Callab
     return add
 
 
-def active_adjustments(baseline, stage=None) -> list:
-    """The adjustments a BaselineConfig (or None) turns on, in registration order; only `stage`'s when given."""
-    if baseline is None:
-        return []
-    return [e for e in ADJUSTMENTS.values() if e.enabled(baseline) and (stage is None or e.stage == stage)]
+def active_adjustments(config, stage: str | None = None) -> list:
+    """The adjustments a GeometryConfig turns on, in the order they run (`order`, then registration); only `stage`'s
+    when given."""
+    entries = [
+        entry
+        for entry in ADJUSTMENTS.values()
+        if (stage is None or entry.stage == stage)
+        and (settings := getattr(config, entry.config)) is not None
+        and entry.enabled(settings)
+    ]
+    return sorted(entries, key=lambda entry: entry.order)
 
 
-def adjustment_inputs(baseline) -> set:
-    """The inputs (Adjustment.inputs) the adjustments a BaselineConfig (or None) turns on read: what an engine must
-    prepare before the first step (PAR's reference policy, Seed-GRPO's verifier)."""
-    return {name for entry in active_adjustments(baseline) for name in entry.inputs}
+def adjustment_inputs(config) -> set:
+    """The inputs (Adjustment.inputs) the adjustments a GeometryConfig turns on read: what an engine must prepare
+    before the first step (PAR's reference policy, Seed-GRPO's verifier)."""
+    return {name for entry in active_adjustments(config) for name in entry.inputs}
 
 
 def baseline_curations() -> tuple:
@@ -237,17 +255,17 @@ def refusals(config, engine: str, estimator: str | None = None) -> list:
     `salt` is mapped to --salt.base; None: not checked), empty when it can, in pipeline order."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
-    baseline, curation = config.baseline, active_curation(config)
-    entries = [(entry, entry.flag, baseline) for entry in active_adjustments(baseline, "reward")]
+    curation = active_curation(config)
+    entries = [(entry, entry.flag) for entry in active_adjustments(config, "reward")]
     if curation is not None:
         flag = "--geoalign.enable" if curation.config == "geoalign" else f"--baseline.curation {curation.name}"
-        entries.append((curation, flag, getattr(config, curation.config)))
-    entries += [(entry, entry.flag, baseline) for entry in active_adjustments(baseline, "advantage")]
+        entries.append((curation, flag))
+    entries += [(entry, entry.flag) for entry in active_adjustments(config, "advantage")]
     via = " (from --salt.base)" if config.salt is not None and config.salt.apply else ""
     out = []
-    for entry, flag, settings in entries:
+    for entry, flag in entries:
         if engine == "fork":
-            out.append(entry.fork(settings))
+            out.append(entry.fork(getattr(config, entry.config)))
         if entry.needs_groups and estimator is not None and estimator not in group_estimators():
             out.append(
                 f"{flag} needs a per-prompt group estimator without batch whitening: {', '.join(group_estimators())} "

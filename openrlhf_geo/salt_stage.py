@@ -1,21 +1,25 @@
-"""SALT as a pipeline stage: `reweight` runs SALT Eq. 12-18 (`salt.salt_advantages`) on each partition of one
-rollout batch's slot advantages, with the App. B / D.1 diagnostics and SALT's regime guard, from explicit inputs plus
-its own `SaltState` (its random stream, entropy-alpha's running range of H_t, the regime warning's clock).
+"""SALT as a pipeline stage: `reweight`, registered as the last "advantage" adjustment (registry.ADJUSTMENTS), runs
+SALT Eq. 12-18 (`salt.salt_advantages`) on each partition of one rollout batch's slot advantages, with the App. B /
+D.1 diagnostics and SALT's regime guard, from explicit inputs plus its own `SaltState` (its random stream,
+entropy-alpha's running range of H_t, the regime warning's clock). It is on whenever GeometryConfig.salt is set
+(--advantage_estimator salt, or --salt.diagnostics: SaltConfig.apply False, a' = a with the geometry logged).
 
-Metrics are per-slot (N,) float tensors named `salt/<key>`: a partition's stats on its slots (partition-size
+Its stats are per-slot (N,) float tensors, logged as `salt/<key>`: a partition's stats on its slots (partition-size
 weighted when averaged over the batch). `salt/out_of_regime` flags steps far outside SALT Table 10's regime
 (`SaltRegimeWarning`, docs/salt_regime.md).
 """
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from openrlhf_geo import GeoWarning, diagnostics
 from openrlhf_geo.groups import group_index
+from openrlhf_geo.registry import register_adjustment
 from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
-from openrlhf_geo.stages import Batch, record
+from openrlhf_geo.stages import Batch, record, stream
 
 # What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
 # batch (PR, k_t, eigengap), n_eff(a) and the α_t that SALT would use.
@@ -66,48 +70,61 @@ class SaltState:
         self.last_regime_warning = state["last_regime_warning"]
 
 
+@register_adjustment(
+    "salt",
+    "advantage",
+    "--advantage_estimator salt / --salt.diagnostics",
+    enabled=lambda salt: True,
+    inputs=("features", "entropy", "lengths", "partition_prompts"),
+    config="salt",
+    state=lambda salt, seed: SaltState(stream(seed, "salt")),
+    order=1,
+    metrics="salt",
+    needs_groups=False,  # its own --salt.base check (GeometryConfig)
+)
 def reweight(
     salt: SaltConfig,
     state: SaltState,
     batch: Batch,
     advantages: torch.Tensor,
-    features: torch.Tensor,
-    entropy: torch.Tensor | None,
-    lengths: torch.Tensor,
-    source: torch.Tensor,
-    partition_prompts: int = 0,
-) -> tuple[torch.Tensor, dict]:
-    """SALT on the slots' sequence advantages a (N,) -> (a' (N,) float64 CPU, dropped slots 0; per-slot metrics).
+    *,
+    features: Callable[[], torch.Tensor],
+    entropy: Callable[[], torch.Tensor | None],
+    lengths: Callable[[], torch.Tensor],
+    partition_prompts: Callable[[], int],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SALT on the slots' sequence advantages a (N,) -> (a' (N,), dropped slots 0; per-slot stats (N,) by key).
 
-    features (N, D), entropy (N,) (normalized token-entropy sums) and lengths (N,) (response tokens) per ROLLOUT;
-    slot i holds rollout source[i]'s (the curation plan's); entropy-alpha's H_t is over every rollout. Partitions
-    of `partition_prompts` consecutive prompts (0: the whole batch; SALT §3.1's m = BG is the optimizer mini-batch,
-    which the engines resolve) each get one `salt_advantages` call. With SaltConfig.apply False, a' = a and the metrics
-    describe the geometry of a.
+    features() (N, D), entropy() (N,) (normalized token-entropy sums; None unless SaltConfig.needs_entropy) and
+    lengths() (N,) (response tokens) per ROLLOUT; slot i holds rollout batch.source[i]'s (the curation plan's);
+    entropy-alpha's H_t is over every rollout. Partitions of partition_prompts() consecutive prompts (0: the whole
+    batch; SALT §3.1's m = BG is the optimizer mini-batch, which the engines resolve) each get one `salt_advantages`
+    call, in float64. With SaltConfig.apply False, a' = a and the stats describe the geometry of a.
     """
-    a = advantages.detach().cpu().double()
-    features, lengths = features.detach().cpu()[source], lengths.detach().cpu().double()
+    a, source = advantages.detach().cpu().double(), batch.source
+    slot_features, token_counts = features().detach().cpu()[source], lengths().detach().cpu().double()
     size = a.numel()
-    metrics: dict[str, torch.Tensor] = {}  # salt/<key> -> (N,) per slot
+    metrics: dict[str, torch.Tensor] = {}  # <key> -> (N,) per slot (logged as salt/<key>)
     text: dict[str, str] = {}
     alpha_input = None
     if salt.needs_entropy:
-        assert entropy is not None  # the engines pass it whenever SALT needs it (GeometrySpec.entropy)
-        alpha_input = _entropy_alpha(state, entropy.detach().cpu().double(), lengths, metrics, size)
+        h = entropy()
+        assert h is not None  # the engines pass it whenever SALT needs it (GeometrySpec.entropy)
+        alpha_input = _entropy_alpha(state, h.detach().cpu().double(), token_counts, metrics, size)
     new = torch.zeros_like(a)
     kept = torch.nonzero(batch.kept)[:, 0]
     # prompts numbered over every slot, as the engines' mini-batches see them (a dropped slot is still a row)
     prompt, n_prompts = group_index(batch.group_ids)
     n_prompts = n_prompts if kept.numel() else 0
     prompt = prompt[kept]
-    per = partition_prompts or max(n_prompts, 1)
+    per = partition_prompts() or max(n_prompts, 1)
     for first in range(0, n_prompts, per):
         part = kept[(prompt >= first) & (prompt < first + per)]
         if part.numel() == 0:  # every slot of the partition dropped
             continue
         out, stats, (basis, is_top, gram) = salt_advantages(
             a[part],
-            features[part],
+            slot_features[part],
             salt.variant,
             salt.alpha,
             state.generator,
@@ -122,7 +139,7 @@ def reweight(
             stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}
             stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
             stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
-        stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, lengths[source][part]))
+        stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, token_counts[source][part]))
         # SALT App. D.1 (Eq. 37) weights each response by "the scalar coefficient used by the objective" and calls it
         # "the normalized advantage" Â: for a SALT run these differ (a vs a'). The plain keys use a, comparable with
         # the backbone's rows of Table 10; the coefficient-weighted ones are logged for a' too.
@@ -135,16 +152,16 @@ def reweight(
             stats.update(dict.fromkeys(UNDEFINED_WITHOUT_SIGNAL, math.nan))
         stats["no_signal"] = float(no_signal)
         new[part] = applied
-        record(metrics, text, "salt", stats, size, part)
+        record(metrics, text, "", stats, size, part)
     if salt.apply:
-        metrics["salt/out_of_regime"] = _check_regime(state, batch.step, metrics, size)
-    return new, metrics
+        metrics["out_of_regime"] = _check_regime(state, batch.step, metrics, size)
+    return new.to(device=advantages.device, dtype=advantages.dtype), metrics
 
 
 def _check_regime(state, step, metrics, size):
     """salt/out_of_regime (0/1 per slot); at most once per REGIME_WARN_EVERY steps, warn when this step's D_a or
     sign-flip share (partition-size weighted over the batch, as logged) is far above SALT Table 10's."""
-    d_a, sign_flip = (float(metrics[f"salt/{key}"].nanmean()) for key in ("D_a", "sign_flip"))
+    d_a, sign_flip = (float(metrics[key].nanmean()) for key in ("D_a", "sign_flip"))
     out = d_a > REGIME_MAX_D_A or sign_flip > REGIME_MAX_SIGN_FLIP  # NaN (no moving coefficient): in regime
     last = state.last_regime_warning
     if out and (last is None or step - last >= REGIME_WARN_EVERY):
@@ -167,5 +184,5 @@ def _entropy_alpha(state, entropy, lengths, metrics, size):
     low, high = state.entropy_range or (h_t, h_t)
     state.entropy_range = (min(low, h_t), max(high, h_t))
     for key, value in zip(("H_t", "H_min", "H_max"), (h_t, *state.entropy_range)):
-        metrics[f"salt/{key}"] = torch.full((size,), value)
+        metrics[key] = torch.full((size,), value)
     return entropy_alpha(h_t, *state.entropy_range)

@@ -127,11 +127,17 @@ class CurationPlan:
 
 
 def record(metrics: dict, text: dict, prefix: str, stats: dict, size: int, part=slice(None)) -> None:
-    """A stage's stats into per-slot metrics: each number v becomes `metrics[f"{prefix}/{key}"][part] = v` (an (N,)
-    float tensor, NaN elsewhere; None -> NaN), each string `text[f"{prefix}/{key}"]`."""
+    """A stage's stats into per-slot metrics named `<prefix>/<key>` (`key` alone when prefix is ""): each number v
+    becomes `metrics[name][part] = v` (an (N,) float tensor, NaN elsewhere; None -> NaN), each (N,) tensor (stats a
+    stage already gives per slot) `metrics[name]` itself, each string `text[name]`."""
     for key, value in stats.items():
+        name = f"{prefix}/{key}" if prefix else key
         if isinstance(value, str):
-            text[f"{prefix}/{key}"] = value
-            continue
-        values = metrics.setdefault(f"{prefix}/{key}", torch.full((size,), math.nan))
-        values[part] = math.nan if value is None else float(value)
+            text[name] = value
+        elif isinstance(value, torch.Tensor):
+            if value.shape != (size,):
+                raise ValueError(f"{name}: a per-slot stat must have shape ({size},), got {tuple(value.shape)}")
+            metrics[name] = value
+        else:
+            values = metrics.setdefault(name, torch.full((size,), math.nan))
+            values[part] = math.nan if value is None else float(value)

@@ -67,9 +67,11 @@ def assert_steps_replay(name, dumps):
             torch.testing.assert_close(rewards, dump["curate"]["out"])
         # upstream's group statistics on the (curated) rewards are what SALT received
         torch.testing.assert_close(dump["salt_in"].double(), _group_norm(rewards, group_ids), rtol=1e-5, atol=1e-5)
-        if "reweight" in dump:
-            inputs = {k: v for k, v in dump["reweight"].items() if k != "out"}
-            torch.testing.assert_close(replay.reweight(**inputs), dump["reweight"]["out"])  # SALT's a
+        if "advantage" in dump:  # the advantage adjustments (SALT): the same a' from the same inputs
+            recorded = dump["advantage"]
+            inputs = {name: (lambda value=value: value) for name, value in recorded["inputs"].items()}
+            out = replay.adjust("advantage", recorded["advantages"], verifier=lambda: None, **inputs)
+            torch.testing.assert_close(out, recorded["out"])
         _, multiplicity = replay.rows(torch.zeros(len(group_ids)))
         torch.testing.assert_close(multiplicity, dump["multiplicity"])
         logged = dict(dump["metrics"])

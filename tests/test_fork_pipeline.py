@@ -995,7 +995,7 @@ def test_a_recorded_step_replays_through_the_pipeline_and_nothing_is_recorded_wi
     before = rollouts(up, 4, seed=21)
     recorded = maker.make_experience_batch(copy.deepcopy(before))
     dump = torch.load(tmp_path / "step0001.pt", weights_only=False)
-    assert {"curate", "reweight", "salt_in", "labels", "state_after"} <= dump.keys()
+    assert {"curate", "advantage", "salt_in", "labels", "state_after"} <= dump.keys()
     assert_steps_replay("salt+geoalign+noise", {1: dump})
     monkeypatch.delenv("OPENRLHF_GEO_DUMP_DIR")
     plain = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5).make_experience_batch(copy.deepcopy(before))

@@ -23,6 +23,12 @@ from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
 from openrlhf_geo.stages import CurationPlan
 
 
+def salt_step(step, a, features, entropy, lengths, partition_prompts=0):
+    """The step's advantage adjustments (SALT alone here) on a (N,), given SALT's inputs as the engines give them."""
+    inputs = {"features": features, "entropy": entropy, "lengths": lengths, "partition_prompts": partition_prompts}
+    return step.adjust("advantage", a, **{name: (lambda value=value: value) for name, value in inputs.items()})
+
+
 def fixed_plan(source, weight=None, keep=None):
     """A `curate` stand-in returning a fixed plan (the pipeline's wiring under test, not GeoAlign's detector)."""
 
@@ -68,7 +74,7 @@ def test_drop_removes_slots_from_group_statistics_salt_and_multiplicities(monkey
     assert step.kept.tolist() == [True, False, True, True, True, True]
     features = torch.randn(6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     a = torch.tensor([0.7, 0.0, -0.7, 0.5, -1.0, 0.5], dtype=torch.float64)
-    new = step.reweight(a, features, None, torch.full((6,), 4.0))
+    new = salt_step(step, a, features, None, torch.full((6,), 4.0))
     kept = torch.tensor([0, 2, 3, 4, 5])
     expected, _ = salt_advantages(a[kept], features[kept], generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(new[kept], expected)
@@ -85,7 +91,7 @@ def test_partitions_follow_sorted_prompt_ids_and_each_gets_one_salt_call():
         torch.randn(9, 12, generator=g, dtype=torch.float64),
         torch.randn(9, generator=g, dtype=torch.float64),
     )
-    got = pipe.start(group_ids).reweight(a, features, None, torch.full((9,), 3.0), partition_prompts=2)
+    got = salt_step(pipe.start(group_ids), a, features, None, torch.full((9,), 3.0), partition_prompts=2)
     expected = torch.empty(9, dtype=torch.float64)
     for rows in (torch.tensor([0, 1, 2, 6, 7, 8]), torch.tensor([3, 4, 5])):
         expected[rows] = salt_advantages(a[rows], features[rows])[0]
@@ -121,7 +127,7 @@ def test_a_salt_run_logs_the_group_statistics_of_a_and_of_the_objectives_a_prime
     g = torch.Generator().manual_seed(3)
     features, a = torch.randn(6, 7, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
     step = pipe.start(group_ids)
-    new = step.reweight(a, features, None, torch.full((6,), 3.0))
+    new = salt_step(step, a, features, None, torch.full((6,), 3.0))
     groups, F = group_ids.tolist(), features.numpy()
     for key, coefficients in ((None, a), ("applied", new)):
         expected = _np_coefficient_group_stats(coefficients.numpy(), F, groups)
@@ -138,7 +144,7 @@ def test_the_logged_n_eff_group_leaves_tied_groups_out_and_counts_them():
     features, a = torch.randn(9, 7, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
     a[3:6] = 0.0  # prompt 1's rollouts tied
     step = pipe.start(group_ids)
-    step.reweight(a, features, None, torch.full((9,), 3.0))
+    salt_step(step, a, features, None, torch.full((9,), 3.0))
     expected = _np_coefficient_group_stats(a.numpy(), features.numpy(), group_ids.tolist())
     assert float(step.metrics["salt/n_eff_group"][0]) == pytest.approx(expected["n_eff_group"], rel=1e-6)
     assert float(step.metrics["salt/n_eff_group_left_out"][0]) == 1.0
@@ -155,7 +161,7 @@ def test_a_partition_without_signal_logs_its_ratio_stats_as_nan_and_the_batch_va
     a = torch.randn(12, generator=g, dtype=torch.float64)
     a[6:] = 0.0  # the second partition (prompts 2 and 3) is tied
     step = pipe.start(group_ids)
-    new = step.reweight(a, features, None, torch.full((12,), 3.0), partition_prompts=2)
+    new = salt_step(step, a, features, None, torch.full((12,), 3.0), partition_prompts=2)
     assert bool((new[6:] == 0).all())
     F = features.numpy()
     u = a.numpy()[:6]
@@ -180,7 +186,7 @@ def test_entropy_alpha_uses_the_token_weighted_step_entropy_and_the_running_rang
     seen = []
     for sums in ([1.6, 3.0, 2.0, 2.0], [0.2, 1.0, 0.4, 0.4], [1.0, 2.0, 1.0, 1.0]):
         step = pipe.start(group_ids)
-        step.reweight(a, features, torch.tensor(sums), lengths)
+        salt_step(step, a, features, torch.tensor(sums), lengths)
         h_t = sum(sums) / float(lengths.sum())  # per token, not per response: 8.6 / 20, 2.0 / 20, 5.0 / 20
         seen.append(h_t)
         assert float(step.metrics["salt/H_t"][0]) == pytest.approx(h_t)
@@ -207,7 +213,7 @@ def test_state_dict_round_trips_streams_projector_and_running_statistics():
         step = pipe.start(group_ids, corrupted)
         slot_rewards = step.curate(noisy, hidden)
         a = (slot_rewards - 0.5).double()
-        return noisy, step.reweight(a, features, None, torch.full((16,), 3.0)), step.metrics
+        return noisy, salt_step(step, a, features, None, torch.full((16,), 3.0)), step.metrics
 
     first = GeometryPipeline(config)
     run(first)
@@ -331,7 +337,7 @@ def salt_regime_step(pipe, inside):
         features = torch.randn(16, 4, generator=g, dtype=torch.float64)
     a = torch.tensor([1.0, -1.0, 1.0, -1.0] * 4, dtype=torch.float64) * (1 + torch.rand(16, generator=g))
     step = pipe.start(torch.arange(16) // 4)
-    step.reweight(a, features, None, torch.full((16,), 5.0))
+    salt_step(step, a, features, None, torch.full((16,), 5.0))
     return step
 
 
@@ -363,7 +369,7 @@ def test_salt_regime_guard_warns_once_per_window_and_logs_every_step(inside):
 
 def test_a_users_warnings_show_only_their_message(tmp_path):
     """What a run prints: `warning: <message>` for the project's warnings, without Python's file:line and the source
-    line under it (`advantages = step.reweight(` after the regime warning); other warnings keep Python's format."""
+    line under it (`advantages = step.adjust(` after the regime warning); other warnings keep Python's format."""
     script = tmp_path / "run.py"
     script.write_text(
         "import warnings\n"
@@ -444,7 +450,7 @@ def _fixture_run(pipe, step):
     noisy, corrupted = pipe.corrupt(rewards, group_ids)
     step = pipe.start(group_ids, corrupted)
     slot_rewards = step.curate(noisy, hidden)
-    out = step.reweight((slot_rewards - 0.5).double(), features, entropy, torch.full((16,), 3.0))
+    out = salt_step(step, (slot_rewards - 0.5).double(), features, entropy, torch.full((16,), 3.0))
     value, multiplicity = step.rows(out)
     metrics = {k: v for k, v in step.metrics.items() if not k.endswith(("time_s", "solve_ms"))}
     return {"rewards": noisy, "source": step.plan.source, "a": out, "value": value, "multiplicity": multiplicity,

@@ -17,7 +17,7 @@ from openrlhf_geo.lab.task import build_model, build_tokenizer
 from openrlhf_geo.local.engine import Rollouts, Trainer
 from openrlhf_geo.local.flags import parse_args
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
-from openrlhf_geo.salt import VARIANTS, Variant
+from openrlhf_geo.salt import VARIANTS, SaltConfig, Variant, salt_advantages
 from openrlhf_geo.stages import CurationPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_a_registered_curation_and_policy_loss_train_on_the_local_engine(toys):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def halve_first(config, batch, advantages, *, responses):
+def halve_first(config, state, batch, advantages, *, responses):
     """Toy adjustment: halves the advantage of each prompt's first slot, reading the responses it was given."""
     first = torch.ones(batch.size, dtype=torch.bool)
     first[1:] = batch.group_ids[1:] != batch.group_ids[:-1]
@@ -141,6 +141,50 @@ def test_a_curation_owns_its_state_and_the_pipeline_checkpoints_it_under_the_cur
     step = resumed.start(torch.tensor([0, 0]))
     step.curate(torch.tensor([0.0, 1.0]), None)
     assert step.metrics["baseline/calls"].tolist() == [23.0, 23.0]
+
+
+def record_then_add(config, state, batch, advantages):
+    """Toy advantage adjustment with a State: records the advantages it was given, adds its call count."""
+    state.calls += 1
+    state.seen.append(advantages.clone())
+    return advantages + state.calls, {"calls": float(state.calls)}
+
+
+class Seen(Counter):
+    def __init__(self, start):
+        super().__init__(start)
+        self.seen = []
+
+
+def test_an_advantage_adjustment_owns_its_state_and_runs_before_or_after_salt_by_its_order(monkeypatch):
+    """SALT is registered as the "advantage" adjustment of order 1: an entry of order 0 (registered after it) runs
+    before it and one of order 2 after it; each one's State is built from the run's seed and checkpointed. (The toys
+    read SaltConfig as their settings: on whenever SALT is.)"""
+    for name, order in (("toy_before", 0), ("toy_after", 2)):
+        toy = registry.Adjustment(
+            name, "advantage", "--toy", record_then_add, lambda c: True, config="salt", order=order,
+            state=lambda config, seed: Seen(100 * seed), metrics=name,
+        )  # fmt: skip
+        monkeypatch.setitem(registry.ADJUSTMENTS, name, toy)
+    salt = SaltConfig(features="exact")
+    config = GeometryConfig(salt=salt, seed=1)
+    pipe = GeometryPipeline(config)
+    assert [entry.name for entry in pipe.adjustments["advantage"]] == ["toy_before", "salt", "toy_after"]
+    group_ids = torch.arange(8) // 4
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, generator=g, dtype=torch.float64)
+    features = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    inputs = {"features": lambda: features, "entropy": lambda: None, "lengths": lambda: torch.full((8,), 3.0)}
+    step = pipe.start(group_ids)
+    out = step.adjust("advantage", a, partition_prompts=lambda: 0, **inputs)
+    before, after = pipe.states["toy_before"], pipe.states["toy_after"]
+    torch.testing.assert_close(before.seen[0], a)
+    expected, _ = salt_advantages(a + 101, features)  # SALT on the first toy's output
+    torch.testing.assert_close(after.seen[0], expected)
+    torch.testing.assert_close(out, expected + 101)
+    assert step.metrics["toy_after/calls"].tolist() == [101.0] * 8
+    assert pipe.state_dict()["stages"]["toy_after"] == {"calls": 101}
+    assert list(pipe.state_dict()["stages"]) == ["noise", "toy_before", "salt", "toy_after"]
 
 
 def test_stages_never_read_the_pipeline():

@@ -210,7 +210,8 @@ def test_the_pipeline_runs_the_configured_rule():
     for rule, rho in (("paper", None), ("code", 0.5)):
         pipe = GeometryPipeline(GeometryConfig(salt=SaltConfig(features="exact", k_rule=rule, rho=rho)))
         step = pipe.start(group_ids)
-        outs[rule] = step.reweight(a, F, None, torch.full((16,), 3.0))
+        inputs = {"features": F, "entropy": None, "lengths": torch.full((16,), 3.0), "partition_prompts": 0}
+        outs[rule] = step.adjust("advantage", a, **{k: (lambda v=v: v) for k, v in inputs.items()})
         expected, stats = salt_advantages(a, F, k_rule=rule, rho=rho)
         torch.testing.assert_close(outs[rule], expected)
         assert float(step.metrics["salt/k"][0]) == stats["k"]

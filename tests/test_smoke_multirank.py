@@ -107,7 +107,7 @@ def write_dump(dump, labels, partition_prompts, gaps):
     record = {
         "labels": labels,
         "group_ids": torch.arange(len(labels)) // N_PER_PROMPT,
-        "reweight": {"partition_prompts": partition_prompts},
+        "advantage": {"inputs": {"partition_prompts": partition_prompts}},
         "logprob_gap": torch.tensor(gaps),
     }
     torch.save(record, dump / "step0001.pt")

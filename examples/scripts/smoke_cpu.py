@@ -410,7 +410,7 @@ def check_ranks(dump: Path, ranks: int, engines: int) -> tuple[list[str], dict]:
     order = {}  # rollout step -> the partition each optimizer step trained on
     for k, (t, step) in enumerate(sorted(dumps.items())):
         labels = step["labels"]
-        size = step["reweight"]["partition_prompts"] * len(labels) // (int(step["group_ids"].max()) + 1)
+        size = step["advantage"]["inputs"]["partition_prompts"] * len(labels) // (int(step["group_ids"].max()) + 1)
         partitions = [Counter(labels[i : i + size]) for i in range(0, len(labels), size)]
         order[t] = []
         for i in range(per_step):

@@ -377,7 +377,7 @@ class ExperienceGeometry:
         if not config.active:
             return
         self.pipeline = GeometryPipeline(config)
-        if "verifier" in adjustment_inputs(config.baseline):  # Seed-GRPO's answer pairs
+        if "verifier" in adjustment_inputs(config):  # Seed-GRPO's answer pairs
             from openrlhf_geo.rewards.math_verify import reward_from_env
 
             self.verifier = reward_from_env()  # its worker processes start at the first check
@@ -506,17 +506,17 @@ class GeometryBatch:
         a = advantages.reshape(-1)
         if pipeline.config.estimator is not None:  # registered without an upstream branch: upstream ran dr_grpo's
             a = registry.ESTIMATORS[pipeline.config.estimator].advantages(self.slot_rewards, self.group_ids).to(a)
-        a = self.step.adjust("advantage", a, responses=self._responses, verifier=lambda: self.owner.verifier)
-        if pipeline.config.salt is not None:
-            spec = pipeline.config.spec
-            lengths = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences]))
-            inputs = {
-                "features": self._geometry("features"),
-                "entropy": self._geometry("entropy") if spec.entropy else None,
-                "lengths": lengths,
-                "partition_prompts": self.owner.partition_prompts,
-            }
-            a = self.step.reweight(a, **inputs)
+        spec = pipeline.config.spec
+        a = self.step.adjust(
+            "advantage",
+            a,
+            responses=self._responses,
+            verifier=lambda: self.owner.verifier,
+            features=lambda: self._geometry("features"),
+            entropy=lambda: self._geometry("entropy") if spec is not None and spec.entropy else None,
+            lengths=lambda: self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences])),
+            partition_prompts=lambda: self.owner.partition_prompts,
+        )
         value, _ = self.step.rows(a)
         return value.view_as(advantages)
 

@@ -4,10 +4,11 @@
 rank trained on at each optimizer step; a run without the variable returns at its first line.
 
 `Recorder` is what `hooks.RecordingBatch` adds to `hooks.GeometryBatch`: a record of one rollout step (the pipeline's
-state before and after, the inputs and outputs of its curation and of SALT, the multiplicities, the metrics and each
-rollout's vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt. tests/smoke_helpers.py replays each record
-through `openrlhf_geo.pipeline` and compares. `hooks.ExperienceGeometry.start_batch` picks the recording batch only
-when the variable is set; nothing of it runs otherwise.
+state before and after, the inputs and outputs of its curation and of its advantage adjustments (SALT), the
+multiplicities, the metrics and each rollout's vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt.
+tests/smoke_helpers.py replays each record through `openrlhf_geo.pipeline` and compares.
+`hooks.ExperienceGeometry.start_batch` picks the recording batch only when the variable is set; nothing of it runs
+otherwise.
 """
 
 import hashlib
@@ -34,20 +35,25 @@ class Recorder:
             labels[row] = label
         self.dump["labels"] = labels
         noisy = super()._start(clean)
-        curate, reweight = self.step.curate, self.step.reweight
+        curate, adjust = self.step.curate, self.step.adjust
 
         def recorded_curate(rewards, hidden):
             out = curate(rewards, hidden)
             self.dump["curate"] = {"rewards": rewards, "hidden": hidden, "out": out}
             return out
 
-        def recorded_reweight(advantages, **inputs):
-            self.dump["reweight"] = {"advantages": advantages.clone(), **inputs}
-            out = reweight(advantages, **inputs)
-            self.dump["reweight"]["out"] = out.clone()
+        def recorded_adjust(stage, values, **inputs):
+            if stage != "advantage":
+                return adjust(stage, values, **inputs)
+            # the inputs the active stages read, evaluated (the verifier is the run's: a replay uses its own)
+            names = {name for entry in self.owner.pipeline.adjustments[stage] for name in entry.inputs}
+            read = {name: inputs[name]() for name in sorted(names - {"verifier"}) if name in inputs}
+            self.dump["advantage"] = {"advantages": values.clone(), "inputs": read}
+            out = adjust(stage, values, **inputs)
+            self.dump["advantage"]["out"] = out.clone()
             return out
 
-        self.step.curate, self.step.reweight = recorded_curate, recorded_reweight
+        self.step.curate, self.step.adjust = recorded_curate, recorded_adjust
         return noisy
 
     def salt(self, advantages):

@@ -491,7 +491,7 @@ class Trainer:
             weight_decay=args.actor.adam.weight_decay,
         )
         self.reference = None  # the frozen initial policy: KL's reference and PAR's reference-response sampler
-        if args.algo.kl.init_coef > 0 or "references" in adjustment_inputs(self.pipeline.config.baseline):  # PAR's
+        if args.algo.kl.init_coef > 0 or "references" in adjustment_inputs(self.pipeline.config):  # PAR's
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.last_curation = None  # per-rollout GDI, corruption, flags, rewards, prompt ids of the last curated batch
         self.global_step = 0
@@ -526,18 +526,21 @@ class Trainer:
         rewards = step.curate(rewards, batch.hidden)
         self.last_curation = step.curation
 
-        # 6. group advantages on the slots (a `drop`, PODS or PF-PPO-filtered slot leaves the group statistics), then
-        # Seed-GRPO's per-prompt scaling
+        # 6. group advantages on the slots (a `drop`, PODS or PF-PPO-filtered slot leaves the group statistics)
         kept = step.kept.to(rewards.device)
         advantages = torch.zeros_like(rewards)
         advantages[kept] = ESTIMATORS[args.algo.advantage.estimator].advantages(rewards[kept], batch.group_ids[kept])
+        # 7. the advantage adjustments: Seed-GRPO's per-prompt scaling, then SALT's reweighting of the sequence
+        # advantages (or, with --salt.diagnostics, only its geometry logged)
         advantages = step.adjust(
-            "advantage", advantages, responses=lambda: batch.responses, verifier=lambda: self.verifier
-        )
-
-        # 7. SALT reweighting of the sequence advantages (or, with --salt.diagnostics, only its geometry logged)
-        advantages = step.reweight(
-            advantages, batch.features, batch.entropy, batch.mask.sum(1), self.partition_prompts
+            "advantage",
+            advantages,
+            responses=lambda: batch.responses,
+            verifier=lambda: self.verifier,
+            features=lambda: batch.features,
+            entropy=lambda: batch.entropy,
+            lengths=lambda: batch.mask.sum(1),
+            partition_prompts=lambda: self.partition_prompts,
         )
         value, multiplicity = step.rows(advantages)
         # as upstream's compute_reward clamps the sequence advantage to --reward.clip_range before the tokens get it
