@@ -159,7 +159,7 @@ def validate(args, engine="local") -> None:
         # pipeline replaces those sequence advantages with the registered estimator's (fork.hooks.GeometryBatch.salt)
         config = args.geometry = dataclasses.replace(config, estimator=entry.name)
         args.algo.advantage.estimator = "dr_grpo"
-    # SALT's default partition is the optimizer mini-batch's prompts (pipeline.salt_partition_prompts): a mini-batch
+    # SALT's default partition is the optimizer mini-batch's prompts (salt_stage.salt_partition_prompts): a mini-batch
     # of part of a prompt's rollouts is no partition, and cuts partitions across optimizer steps in both engines
     batch = getattr(getattr(args, "train", None), "batch_size", None)
     n = getattr(getattr(args, "rollout", None), "n_samples_per_prompt", None)

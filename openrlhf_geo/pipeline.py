@@ -194,36 +194,6 @@ class GeometryConfig:
         )
 
 
-def salt_partition_prompts(salt: SaltConfig | None, train_batch_size: int, n_samples: int) -> int:
-    """Prompts per SALT partition, for both engines: --salt.group_prompts, else the optimizer mini-batch's prompts
-    (SALT §3.1 computes every quantity "from mini-batch statistics" of "the current mini-batch", m = BG; Table 4:
-    32 prompts × 8; --train.batch_size counts rollouts), at least one; 0 = the whole rollout batch (also the local
-    engine's --train.batch_size 0, one mini-batch per step)."""
-    if salt is not None and salt.group_prompts is not None:
-        return salt.group_prompts
-    return max(train_batch_size // n_samples, 1) if train_batch_size else 0
-
-
-def minibatch_partitions(salt: SaltConfig | None, train_batch_size: int, n_samples: int) -> int:
-    """Prompts per partition when each optimizer mini-batch must train on exactly one SALT partition's rollouts (all
-    G rollouts of its B prompts), else 0. That holds when SALT (or --salt.diagnostics) is on, a partition is as large
-    as a mini-batch (the default --salt.group_prompts) and --salt.shuffle_minibatches is off. Both engines then
-    shuffle the order of partitions and of rollouts inside one each epoch, never their membership; otherwise their
-    mini-batches mix prompts, and a partition's geometry describes rollouts spread over several optimizer steps."""
-    per = salt_partition_prompts(salt, train_batch_size, n_samples)
-    if salt is None or salt.shuffle_minibatches or per == 0 or per * n_samples != train_batch_size:
-        return 0
-    return per
-
-
-def minibatch_order(partition, generator) -> torch.Tensor:
-    """One epoch's row order (N,): partitions in a random order, each one's rows shuffled, kept together.
-    partition (N,) long: each row's partition id."""
-    blocks = [torch.nonzero(partition == p)[:, 0] for p in torch.unique(partition).tolist()]
-    order = torch.randperm(len(blocks), generator=generator).tolist()
-    return torch.cat([blocks[b][torch.randperm(len(blocks[b]), generator=generator)] for b in order])
-
-
 def check_finite(name: str, values: torch.Tensor, group_ids: torch.Tensor, step: int) -> None:
     """Raise a ValueError naming the step, the prompt and the value when `values` (N,) holds NaN/inf.
 

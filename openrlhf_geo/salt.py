@@ -137,7 +137,7 @@ class SaltConfig:
     alpha          the fixed α of variant fixed-alpha, in [0, 1] (required by it and only allowed with it)
     apply          False: --salt.diagnostics, the geometry is computed and logged and the advantages stay unchanged
     shuffle_minibatches  True: optimizer mini-batches mix prompts as upstream draws them, so an optimizer step no
-                   longer trains on exactly one partition's rollouts (pipeline.minibatch_partitions)
+                   longer trains on exactly one partition's rollouts (salt_stage.minibatch_partitions)
     k_rule         "paper" (SALT Eq. 14, the default: the paper is the specification) or "code" (the released code's
                    rule, see _subspace_dim)
     rho            the code rule's PR scale ρ in (0, 2]; only with k_rule "code" (None: CODE_RHO)

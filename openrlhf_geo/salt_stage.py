@@ -3,6 +3,8 @@ SALT Eq. 12-18 (`salt.salt_advantages`) on each partition of one rollout batch's
 D.1 diagnostics and SALT's regime guard, from explicit inputs plus its own `SaltState` (its random stream,
 entropy-alpha's running range of H_t, the regime warning's clock). It is on whenever GeometryConfig.salt is set
 (--advantage_estimator salt, or --salt.diagnostics: SaltConfig.apply False, a' = a with the geometry logged).
+SALT's partitions, for both engines: `salt_partition_prompts` (prompts per partition), `minibatch_partitions` and
+`minibatch_order` (when and how each optimizer mini-batch trains on exactly one partition).
 
 Its stats are per-slot (N,) float tensors, logged as `salt/<key>`: a partition's stats on its slots (partition-size
 weighted when averaged over the batch). `salt/out_of_regime` flags steps far outside SALT Table 10's regime
@@ -45,6 +47,36 @@ REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_reg
 
 class SaltRegimeWarning(GeoWarning):
     """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
+
+
+def salt_partition_prompts(salt: SaltConfig | None, train_batch_size: int, n_samples: int) -> int:
+    """Prompts per SALT partition, for both engines: --salt.group_prompts, else the optimizer mini-batch's prompts
+    (SALT §3.1 computes every quantity "from mini-batch statistics" of "the current mini-batch", m = BG; Table 4:
+    32 prompts × 8; --train.batch_size counts rollouts), at least one; 0 = the whole rollout batch (also the local
+    engine's --train.batch_size 0, one mini-batch per step)."""
+    if salt is not None and salt.group_prompts is not None:
+        return salt.group_prompts
+    return max(train_batch_size // n_samples, 1) if train_batch_size else 0
+
+
+def minibatch_partitions(salt: SaltConfig | None, train_batch_size: int, n_samples: int) -> int:
+    """Prompts per partition when each optimizer mini-batch must train on exactly one SALT partition's rollouts (all
+    G rollouts of its B prompts), else 0. That holds when SALT (or --salt.diagnostics) is on, a partition is as large
+    as a mini-batch (the default --salt.group_prompts) and --salt.shuffle_minibatches is off. Both engines then
+    shuffle the order of partitions and of rollouts inside one each epoch, never their membership; otherwise their
+    mini-batches mix prompts, and a partition's geometry describes rollouts spread over several optimizer steps."""
+    per = salt_partition_prompts(salt, train_batch_size, n_samples)
+    if salt is None or salt.shuffle_minibatches or per == 0 or per * n_samples != train_batch_size:
+        return 0
+    return per
+
+
+def minibatch_order(partition, generator) -> torch.Tensor:
+    """One epoch's row order (N,): partitions in a random order, each one's rows shuffled, kept together.
+    partition (N,) long: each row's partition id."""
+    blocks = [torch.nonzero(partition == p)[:, 0] for p in torch.unique(partition).tolist()]
+    order = torch.randperm(len(blocks), generator=generator).tolist()
+    return torch.cat([blocks[b][torch.randperm(len(blocks[b]), generator=generator)] for b in order])
 
 
 class SaltState:

@@ -172,3 +172,22 @@ def test_no_test_file_loads_another_test_file(tmp_path):
     ]
     assert len(list(TESTS.glob("test_*.py"))) > 30
     assert loads_of_test_files() == []
+
+
+def test_after_parsing_the_geometry_settings_are_read_from_args_geometry_only():
+    """The --salt.*, --geoalign.*, --baseline.* and --reward.noise.* flags become one GeometryConfig at parse time
+    (`options.validate` -> `args.geometry`); past the two modules that validate them, no code reads the flags'
+    namespace, so a setting has one spelling after parsing."""
+    import re
+
+    raw = re.compile(r"\bargs\.(salt|geoalign|baseline)\b|\bargs\.reward\.noise\b")
+    parsers = {PACKAGE / "options.py", PACKAGE / "local" / "flags.py"}
+    readers = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in parsers and path.parent.name != "eval"  # eval's commands have a --baseline of their own
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if raw.search(line)
+    ]
+    assert readers == []
+    assert raw.search("if args.reward.noise.type == 'swap'") and not raw.search("args.geometry.noise.type")

@@ -1,9 +1,10 @@
 """Everything the fork's diffs (patches/) call into; the diffs themselves only wire these in.
 
 One flag's path through the fork, by the upstream file whose diff makes the call:
-    cli/train_ppo_ray.py      add_args(parser), validate_args(args)  -> args.salt / .geoalign / .reward.noise
-                              / .baseline; refusals of what would fail or be lost once Ray started (check_outputs,
-                              check_datasets); --reward.timeout_s into the workers' environment (REWARD_TIMEOUT_ENV)
+    cli/train_ppo_ray.py      add_args(parser), validate_args(args)  -> args.geometry (the --salt.*, --geoalign.*,
+                              --reward.noise.*, --baseline.* flags as one GeometryConfig); refusals of what
+                              would fail or be lost once Ray started (check_outputs, check_datasets);
+                              --reward.timeout_s into the workers' environment (REWARD_TIMEOUT_ENV)
     utils/agent.py            bounded_reward_func: a .py reward_func's calls bounded by --reward.timeout_s
     trainer/ray/ppo_actor.py  actor_spec(args) -> GeometrySpec: what the experience forward also returns
                               policy_loss(args, PolicyLoss) -> the actor's loss (--baseline.policy_loss)
@@ -42,15 +43,9 @@ from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.fork.replay import Recorder, record_training_step  # noqa: F401  (the ppo_actor diff's name)
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local.reward import RewardTimeout
-from openrlhf_geo.pipeline import (
-    GeometryPipeline,
-    SignalGuard,
-    check_finite,
-    minibatch_order,
-    minibatch_partitions,
-    salt_partition_prompts,
-)
+from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
+from openrlhf_geo.salt_stage import minibatch_order, minibatch_partitions, salt_partition_prompts
 from openrlhf_geo.stages import FORK_STEP_STRIDE
 
 SIDE_ATTR = "_openrlhf_geo"  # per-response geometry on an Experience between make_experience and finish()
@@ -109,8 +104,8 @@ def validate_args(args) -> None:
             raise ValueError(
                 f"{flag} {value}: cannot write there ({e.strerror}: {folder}); the run would fail at its first save"
             ) from None
-    salt, geo = args.salt, args.geoalign
-    if (salt.enable or salt.diagnostics or geo.enable) and args.ds.ring_attn_size > 1:
+    reads_responses = args.geometry.salt is not None or args.geometry.geoalign is not None
+    if reads_responses and args.ds.ring_attn_size > 1:
         raise ValueError(
             f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT (its "
             "--salt.diagnostics too) and GeoAlign read every response's features and last hidden state from one "
@@ -552,7 +547,7 @@ class RecordingBatch(Recorder, GeometryBatch):
 
 
 def aligned_partitions(args) -> int:
-    """`pipeline.minibatch_partitions` for the fork's args: prompts per partition when every optimizer step must
+    """`salt_stage.minibatch_partitions` for the fork's args: prompts per partition when every optimizer step must
     train on exactly one SALT partition, else 0. Also 0 where upstream's data path cannot keep partitions together:
     a critic (it shares the experience distribution), async training (another trainer)."""
     if _section(args, "geometry") is None or args.train.async_enable or args.critic.model_name_or_path:

@@ -196,15 +196,14 @@ def run_one(job):
     from openrlhf_geo.local.reward import shared_reward_fn
 
     args = parse_args(job["argv"])
+    noise = args.geometry.noise
     reward_fn = shared_reward_fn(args.reward.func, args.reward.timeout_s)
     training.run(
         args,
         reward_fn,
         rollout_stats=shortcut_stats,  # task/* counts for the report (the training is the train command's)
         # --reward.noise.type misspecified: this task's verifier that also pays the shortcut's answer
-        misspecified_pay=ShortcutPayer(reward_fn, args.reward.noise.rate, args.reward.noise.seed)
-        if args.reward.noise.type == "misspecified"
-        else None,
+        misspecified_pay=ShortcutPayer(reward_fn, noise.rate, noise.seed) if noise.type == "misspecified" else None,
         tags=job["tags"],
         progress=job.get("progress"),
         bar=False,

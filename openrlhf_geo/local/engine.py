@@ -36,16 +36,10 @@ from transformers import GenerationConfig
 from openrlhf_geo import GeoWarning, baselines
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.groups import group_index, tied_groups
-from openrlhf_geo.pipeline import (
-    GeometryPipeline,
-    SignalGuard,
-    check_finite,
-    minibatch_order,
-    minibatch_partitions,
-    salt_partition_prompts,
-)
+from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 from openrlhf_geo.registry import ESTIMATORS, POLICY_LOSSES, adjustment_inputs
 from openrlhf_geo.rewards.math_verify import PROBLEMS
+from openrlhf_geo.salt_stage import minibatch_order, minibatch_partitions, salt_partition_prompts
 from openrlhf_geo.stages import stream
 
 # DAPO dynamic sampling: at most this many generation rounds to fill a batch with informative prompts.
@@ -423,7 +417,7 @@ class PromptSampler:
 def check_misspecified(args, misspecified_pay) -> None:
     """ValueError when --reward.noise.type misspecified comes without the task's hook saying which rollouts the
     misspecified verifier pays (`openrlhf-geo train` checks before loading anything, the Trainer when built)."""
-    if args.reward.noise.type == "misspecified" and misspecified_pay is None:
+    if args.geometry.noise.type == "misspecified" and misspecified_pay is None:
         raise ValueError(
             "--reward.noise.type misspecified needs a task that says which rollouts its misspecified verifier "
             "pays; `openrlhf-geo train` has none (the demo task has one: `openrlhf-geo study geoalign-failure`)"
@@ -639,7 +633,7 @@ class Trainer:
         batch.correct = correct
         rewards = 2 * correct - 1 if args.reward.pm1 else correct.clone()
         paid = None
-        if args.reward.noise.type == "misspecified":
+        if self.pipeline.config.noise.type == "misspecified":
             paid = torch.as_tensor(
                 self.misspecified_pay(batch.prompts, batch.responses, batch.answers), dtype=torch.bool
             )
@@ -691,7 +685,7 @@ class Trainer:
     def _update(self, batch, advantages):
         """`--train.max_epochs` passes over shuffled mini-batches of `--train.batch_size` rollouts, one AdamW step
         each, with gradient accumulation over `--train.micro_batch_size` rows -> metrics. With SALT's partitions as
-        mini-batches (pipeline.minibatch_partitions), each mini-batch is one partition's rows, a short partition (a
+        mini-batches (salt_stage.minibatch_partitions), each mini-batch is one partition's rows, a short partition (a
         rollout batch that is not whole partitions, e.g. after DAPO's filter) included: its own, smaller step."""
         args = self.args
         n = len(batch)

@@ -442,9 +442,9 @@ def run_seed(job, progress=None):
     args = parse_args(job["argv"])
     if (
         args.reward.pm1
-        or args.reward.noise.type != "none"
+        or args.geometry.noise.enabled
         or args.algo.advantage.estimator != "group_norm"
-        or args.salt.enable
+        or (args.geometry.salt is not None and args.geometry.salt.apply)
     ):
         raise ValueError("salt-proxy analyses a plain GRPO run (0/1 rewards, no noise, group_norm advantages)")
     torch.set_num_threads(args.train.threads)
