@@ -19,9 +19,10 @@ and call, in this order:
     value, multiplicity = step.rows(a_slot)                       what each rollout's row carries into the loss
     step.metrics                                                   {"salt/pr": (N,), "geo/flag_frac": (N,), ...}
 
-Each `adjust` and `curate` is a loop over the registered stages (registry.ADJUSTMENTS, registry.CURATIONS) the run's
-GeometryConfig turns on, in order; the engine's estimator sits between the curation and the advantage adjustments
-(in the fork it is upstream's compute_advantages_and_returns), which is why there are three calls and not one.
+Each `adjust` is a loop over the registered adjustments (registry.ADJUSTMENTS) of its stage that the run's
+GeometryConfig turns on, in order, and `curate` runs the one registered curation it turns on. The engine's estimator
+sits between the curation and the advantage adjustments (in the fork it is upstream's
+compute_advantages_and_returns), which is why there are three calls and not one.
 
 Replacement semantics (GeoAlign `replace`/`amplify`/`zero`/`drop`): slot i of the batch holds a copy of rollout
 `plan.source[i]` with loss weight `plan.weight[i]`. Every rollout keeps its own row: (1) slot i gets the reward of
