@@ -58,3 +58,13 @@ def strict_json(value):
     if isinstance(value, (list, tuple)):
         return [strict_json(v) for v in value]
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def nan_json(value):
+    """strict_json read back: every null as NaN, for the written results whose nulls are all non-finite floats (the
+    studies' records and summaries; an inf comes back as NaN, which their summaries leave out alike)."""
+    if isinstance(value, dict):
+        return {k: nan_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [nan_json(v) for v in value]
+    return math.nan if value is None else value

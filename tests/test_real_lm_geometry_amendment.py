@@ -2,7 +2,9 @@
 prompts, SALT beside its random-subspace nulls, and the indicator-family shares, each against an independent numpy
 float64 computation."""
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openrlhf_geo.jsonl import nan_json
 from openrlhf_geo.lab import word_task
 from openrlhf_geo.lab.studies import real_lm_geometry as study
 
@@ -398,3 +401,32 @@ def test_the_n_eff_null_permutes_the_advantages_within_each_group():
     assert (out["n_eff_perm_lo"], out["n_eff_perm_hi"]) == (pytest.approx(lo), pytest.approx(hi))
     n_eff = float(a @ K @ a / (a**2 * np.diag(K)).sum())
     assert out["n_eff_vs_perm"] == (-1.0 if n_eff < lo else 1.0 if n_eff > hi else 0.0)
+
+
+# ---------------------------------------------------------------- the committed results and the protocol's text
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "studies" / "results" / "real-lm-geometry"
+
+
+def test_the_protocols_verdict_counts_are_the_committed_analysis_recomputed():
+    """The batch-percentile verdicts recomputed by the study's own interval and rule from the committed records.json,
+    and the registered ones from the committed summary.json's CIs over prompts, are the counts the protocol states."""
+    records = nan_json(json.loads((RESULTS / "records.json").read_text()))
+    summary = nan_json(json.loads((RESULTS / "summary.json").read_text()))
+    conditions = {}
+    for rec in records:
+        conditions.setdefault((rec["T"], rec["cap"], rec["G"]), []).append(rec)
+
+    def counts(verdicts):
+        verdicts = list(verdicts)
+        return sum(v.startswith("outside") for v in verdicts), sum(v.startswith("not decided") for v in verdicts)
+
+    batches = counts(study.regime(study.interval([r["n_eff"] for r in rows])) for rows in conditions.values())
+    registered = counts(study.regime(row["n_eff_prompts"]) for row in summary["table"].values())
+    apart = counts(study.regime(row["n_eff_prompts_apart"]) for row in summary["table"].values())
+    assert (batches, registered, apart) == ((18, 6), (18, 6), (16, 8))
+    text = " ".join((ROOT / "docs" / "studies" / "real-lm-geometry.md").read_text().split())
+    assert f"**Outside: {apart[0]} of 24 by the corrected prompt CI (post hoc), not decided {apart[1]}**" in text
+    assert f"The registered CI reads {registered[0]} outside / {registered[1]} not decided" in text
+    assert f"the batch percentile {batches[0]} / {batches[1]} as well" in text
