@@ -4,6 +4,7 @@ The fork-vs-local-engine equivalence on real patched upstream modules is in test
 """
 
 import dataclasses
+import io
 import math
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def salt_step(step, a, features, entropy, lengths, partition_prompts=0):
 def fixed_plan(source, weight=None, keep=None):
     """A `curate` stand-in returning a fixed plan (the pipeline's wiring under test, not GeoAlign's detector)."""
 
-    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
+    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None, actions=None):
         n = len(rewards)
         plan = dataclasses.replace(
             CurationPlan.identity(n),
@@ -450,22 +451,19 @@ def _fixture_run(pipe, step):
     noisy, corrupted = pipe.corrupt(rewards, group_ids)
     step = pipe.start(group_ids, corrupted)
     slot_rewards = step.curate(noisy, hidden)
-    out = salt_step(step, (slot_rewards - 0.5).double(), features, entropy, torch.full((16,), 3.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", salt_stage.SaltRegimeWarning)
+        out = salt_step(step, (slot_rewards - 0.5).double(), features, entropy, torch.full((16,), 3.0))
     value, multiplicity = step.rows(out)
     metrics = {k: v for k, v in step.metrics.items() if not k.endswith(("time_s", "solve_ms"))}
     return {"rewards": noisy, "source": step.plan.source, "a": out, "value": value, "multiplicity": multiplicity,
             "metrics": metrics}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["geoalign+rand-proj+noise", "pf_ppo_br+entropy-alpha"])
-def test_a_checkpoint_written_before_the_stages_owned_their_state_resumes_bit_for_bit(name):
-    """tests/fixtures/pipeline_state_v1.pt: the pipeline state after two steps, and the third step's outputs, written
-    by the pipeline as of 0.1.0.dev0 (state format 1, every stage's memory in one flat dict: the four streams,
-    GeoAlign's projector, SALT's entropy range and regime clock). Loaded into today's pipeline, the third step is the
-    same, bit for bit (every stream, the warm projector, the entropy range carried over)."""
+def _format_1_configs():
     from openrlhf_geo.baselines import BaselineConfig
 
-    configs = {
+    return {
         "geoalign+rand-proj+noise": GeometryConfig(
             salt=SaltConfig(variant="rand-proj", features="exact"),
             geoalign=GeoAlignConfig(hidden_sizes=(8,), out_dim=4, steps=2),
@@ -478,23 +476,78 @@ def test_a_checkpoint_written_before_the_stages_owned_their_state_resumes_bit_fo
             seed=5,
         ),
     }
+
+
+def _as_format_1(state):
+    """A state (format 2) in the flat layout the pipeline wrote before 0.1.0 (format 1: the four streams, GeoAlign's
+    projector, SALT's entropy range and regime clock in one dict): the inverse of `pipeline._from_format_1`. Format 1
+    kept the stream of a stage that is off too; loading ignores it."""
+    stages, unused = state["stages"], torch.Generator().get_state()
+    salt, geoalign = stages.get("salt", {}), stages.get("geoalign", {})
+    baseline = stages.get("pf_ppo_br", stages.get("pf_ppo_bw", {}))  # the baseline stream was PF-PPO's
+    streams = {"noise": stages["noise"]["generator"], "geoalign": geoalign.get("generator", unused),
+               "salt": salt.get("generator", unused), "baseline": baseline.get("generator", unused)}  # fmt: skip
+    return {"generators": streams, "projector": geoalign.get("projector"), "projector_in_dim": geoalign.get("in_dim"),
+            "entropy_range": salt.get("entropy_range"), "last_regime_warning": salt.get("last_regime_warning"),
+            "steps": state["steps"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["geoalign+rand-proj+noise", "pf_ppo_br+entropy-alpha"])
+def test_a_checkpoint_written_before_the_stages_owned_their_state_resumes_bit_for_bit(name):
+    """A format-1 state (every stage's memory in one flat dict) of two steps, through torch.save/load into today's
+    pipeline: the third step is the uninterrupted run's, bit for bit (every stream, the warm projector, the entropy
+    range carried over), both computed here; the state it writes now is the stages' own (format 2)."""
+    config = _format_1_configs()[name]
+    uninterrupted = GeometryPipeline(config)
+    for step in range(2):
+        _fixture_run(uninterrupted, step)
+    saved = io.BytesIO()
+    torch.save(_as_format_1(uninterrupted.state_dict()), saved)
+    saved.seek(0)
+    resumed = GeometryPipeline(config)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    torch.testing.assert_close(
+        _fixture_run(resumed, 2), _fixture_run(uninterrupted, 2), rtol=0, atol=0, equal_nan=True
+    )
+    state = resumed.state_dict()
+    assert state["format"] == pipeline.STATE_FORMAT and "salt" in state["stages"] and state["steps"] == 3
+    torch.testing.assert_close(state, uninterrupted.state_dict(), rtol=0, atol=0)
+
+
+# Values recorded on another machine agree within rounding, not bit for bit. float64 (SALT's a', the rows): a 16 x 16
+# eigensolve whose relative eigengap at k is 0.24-0.27 (the fixture's salt/gap) moves by ~1e-16 / gap with another
+# BLAS/LAPACK kernel (5.6e-16 seen on AMD family 26); 1e-12 is far below what a state that loaded wrong moves (SALT's
+# entropy range off by 1e-6 moves a' by 8e-8). float32 (the metrics, GeoAlign's projector after two Adam steps, the
+# entropy range of float32 entropies): a few ulps (eps 1.2e-7); 1e-5, where a projector off by 1e-4 moves the
+# metrics by 1.7e-4. Integers (streams, slots, counts): exactly.
+FLOAT64 = {"rtol": 1e-12, "atol": 1e-12}
+FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("name", ["geoalign+rand-proj+noise", "pf_ppo_br+entropy-alpha"])
+def test_the_recorded_format_1_checkpoint_loads_to_this_runs_state_and_step(name):
+    """tests/fixtures/pipeline_state_v1.pt, written by the pipeline as of 0.1.0.dev0 (state format 1) on another
+    machine: the state after two `_fixture_run` steps and the third step's outputs. Its layout is `_as_format_1`'s;
+    loaded, it is this machine's state after the same two steps, and its third step this machine's, within rounding."""
+    config = _format_1_configs()[name]
     fixture = torch.load("tests/fixtures/pipeline_state_v1.pt", weights_only=True)[name]
-    assert "format" not in fixture["state"] and "generators" in fixture["state"]  # really the old layout
-    pipe = GeometryPipeline(configs[name])
-    pipe.load_state_dict(fixture["state"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", salt_stage.SaltRegimeWarning)
-        got = _fixture_run(pipe, 2)
-    expected = fixture["next"]
-    assert got["metrics"].keys() == expected["metrics"].keys()
-    for key in ("rewards", "source", "a", "value", "multiplicity"):
-        assert torch.equal(got[key], expected[key]), key
-    for key, values in expected["metrics"].items():
-        assert torch.equal(got["metrics"][key].isnan(), values.isnan()), key
-        assert torch.equal(got["metrics"][key].nan_to_num(), values.nan_to_num()), key
-    # and the state it writes now is the stages' own, which loads back to the same pipeline
-    state = pipe.state_dict()
-    assert state["format"] == pipeline.STATE_FORMAT and "salt" in state["stages"]
-    again = GeometryPipeline(configs[name])
-    again.load_state_dict(state)
-    assert again.state_dict()["steps"] == 3
+    here = GeometryPipeline(config)
+    for step in range(2):
+        _fixture_run(here, step)
+
+    def layout(value):
+        if isinstance(value, dict):
+            return {key: layout(v) for key, v in value.items()}
+        return (value.dtype, value.shape) if isinstance(value, torch.Tensor) else type(value)
+
+    assert layout(fixture["state"]) == layout(_as_format_1(here.state_dict()))
+    loaded = GeometryPipeline(config)
+    loaded.load_state_dict(fixture["state"])
+    torch.testing.assert_close(loaded.state_dict(), here.state_dict(), **FLOAT32)
+    got, recorded = _fixture_run(loaded, 2), fixture["next"]
+    for key in ("rewards", "source", "multiplicity"):  # 0/1 rewards, slot indices, counts: exact on any CPU
+        torch.testing.assert_close(got[key], recorded[key], rtol=0, atol=0)
+    for key in ("a", "value"):
+        torch.testing.assert_close(got[key], recorded[key], **FLOAT64, msg=key)
+    metrics = {key: got["metrics"][key] for key in recorded["metrics"]}  # metrics added since are not in it
+    torch.testing.assert_close(metrics, recorded["metrics"], **FLOAT32, equal_nan=True)
