@@ -363,7 +363,8 @@ def test_the_summary_and_report_carry_the_amendment_beside_the_first_analysis():
                                         "estimate_s": 1.0, "seconds": {}, "temperatures": [0.6, 1.0],
                                         "amendment": {"seed": study.AMENDMENT_SEED, "prompt_replicates": 200,
                                                       "gap_replicates": 20, "null_draws": study.NULL_DRAWS,
-                                                      "permutations": study.PERMUTATIONS}}, resampled)  # fmt: skip
+                                                      "permutations": study.PERMUTATIONS}},
+                              study.prompt_cis(records, setup, resampled))  # fmt: skip
     row = summary["table"]["T=0.6 cap=32 G=4"]
     assert row["regime"] == study.regime(row["n_eff_prompts"])
     assert row["regime_first_analysis"] == study.regime(row["n_eff"])

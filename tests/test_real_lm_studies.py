@@ -317,6 +317,104 @@ def test_resummarizing_the_committed_block_reproduces_the_committed_results(tmp_
     assert "Wall time not recorded" in (alone_out / "report.md").read_text()
 
 
+RESULTS = PROXY_RESULTS.parent
+# what each real-LM study's result directory holds besides summary.json and report.md: what --resummarize reads
+RECORDS = {
+    "real-lm-proxy": ("block0.json",),
+    "real-lm-geometry": ("records.json",),
+    "real-lm-geoalign": ("records.json",),
+    "real-lm-rl": tuple(f"{name}.metrics.jsonl" for name in real_lm_rl.CONDITIONS),
+}
+
+
+def _committed_copy(tmp_path, name):
+    """The committed result files of study `name` (records and summary) in a fresh directory."""
+    out = tmp_path / name
+    out.mkdir()
+    for file in (*RECORDS[name], "summary.json"):
+        (out / file).write_bytes((RESULTS / name / file).read_bytes())
+    return out
+
+
+def test_every_real_lm_study_takes_resummarize():
+    from openrlhf_geo.lab.studies.registry import REGISTRY
+
+    assert {name for name in REGISTRY if name.startswith("real-lm")} == set(RECORDS)
+    assert all("resummarize" in REGISTRY[name].options for name in RECORDS)
+
+
+@pytest.mark.parametrize("name", ["real-lm-geometry", "real-lm-rl"])
+def test_resummarizing_the_committed_records_rewrites_the_committed_summary_byte_for_byte(name, tmp_path):
+    """Their summaries are sorting, numpy's elementwise arithmetic and fixed-order sums and scipy's percentile
+    bootstrap (real-lm-rl: copies of the logged values): no BLAS reduction, nothing that depends on the CPU, so the
+    committed bytes are what any machine writes. real-lm-geometry keeps its CIs over prompts from summary.json and
+    re-derives everything else, its verdicts included, from records.json."""
+    from openrlhf_geo import cli
+
+    out = _committed_copy(tmp_path, name)
+    assert cli.main(["study", name, "--resummarize", str(out)]) == 0
+    for file in ("summary.json", "report.md", *RECORDS[name]):
+        assert (out / file).read_bytes() == (RESULTS / name / file).read_bytes(), file
+    if name == "real-lm-geometry":
+        assert (out / "geometry_by_cap.png").stat().st_size > 0
+
+
+def _assert_close_json(got, want, path="summary"):
+    """Equal structure, strings and integers; floats within rel 1e-10 / abs 1e-12 (null for NaN on both sides)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), path
+        for key in want:
+            _assert_close_json(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (x, y) in enumerate(zip(got, want)):
+            _assert_close_json(x, y, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-10, abs_tol=1e-12), path
+    else:
+        assert got == want, path
+
+
+def test_resummarizing_the_committed_geoalign_records_rewrites_its_summary(tmp_path):
+    """records.json keeps NaN as null (strict_json): read back as NaN, the summary is re-derived. Its prompt CIs are
+    ratios of BLAS dot products (weighted counts over at most a few thousand rollouts, whose summation order the CPU's
+    kernel chooses: relative error below ~1e-13), so the numbers are compared within 1e-10 and the report is checked
+    as the render of the committed summary."""
+    from openrlhf_geo import cli
+
+    out = _committed_copy(tmp_path, "real-lm-geoalign")
+    committed = RESULTS / "real-lm-geoalign"
+    assert cli.main(["study", "real-lm-geoalign", "--resummarize", str(out)]) == 0
+    _assert_close_json(
+        json.loads((out / "summary.json").read_text()), json.loads((committed / "summary.json").read_text())
+    )
+    assert (
+        real_lm_geoalign.render(json.loads((committed / "summary.json").read_text()))
+        == (committed / "report.md").read_text()
+    )
+    assert "## Verdicts, amended" in (out / "report.md").read_text()
+    assert (out / "records.json").read_bytes() == (committed / "records.json").read_bytes()
+
+
+@pytest.mark.parametrize("name", list(RECORDS))
+def test_resummarize_refuses_a_directory_a_run_is_writing_and_one_without_its_records(name, tmp_path, capsys):
+    from openrlhf_geo import cli
+    from openrlhf_geo.local import rundir
+
+    out = _committed_copy(tmp_path, name)
+    with rundir.locked(out):  # as a run holds its --out
+        assert cli.main(["study", name, "--resummarize", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"openrlhf-geo study: error: --resummarize {out}: a run is writing it; wait for it to finish"
+    assert (out / "summary.json").read_bytes() == (RESULTS / name / "summary.json").read_bytes()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["study", name, "--resummarize", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"openrlhf-geo study: error: --resummarize {empty}")
+    assert list(empty.iterdir()) == []
+
+
 def test_the_gaps_are_proxy_minus_null_per_minibatch_beside_chance_and_salts_gap(tmp_path):
     """Third amendment, item 2, against numpy on the committed block's records: each gap is the mean over the
     mini-batches of proxy − null, chance is the mean of the full gradient's k_t/m (from its PR/k_t record), SALT's gap
@@ -547,7 +645,8 @@ def test_the_collection_studies_sample_with_the_seed_given_and_their_out_records
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["salt-proxy", "--resummarize", "{d}"], "--resummarize only applies to real-lm-proxy (got study salt-proxy)"),
+    (["salt-proxy", "--resummarize", "{d}"], "--resummarize only applies to real-lm-geometry and real-lm-geoalign and "
+     "real-lm-proxy and real-lm-rl (got study salt-proxy)"),
     (["real-lm-proxy", "--resummarize", "{e}"], "--resummarize {e}: no block<b>.json files there"),
     (["real-lm-proxy", "--resummarize", "{m}"], "--resummarize {m}: no block<b>.json files there"),
     (["real-lm-proxy", "--resummarize", "{d}", "--out", "{e}"], "it takes no --out"),

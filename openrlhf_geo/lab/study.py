@@ -26,6 +26,7 @@ from openrlhf_geo.lab.studies.registry import REGISTRY
 from openrlhf_geo.local import rundir
 from openrlhf_geo.local.flags import FlagParser
 
+MAX_SEED = 2**32 - 1  # a run's seed and its streams' (seed + stages.STREAM_OFFSETS) fit every generator it seeds
 OPTIONS = {
     "regime": "demo",
     "generator": "vllm",
@@ -51,8 +52,9 @@ def build_parser():
         "--resummarize",
         default=None,
         metavar="DIR",
-        help="real-lm-proxy only: rewrite DIR's summary.json and report.md from its block<b>.json files with the "
-        "current code (no model, no collection; nothing else runs)",
+        help="real-LM studies only: rewrite DIR's summary.json and report.md from the records the run wrote there "
+        "(real-lm-proxy: block<b>.json; real-lm-geometry, real-lm-geoalign: records.json; real-lm-rl: the runs' "
+        "metrics) with the current code (no model, no collection; nothing else runs)",
     )
     return p
 
@@ -77,6 +79,10 @@ def main(argv=None):
         workers = args.workers if args.workers is not None else 1 if args.quick else min(2, os.cpu_count() or 1)
         if workers < 1:
             raise ValueError(f"--workers must be >= 1 (got {workers})")
+        bad = [seed for seed in args.seeds or () if not 0 <= seed <= MAX_SEED]
+        if bad:
+            raise ValueError(f"--seeds must lie in [0, {MAX_SEED}] (got {bad[0]}): a run's random streams are "
+                             "seeded with it, and its directory is seed<k>")  # fmt: skip
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ValueError(f"--seeds must be distinct (got {' '.join(map(str, args.seeds))})")
         if args.seeds is not None and study.seed is not None and len(args.seeds) != 1:

@@ -15,6 +15,7 @@ A collection is cached under <cache>/rollouts/<key>/ (the key hashes the model, 
 atomically), so the studies that read the same rollouts sample them once.
 """
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -32,6 +33,7 @@ import torch
 
 from openrlhf_geo import real_lm
 from openrlhf_geo.lab import word_task
+from openrlhf_geo.local import rundir
 
 TASK_VERSION = 1  # bump when word_task's prompts or problems change
 COLLECTION_VERSION = 2  # bump when what a collection stores, or how, changes (its cache key); 2: vLLM unpinned
@@ -350,3 +352,26 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     torch.save(result, tmp)
     os.replace(tmp, target)
     return result
+
+
+@contextlib.contextmanager
+def rewriting(directory):
+    """`--resummarize DIR`, which rewrites DIR's summary and report in place: yields DIR as a Path. A study's --out
+    keeps its run's lock file: it is taken, so that a run still writing there refuses this (ValueError); a copy of the
+    outputs without one (the committed results) is rewritten without one."""
+    directory = Path(directory)
+    try:
+        with rundir.locked(directory) if (directory / rundir.LOCK).exists() else contextlib.nullcontext():
+            yield directory
+    except rundir.Busy:
+        raise ValueError(f"--resummarize {directory}: a run is writing it; wait for it to finish") from None
+
+
+def read_result(directory, name):
+    """DIR/name, a JSON file a real-LM study wrote (NaN written as null, as strict_json does); ValueError naming
+    --resummarize and the file when it is missing or not JSON."""
+    path = Path(directory) / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--resummarize {directory}: {name} is missing or not JSON ({error})") from None

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from openrlhf_geo.jsonl import strict_json
+from openrlhf_geo.jsonl import nan_json, strict_json
 from openrlhf_geo.lab.studies import real_lm
 from openrlhf_geo.lab.studies.base import Study
 from openrlhf_geo.lab.studies.real_lm_geometry import FULL, QUICK, interval
@@ -594,13 +594,34 @@ def run(args, out, workers, cache=None):
     return 0
 
 
+def resummarize(directory) -> int:
+    """DIR's summary.json and report.md re-derived by the current code from its records.json (no model, no
+    collection), with the setup the run recorded in its summary.json."""
+    with real_lm.rewriting(directory) as directory:
+        records = nan_json(real_lm.read_result(directory, "records.json"))
+        old = real_lm.read_result(directory, "summary.json")
+        try:
+            summary = strict_json(summarize(records, old["setup"]))
+        except (KeyError, TypeError, IndexError, ValueError) as error:
+            raise ValueError(f"--resummarize {directory}: not a real-lm-geoalign result of the amended analysis "
+                             f"({type(error).__name__}: {error})") from None  # fmt: skip
+        (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (directory / "report.md").write_text(render(summary))
+    print(f"study real-lm-geoalign: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
+          f"{len(records)} records")  # fmt: skip
+    return 0
+
+
 class RealLmGeoAlign(Study):
     name = "real-lm-geoalign"
-    options = ("generator",)
+    options = ("generator", "resummarize")
     seed = 0  # the rollouts' sampling seed (real-lm-geometry's collection at that seed)
 
     def run(self, args, out, workers):
         return run(args, out, workers)
+
+    def resummarize(self, directory):
+        return resummarize(directory)
 
 
 STUDY = RealLmGeoAlign()

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openrlhf_geo.jsonl import strict_json
+from openrlhf_geo.jsonl import nan_json, strict_json
 from openrlhf_geo.lab import word_task
 from openrlhf_geo.lab.studies import real_lm
 from openrlhf_geo.lab.studies.base import Study
@@ -56,6 +56,7 @@ NULL_DRAWS = 20  # item 3: draws of each random-subspace null per batch
 PERMUTATIONS = 200  # item 4: permuted-label draws per batch and family
 NULLS = {"matched": "matched-rand-subspace", "random": "rand-proj"}  # item 3's nulls as salt.VARIANTS
 NULL_METRICS = ("norm_ratio", "D_a", "D_g", "n_eff_salt", "U_perp_gain", "sign_flip")
+PROMPT_CIS = ("n_eff_prompts", "n_eff_prompts_apart", "gap_vs_random")  # prompt_cis' entries of a condition
 FAMILIES = ("prompt", "name", "item")  # item 4's indicator families
 NULL_LABELS = {"norm_ratio": "‖a'‖/‖a‖", "D_a": "D_a", "D_g": "D_g", "n_eff_salt": "n_eff(a')",
                "U_perp_gain": "U⊥ gain", "sign_flip": "sign flips"}  # fmt: skip
@@ -462,13 +463,49 @@ def family_verdict(shares, perm_max, perm_min) -> str:
     return f"not set by the family ({int((shares > perm_max).sum())} of {shares.size} batches above the null)"
 
 
-def summarize(records, setup, resampled) -> dict:
-    """The first analysis (batches) and the amendment's (items 2-4; `resampled` is `resample`'s, all collections)."""
-    from openrlhf_geo.eval.metrics import paired_gain
-
+def _conditions(records) -> dict:
     conditions = {}
     for rec in records:
         conditions.setdefault((rec["T"], rec["cap"], rec["G"]), []).append(rec)
+    return conditions
+
+
+def prompt_cis(records, setup, resampled) -> dict:
+    """Items 2-3's CIs over prompts from `resample`'s replicates (all collections) -> {"table": {condition:
+    {"n_eff_prompts", "n_eff_prompts_apart"[, "gap_vs_random"]}}, "by_cap": {n_eff at a cap minus at the longest}}:
+    the part of the summary that resamples the collection's Grams (a result directory holds only the records)."""
+    table = {}
+    for (T, cap, G), rows in _conditions(records).items():
+        boot = resampled[(T, cap, G)]
+        # item 2: the rule's CI over prompts
+        entry = {"n_eff_prompts": percentile_ci(finite_mean(boot["n_eff_point"]), replicate_means(boot["n_eff"]))}
+        entry["n_eff_prompts"]["replicates"] = len(boot["n_eff"])
+        # added after the rerun: the same resamples with a drawn prompt's copies not paired (weighted_n_eff)
+        entry["n_eff_prompts_apart"] = percentile_ci(finite_mean(boot["n_eff_point"]),
+                                                     replicate_means(boot["n_eff_apart"]))  # fmt: skip
+        if "gap" in boot:  # item 3: SALT − plain random subspace, CI over prompts
+            entry["gap_vs_random"] = {
+                m: percentile_ci(finite_mean([r[m] - r[f"random_{m}"] for r in rows]), boot["gap"][m])
+                for m in NULL_METRICS
+            }
+        table[f"T={T} cap={cap} G={G}"] = entry
+    # n_eff at each cap minus at the longest cap with item 2's CI (the same prompt draws at every cap: paired)
+    longest = max(setup["caps"])
+    by_cap = {}
+    for (T, cap, G), boot in resampled.items():
+        if cap == longest:
+            continue
+        base = resampled[(T, longest, G)]
+        diff, point = boot["n_eff"] - base["n_eff"], boot["n_eff_point"] - base["n_eff_point"]
+        by_cap[f"T={T} G={G} cap {cap} - cap {longest}"] = percentile_ci(finite_mean(point), replicate_means(diff))
+    return {"table": table, "by_cap": by_cap}
+
+
+def summarize(records, setup, cis) -> dict:
+    """The first analysis (batches) and the amendment's (items 2-4; `cis`: `prompt_cis`' CIs over prompts)."""
+    from openrlhf_geo.eval.metrics import paired_gain
+
+    conditions = _conditions(records)
     table = {}
     for (T, cap, G), rows in conditions.items():
         rows = sorted(rows, key=lambda r: r["replicate"])
@@ -478,23 +515,18 @@ def summarize(records, setup, resampled) -> dict:
                                          for name, v in (("below", -1), ("inside", 0), ("above", 1))}  # fmt: skip
         entry.update({f"{null}_{metric}": interval([r[f"{null}_{metric}"] for r in rows])
                       for null in NULLS for metric in NULL_METRICS})  # fmt: skip
-        boot = resampled[(T, cap, G)]
+        key = f"T={T} cap={cap} G={G}"
+        ci = cis["table"][key]
         # item 2: the rule's CI over prompts; the first analysis's batch-percentile CI and verdict stay beside it
-        entry["n_eff_prompts"] = percentile_ci(finite_mean(boot["n_eff_point"]), replicate_means(boot["n_eff"]))
-        entry["n_eff_prompts"]["replicates"] = len(boot["n_eff"])
+        entry["n_eff_prompts"] = ci["n_eff_prompts"]
         entry["regime"] = regime(entry["n_eff_prompts"])
         entry["regime_first_analysis"] = regime(entry["n_eff"])
-        # added after the rerun: the same resamples with a drawn prompt's copies not paired (weighted_n_eff)
-        entry["n_eff_prompts_apart"] = percentile_ci(finite_mean(boot["n_eff_point"]),
-                                                     replicate_means(boot["n_eff_apart"]))  # fmt: skip
+        entry["n_eff_prompts_apart"] = ci["n_eff_prompts_apart"]
         entry["regime_apart"] = regime(entry["n_eff_prompts_apart"])
         entry["per_batch_n_eff"] = [r["n_eff"] for r in rows]
-        if "gap" in boot:  # item 3: SALT − plain random subspace, CI over prompts
-            entry["gap_vs_random"] = {
-                m: percentile_ci(finite_mean([r[m] - r[f"random_{m}"] for r in rows]), boot["gap"][m])
-                for m in NULL_METRICS
-            }
-        table[f"T={T} cap={cap} G={G}"] = {"T": T, "cap": cap, "G": G, **entry}
+        if "gap_vs_random" in ci:
+            entry["gap_vs_random"] = ci["gap_vs_random"]
+        table[key] = {"T": T, "cap": cap, "G": G, **entry}
     # n_eff at each cap minus at the longest cap, paired by batch (the same rollouts, cut)
     longest = max(setup["caps"])
     by_cap = {}
@@ -506,15 +538,6 @@ def summarize(records, setup, resampled) -> dict:
         x, y = np.array([r["n_eff"] for r in rows]), np.array([r["n_eff"] for r in base])
         ok = np.isfinite(x) & np.isfinite(y)
         by_cap[f"T={T} G={G} cap {cap} - cap {longest}"] = paired_gain(x[ok], y[ok])
-    # the same difference with item 2's CI over prompts (the same prompt draws at every cap: paired)
-    by_cap_prompts = {}
-    for (T, cap, G), boot in resampled.items():
-        if cap == longest:
-            continue
-        base = resampled[(T, longest, G)]
-        diff, point = boot["n_eff"] - base["n_eff"], boot["n_eff_point"] - base["n_eff_point"]
-        by_cap_prompts[f"T={T} G={G} cap {cap} - cap {longest}"] = percentile_ci(finite_mean(point),
-                                                                                 replicate_means(diff))  # fmt: skip
     # item 4 at the longest cap, per (T, G)
     families = {}
     for (T, cap, G), rows in conditions.items():
@@ -534,7 +557,7 @@ def summarize(records, setup, resampled) -> dict:
             entry[family] = row
         families[f"T={T} G={G}"] = {"T": T, "cap": cap, "G": G, **entry}
     return {"study": "real-lm-geometry", "setup": setup, "table": table, "n_eff_vs_longest_cap": by_cap,
-            "n_eff_vs_longest_cap_prompts": by_cap_prompts, "families": families,
+            "n_eff_vs_longest_cap_prompts": cis["by_cap"], "families": families,
             "paper_table10": PAPER_TABLE10, "tiny_demo_n_eff": TINY_DEMO_N_EFF}  # fmt: skip
 
 
@@ -785,27 +808,55 @@ def run(args, out, workers, cache=None):
              "amendment": {"seed": AMENDMENT_SEED, "prompt_replicates": PROMPT_REPLICATES,
                            "gap_replicates": GAP_REPLICATES, "null_draws": NULL_DRAWS,
                            "permutations": PERMUTATIONS}}  # fmt: skip
-    summary = summarize(records, setup, resampled)
+    (Path(out) / "records.json").write_text(json.dumps(strict_json(records), indent=1) + "\n")
+    write_summary(out, summarize(records, setup, prompt_cis(records, sizes, resampled)))
+    print(f"study real-lm-geometry finished: {Path(out) / 'report.md'}")
+    return 0
+
+
+def write_summary(out, summary):
+    """<out>/summary.json, report.md and the plot of a summary."""
     summary["plots"] = [plot(summary, out)]
     data = strict_json(summary)
-    (Path(out) / "records.json").write_text(json.dumps(strict_json(records), indent=1) + "\n")
     (Path(out) / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
     (Path(out) / "report.md").write_text(render(data))
-    print(f"study real-lm-geometry finished: {Path(out) / 'report.md'}")
+
+
+def resummarize(directory) -> int:
+    """DIR's summary.json, report.md and plot re-derived by the current code from its records.json (no model, no
+    collection). Items 2-3's CIs over prompts resample the collection's Grams, which a result directory does not hold:
+    they and the setup are kept from its summary.json, and the verdicts re-derived from them."""
+    with real_lm.rewriting(directory) as directory:
+        records = nan_json(real_lm.read_result(directory, "records.json"))
+        old = real_lm.read_result(directory, "summary.json")
+        try:
+            kept = nan_json({"table": {key: {name: row[name] for name in PROMPT_CIS if name in row}
+                                       for key, row in old["table"].items()},
+                             "by_cap": old["n_eff_vs_longest_cap_prompts"]})  # fmt: skip
+            summary = summarize(records, old["setup"], kept)
+        except (KeyError, TypeError, IndexError, ValueError) as error:
+            raise ValueError(f"--resummarize {directory}: not a real-lm-geometry result of the amended analysis "
+                             f"({type(error).__name__}: {error})") from None  # fmt: skip
+        write_summary(directory, summary)
+    print(f"study real-lm-geometry: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
+          f"{len(records)} records")  # fmt: skip
     return 0
 
 
 class RealLmGeometry(Study):
     name = "real-lm-geometry"
-    options = ("generator",)
+    options = ("generator", "resummarize")
     seed = 0  # the rollouts' sampling seed (`real_lm.Collection.seed`)
 
-    def check(self, generator=None):
+    def check(self, generator=None, resummarize=None):
         if generator not in (None, "vllm", "hf"):
             raise ValueError(f"--generator must be vllm or hf (got {generator!r})")
 
     def run(self, args, out, workers):
         return run(args, out, workers)
+
+    def resummarize(self, directory):
+        return resummarize(directory)
 
 
 STUDY = RealLmGeometry()

@@ -15,7 +15,6 @@ exact-proxy rows and Gaussian rows of the exact proxy's dimension (a Wishart Gra
 `--resummarize DIR` re-derives a finished output's summary and report from its block files.
 """
 
-import contextlib
 import json
 import math
 import os
@@ -39,7 +38,6 @@ from openrlhf_geo.lab.studies.salt_proxy import (
     fidelity,
     geometry,
 )
-from openrlhf_geo.local import rundir
 
 TEMPERATURE = 0.6
 REF_DIM = 1 << 20  # CountSketch coordinates of each per-sample gradient (cosine noise sd <= sqrt(2 / REF_DIM))
@@ -432,28 +430,21 @@ def resummarize(directory) -> int:
     """Third amendment, item 1: `directory`'s summary.json and report.md re-derived by the current code from its
     block<b>.json files (no model, no collection). The setup the run recorded (wall time, collection seconds, stop,
     estimate) is kept from its summary.json when there is one."""
-    directory = Path(directory)
-    # a study's --out keeps its run's lock file: take it, so a run still writing there refuses this; a copy of the
-    # outputs without one (the committed results) is left without one
-    held = (directory / rundir.LOCK).exists()
-    try:
-        with rundir.locked(directory) if held else contextlib.nullcontext():
-            blocks = [_read_json(path) for path in block_files(directory)]
-            old = directory / "summary.json"
-            setup = _read_json(old).get("setup", {}) if old.exists() else {}
-            # what the blocks themselves tell, where the run's summary does not
-            known = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, **blocks[0].get("sizes", {}),
-                     "ref_dim": REF_DIM, "collection": blocks[0].get("collection")}  # fmt: skip
-            setup.update({key: value for key, value in known.items() if key not in setup})
-            try:
-                summary = strict_json(summarize(blocks, setup))
-            except (KeyError, TypeError, IndexError) as error:
-                raise ValueError(f"--resummarize {directory}: its block files are not real-lm-proxy blocks "
-                                 f"({type(error).__name__}: {error})") from None  # fmt: skip
-            (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            (directory / "report.md").write_text(render(summary))
-    except rundir.Busy:
-        raise ValueError(f"--resummarize {directory}: a run is writing it; wait for it to finish") from None
+    with real_lm.rewriting(directory) as directory:
+        blocks = [_read_json(path) for path in block_files(directory)]
+        old = directory / "summary.json"
+        setup = _read_json(old).get("setup", {}) if old.exists() else {}
+        # what the blocks themselves tell, where the run's summary does not
+        known = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, **blocks[0].get("sizes", {}),
+                 "ref_dim": REF_DIM, "collection": blocks[0].get("collection")}  # fmt: skip
+        setup.update({key: value for key, value in known.items() if key not in setup})
+        try:
+            summary = strict_json(summarize(blocks, setup))
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"--resummarize {directory}: its block files are not real-lm-proxy blocks "
+                             f"({type(error).__name__}: {error})") from None  # fmt: skip
+        (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (directory / "report.md").write_text(render(summary))
     print(f"study real-lm-proxy: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
           f"{len(blocks)} block file(s)")  # fmt: skip
     return 0

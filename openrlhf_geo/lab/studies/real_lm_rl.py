@@ -92,10 +92,11 @@ def run_condition(argv, run, steps):
     return time.perf_counter() - start
 
 
-def summarize(out, sizes, seconds, setup) -> dict:
+def summarize(metrics, sizes, seconds, setup) -> dict:
+    """metrics: {condition: its run's metrics.jsonl}."""
     runs = {}
     for name in CONDITIONS:
-        rows = [r for _, r in read_jsonl(Path(out) / "runs" / name / "metrics.jsonl")]
+        rows = [r for _, r in read_jsonl(metrics[name])]
         train_rows = [r for r in rows if r.get("step", 0) >= 1]
         evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
         runs[name] = {
@@ -117,9 +118,9 @@ def _f(x, digits=3):
 
 def render(summary) -> str:
     setup = summary["setup"]
+    seed = f" ({setup['seed']})" if "seed" in setup else ""  # recorded since the seed became --seeds
     lines = [
-        f"# RL on a real pretrained LM (`openrlhf-geo study real-lm-rl`): descriptive, one seed ({setup['seed']}) per "
-        "condition",
+        f"# RL on a real pretrained LM (`openrlhf-geo study real-lm-rl`): descriptive, one seed{seed} per condition",
         "",
         f"Model: {setup['model']}: a 4-bit quantization of the release, not the release. Local engine, full "
         f"fine-tuning, AdamW lr {setup['lr']}, {setup['steps']} steps of {setup['prompts']} prompts x "
@@ -170,19 +171,49 @@ def run(args, out, workers):
             return 1
     setup = {"model": real_lm.MODEL_NAME, "lr": LR, "temperature": word_task.TEMPERATURE, "seed": seed, **sizes,
              "wall_s": time.perf_counter() - start, "estimate_s": estimate}  # fmt: skip
-    summary = strict_json(summarize(out, sizes, seconds, setup))
+    metrics = {name: Path(out) / "runs" / name / "metrics.jsonl" for name in CONDITIONS}
+    summary = strict_json(summarize(metrics, sizes, seconds, setup))
     (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (Path(out) / "report.md").write_text(render(summary))
     print(f"study real-lm-rl finished: {Path(out) / 'report.md'}")
     return 0
 
 
+def resummarize(directory) -> int:
+    """DIR's summary.json and report.md re-derived by the current code from each run's metrics (a study's --out:
+    runs/<condition>/metrics.jsonl; a copy of its results: <condition>.metrics.jsonl), with the setup and the runs'
+    seconds the run recorded in its summary.json."""
+    with real_lm.rewriting(directory) as directory:
+        old = real_lm.read_result(directory, "summary.json")
+        metrics = {}
+        for name in CONDITIONS:
+            inside, copy = directory / "runs" / name / "metrics.jsonl", directory / f"{name}.metrics.jsonl"
+            metrics[name] = inside if inside.exists() or not copy.exists() else copy
+        try:
+            seconds = {name: run["seconds"] for name, run in old["runs"].items()}
+            summary = strict_json(summarize(metrics, old["setup"], seconds, old["setup"]))
+        except (KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"--resummarize {directory}: its summary.json is not a real-lm-rl summary "
+                             f"({type(error).__name__}: {error})") from None  # fmt: skip
+        except ValueError as error:  # read_jsonl's one line naming the file
+            raise ValueError(f"--resummarize {directory}: {error}") from None
+        (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (directory / "report.md").write_text(render(summary))
+    print(f"study real-lm-rl: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from the runs' "
+          "metrics")  # fmt: skip
+    return 0
+
+
 class RealLmRl(Study):
     name = "real-lm-rl"
+    options = ("resummarize",)
     seed = 0  # --train.seed and --reward.noise.seed of every run
 
     def run(self, args, out, workers):
         return run(args, out, workers)
+
+    def resummarize(self, directory):
+        return resummarize(directory)
 
 
 STUDY = RealLmRl()
