@@ -292,7 +292,9 @@ def _resummarized(tmp_path, files=("block0.json",)):
 def test_resummarizing_the_committed_block_reproduces_the_committed_results(tmp_path):
     """Third amendment, item 1: the committed block0.json (split at m = 32, its batches named "m64-s") re-derived by
     the current code: rows keyed m32, the first run's numbers unchanged, and the committed summary and report are
-    exactly what the code writes from it."""
+    exactly what the code writes from it. Bit for bit on any CPU: the summary is means, fixed-order sums and scipy's
+    percentile bootstrap of the recorded floats, no BLAS (the same bytes with numpy's AVX dispatch and OpenBLAS's
+    kernels switched off)."""
     out, summary = _resummarized(tmp_path, ("block0.json", "summary.json"))
     assert (out / "summary.json").read_text() == (PROXY_RESULTS / "summary.json").read_text()
     assert (out / "report.md").read_text() == (PROXY_RESULTS / "report.md").read_text()
