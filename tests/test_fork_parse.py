@@ -15,6 +15,7 @@ import warnings
 import pytest
 from fork_helpers import parse
 
+from openrlhf_geo.fork import flags as fork_flags
 from openrlhf_geo.fork import hooks as fork_hooks
 from openrlhf_geo.fork import install as fork
 from openrlhf_geo.fork import launch
@@ -211,7 +212,7 @@ def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monke
     def read_only(*args, **kwargs):
         raise OSError(30, "Read-only file system", kwargs.get("dir"))
 
-    monkeypatch.setattr(fork_hooks.tempfile, "TemporaryFile", read_only)  # as root, permission bits do not stop it
+    monkeypatch.setattr(fork_flags.tempfile, "TemporaryFile", read_only)  # as root, permission bits do not stop it
     with pytest.raises(SystemExit):
         parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""The fork's parse time, called by the cli/train_ppo_ray.py diff before Ray starts: its flags on upstream's parser
+(`add_args`) and their checks (`validate_args`): flag combinations, local paths and .jsonl datasets
+(`check_datasets`), writable output folders, outputs of an earlier run (`check_outputs`). Each refusal is a
+ValueError naming the flag, shown as one line. `resume_flags` is what a checkpoint stores and a resume compares."""
+
+import errno
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+from openrlhf_geo import GeoWarning, options, registry
+from openrlhf_geo.jsonl import iter_jsonl
+from openrlhf_geo.registry import POLICY_LOSSES
+from openrlhf_geo.salt_stage import minibatch_partitions
+
+
+def add_args(parser) -> None:
+    """The fork's flags on upstream's parser: the ones both engines share (`options.add_args`) and --ckpt.overwrite
+    (the local engine's flag of that name, with this engine's meaning: `check_outputs`)."""
+    options.add_args(parser)
+    # the estimators registered without an upstream branch (registry.ESTIMATORS, upstream=False) are choices of
+    # upstream's --advantage_estimator too: options.validate maps them onto upstream's dr_grpo path and the pipeline
+    # computes them (GeometryBatch.salt)
+    action = next(a for a in parser._actions if a.dest == "algo.advantage.estimator")
+    added = [name for name, entry in registry.ESTIMATORS.items() if not entry.upstream and name not in action.choices]
+    action.choices = [*action.choices, *added]
+    parser.add_argument(
+        "--ckpt.overwrite",
+        action="store_true",
+        default=False,
+        help="openrlhf-geo: start over where an earlier run wrote: deletes its checkpoints in --ckpt.path (_actor/, "
+        "_critic/, *_hf/); the final save writes over its model in --ckpt.output_dir (other files there stay)",
+    )
+
+
+def validate_args(args) -> None:
+    """`options.validate` for the fork (which also asks the registries what the fork cannot run), then the fork's
+    own limits and input checks; raises ValueError naming the flag (shown by parser.error). Deletes nothing:
+    --ckpt.overwrite's deletion runs after upstream's checks too (`clear_checkpoints`)."""
+    options.validate(args, engine="fork")
+    for flag in ("--actor.model_name_or_path", "--critic.model_name_or_path", "--reward.model_name_or_path"):
+        section, name = flag[2:].split(".", 1)
+        value = getattr(getattr(args, section), name)
+        for part in value.split(",") if value else ():  # upstream takes several reward models, comma-separated
+            options.check_local_path(flag, part)
+    check_datasets(args)
+    # a folder the policy actor cannot write fails only at the first checkpoint or the final save, hours in: probe it
+    # here (a file created and removed in the folder, or in its nearest existing parent; root ignores permission
+    # bits, so os.access cannot tell). The driver's view: on several nodes the folder must be the same shared one.
+    saving = {"--ckpt.output_dir": args.ckpt.output_dir}
+    if writes_checkpoints(args):
+        saving["--ckpt.path"] = args.ckpt.path
+    for flag, value in saving.items():
+        folder = Path(value).expanduser().absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            if not folder.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise ValueError(
+                f"{flag} {value}: cannot write there ({e.strerror}: {folder}); the run would fail at its first save"
+            ) from None
+    reads_responses = args.geometry.salt is not None or args.geometry.geoalign is not None
+    if reads_responses and args.ds.ring_attn_size > 1:
+        raise ValueError(
+            f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT (its "
+            "--salt.diagnostics too) and GeoAlign read every response's features and last hidden state from one "
+            "forward: use --ds.ring_attn_size 1"
+        )
+    # a warning, not a refusal: async training hands the rollouts to upstream's own trainer (aligned_partitions), and
+    # SALT's a' per partition stays the same, only no longer one optimizer step's rollouts (--salt.shuffle_minibatches)
+    if args.train.async_enable and minibatch_partitions(
+        args.geometry.salt, args.train.batch_size, args.rollout.n_samples_per_prompt
+    ):
+        warnings.warn(
+            f"--train.async_enable: SALT's partitions (--train.batch_size {args.train.batch_size} rollouts) no longer "
+            "align with optimizer steps (the async trainer takes upstream's mini-batches), so each partition's "
+            "geometry describes rollouts spread over several steps",
+            GeoWarning,
+            stacklevel=2,
+        )
+    baseline = args.geometry.baseline
+    if baseline is not None and not POLICY_LOSSES[baseline.policy_loss].upstream:
+        ignored = {
+            "--actor.dual_clip": args.actor.dual_clip is not None,
+            "--actor.policy_loss_type gspo": args.actor.policy_loss_type != "ppo",
+            "--algo.advantage.is_correction_level": args.algo.advantage.is_correction_level != "off",
+        }
+        given = [flag for flag, on in ignored.items() if on]
+        if given:
+            raise ValueError(
+                f"--baseline.policy_loss {baseline.policy_loss} replaces PolicyLoss's per-token surrogate, so "
+                f"{given[0]} would be silently ignored: drop it"
+            )
+    check_outputs(args)
+
+
+def check_datasets(args) -> None:
+    """Each local .jsonl file of --data.prompt_dataset and --eval.dataset read here as `openrlhf-geo train` reads
+    its datasets (`iter_jsonl`, one line at a time: a missing file, bad UTF-8, a line that is not a JSON object), and
+    checked for rows and the --data.input_key (and --data.label_key when given) of every one: ValueError naming the
+    flag, file and line, instead of a Ray actor's traceback half a minute after the cluster started. The fields are
+    not type-checked (--data.apply_chat_template takes message lists; a .py reward_func any label). Hub names,
+    folders and other formats are upstream's to load (`blending_datasets`: comma-separated entries, each
+    `path[@data_dir]`)."""
+    for flag, value in (("--data.prompt_dataset", args.data.prompt_dataset), ("--eval.dataset", args.eval.dataset)):
+        for entry in value.split(",") if value else ():
+            path = entry.split("@")[0].strip()
+            if not path.endswith(".jsonl"):
+                continue
+            keys = {"--data.input_key": args.data.input_key, "--data.label_key": args.data.label_key}
+            rows = 0
+            for number, row in iter_jsonl(path, flag):
+                rows += 1
+                for key_flag, key in keys.items():
+                    if key is not None and key not in row:
+                        raise ValueError(
+                            f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})"
+                        )
+            if not rows:
+                raise ValueError(f"{flag} {path}: no rows")
+
+
+def writes_checkpoints(args) -> bool:
+    """Whether upstream writes checkpoints into --ckpt.path: every --ckpt.save_steps steps, and at evaluations that
+    improve the --ckpt.best_metric_key metric (best_global_step<N>)."""
+    evaluates = args.eval.dataset and args.eval.steps > 0 and args.ckpt.best_metric_key != "none"
+    return args.ckpt.save_steps > 0 or bool(evaluates)
+
+
+def check_outputs(args) -> None:
+    """Refuse (ValueError naming the flag and folder) a run that would write over an earlier one, as `openrlhf-geo
+    train` refuses a used --ckpt.output_dir (local.rundir.claim): upstream replaces the final model in
+    --ckpt.output_dir (the critic's in <output_dir>_critic with --critic.save_value_network) and, when it writes
+    checkpoints (`writes_checkpoints`), the checkpoints of the same tags in --ckpt.path, without a word.
+
+    A folder holding anything but the folders of the run's other outputs nested in it (upstream's default
+    --ckpt.path is inside its default --ckpt.output_dir) is used. --ckpt.load_enable with upstream's checkpoint
+    (<ckpt.path>/_actor) is a resume: it continues that run, writing over its outputs. --ckpt.overwrite starts over
+    (`clear_checkpoints` deletes the earlier run's checkpoints once every check has passed)."""
+    ckpt = args.ckpt
+    checkpoint = Path(ckpt.path, "_actor")
+    if ckpt.load_enable and checkpoint.is_dir():
+        return
+    outputs = [("--ckpt.output_dir", ckpt.output_dir)]
+    if args.critic.save_value_network and args.algo.advantage.estimator == "gae":
+        outputs.append(("--ckpt.output_dir", ckpt.output_dir + "_critic"))
+    if writes_checkpoints(args):
+        outputs.append(("--ckpt.path", ckpt.path))
+    folders = [os.path.abspath(p) for p in (ckpt.output_dir, ckpt.path, args.logger.tensorboard_dir) if p]
+
+    def holds_another_output(entry):
+        where = os.path.abspath(entry.path)
+        return any(p == where or p.startswith(where + os.sep) for p in folders)
+
+    for flag, folder in outputs:
+        if not os.path.isdir(folder):
+            continue
+        held = sorted(entry.name for entry in os.scandir(folder) if not holds_another_output(entry))
+        if not held or ckpt.overwrite:
+            continue
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        if ckpt.load_enable:
+            raise ValueError(
+                f"--ckpt.load_enable: {checkpoint} holds no checkpoint to resume, and {flag} {folder} holds an "
+                f"earlier run ({shown}); replace it with --ckpt.overwrite, or choose another {flag}"
+            )
+        resume = "resume it with --ckpt.load_enable, " if checkpoint.is_dir() else ""
+        raise ValueError(
+            f"{flag} {folder} already holds a run ({shown}); {resume}replace it with --ckpt.overwrite, or choose "
+            f"another {flag}"
+        )
+
+
+# What a resumed run must share with its checkpoint: the fork's sections and the batch shape SALT's partitions and
+# GeoAlign's groups are built from. Anything else (episodes, logging, eval) may change on resume.
+RESUME_FLAGS = ("salt", "geoalign", "baseline", "reward.noise", "algo.advantage.estimator",
+                "rollout.n_samples_per_prompt", "rollout.batch_size", "train.batch_size")  # fmt: skip
+
+
+def resume_flags(args) -> dict:
+    """{"--section.flag": value} of RESUME_FLAGS, read off upstream's hierarchical namespace."""
+    flags = options.flag_config(args)
+    return {f"--{k}": v for k, v in flags.items() if any(k == f or k.startswith(f"{f}.") for f in RESUME_FLAGS)}
