@@ -4,7 +4,7 @@ Both engines hand it plain tensors of one rollout batch in prompt order (N rollo
 and call, in this order:
 
     rewards, corrupted = pipeline.corrupt(rewards, group_ids)    --reward.noise.*  reward noise
-    step = pipeline.start(group_ids, corrupted)
+    step = pipeline.start(group_ids, corrupted, actions)         actions (N,): each rollout's action tokens
     rewards = step.adjust("reward", rewards, references=...)     the reward adjustments: --baseline.par_references
                                                                  PAR (local engine)
     slot_rewards = step.curate(rewards, hidden)                  the curation (registry.CURATIONS): --geoalign.*
@@ -265,10 +265,12 @@ class GeometryPipeline:
         noise = cast(Stream, self.states["noise"])  # the Stream __init__ built (load_state_dict only refills it)
         return corrupt(rewards, group_ids, self.config.noise, noise.generator, paid)
 
-    def start(self, group_ids, corrupted=None) -> "GeometryStep":
-        """Begin one rollout batch of N = len(group_ids) rollouts in prompt order."""
+    def start(self, group_ids, corrupted=None, actions=None) -> "GeometryStep":
+        """Begin one rollout batch of N = len(group_ids) rollouts in prompt order; actions (N,): each rollout's
+        action tokens (a curation leaves a rollout without one out: GeoAlign, `geoalign.curate`)."""
         self.steps += 1
-        return GeometryStep(self, group_ids.detach().cpu().long(), corrupted)
+        actions = None if actions is None else actions.detach().cpu().long()
+        return GeometryStep(self, group_ids.detach().cpu().long(), corrupted, actions)
 
     def state_dict(self) -> dict:
         stages = {name: state.state_dict() for name, state in self.states.items()}
@@ -287,8 +289,8 @@ class GeometryPipeline:
 class GeometryStep:
     """One rollout batch's steps; see the module docstring for the order and the replacement semantics."""
 
-    def __init__(self, owner, group_ids, corrupted):
-        self.owner, self.group_ids, self.corrupted = owner, group_ids, corrupted
+    def __init__(self, owner, group_ids, corrupted, actions=None):
+        self.owner, self.group_ids, self.corrupted, self.actions = owner, group_ids, corrupted, actions
         self.size = group_ids.numel()
         self.plan = CurationPlan.identity(self.size)
         self.metrics = {}  # name -> (N,) float32 per slot
@@ -305,7 +307,7 @@ class GeometryStep:
         return self.plan.keep
 
     def _batch(self) -> Batch:
-        return Batch(self.group_ids, self.corrupted, self.plan.source, self.plan.keep, self.owner.steps)
+        return Batch(self.group_ids, self.corrupted, self.plan.source, self.plan.keep, self.owner.steps, self.actions)
 
     def _record(self, prefix, stats, part=slice(None)):
         record(self.metrics, self.text_metrics, prefix, stats, self.size, part)

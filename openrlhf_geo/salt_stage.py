@@ -132,6 +132,17 @@ def reweight(
     entropy-alpha's H_t is over every rollout. Partitions of partition_prompts() consecutive prompts (0: the whole
     batch; SALT §3.1's m = BG is the optimizer mini-batch, which the engines resolve) each get one `salt_advantages`
     call, in float64. With SaltConfig.apply False, a' = a and the stats describe the geometry of a.
+
+    A slot whose rollout has no action token (lengths() 0: an empty response, a prompt that filled the context
+    window, an agent turn without an action span) is left out of its partition's call. Eq. 19's G_i averages over
+    the response's |o_i| tokens, so with none there is no feature (the engines pass a zero row), and its term
+    u_i = Â_i ∇ log π (Eq. 6) is 0 whatever Â_i. So m, Eq. 4's number of features in K = GᵀG/m and Eq. 12's
+    number of responses in a, counts the responses that have a token: such a slot is in no row of K, a, P_k (Eq.
+    15) or the stats (salt/m counts the others). Its a' is a: no token carries it into the loss, so any value trains
+    the same, and a keeps the base estimator's value in the row. Left in as a zero
+    row it changed no other slot beyond rounding (K's spectrum gains a 0: PR, Eq. 5, is scale-free), but it was
+    counted in m and got α_t [Â_i]_+ (Eq. 16-18: its coordinate lies in P_k^⊥). salt/zero_action_rollouts counts
+    such slots of the batch (logged on every slot).
     """
     a, source = advantages.detach().cpu().double(), batch.source
     slot_features, token_counts = features().detach().cpu()[source], lengths().detach().cpu().double()
@@ -145,6 +156,10 @@ def reweight(
         alpha_input = _entropy_alpha(state, h.detach().cpu().double(), token_counts, metrics, size)
     new = torch.zeros_like(a)
     kept = torch.nonzero(batch.kept)[:, 0]
+    # a slot whose rollout has no action token has no Eq. 19 feature: out of its partition's Gram and m, a' = a
+    empty = token_counts[source] == 0
+    new[batch.kept & empty] = a[batch.kept & empty]
+    metrics["zero_action_rollouts"] = torch.full((size,), float((batch.kept & empty).sum()))
     # prompts numbered over every slot, as the engines' mini-batches see them (a dropped slot is still a row)
     prompt, n_prompts = group_index(batch.group_ids)
     n_prompts = n_prompts if kept.numel() else 0
@@ -152,7 +167,8 @@ def reweight(
     per = partition_prompts() or max(n_prompts, 1)
     for first in range(0, n_prompts, per):
         part = kept[(prompt >= first) & (prompt < first + per)]
-        if part.numel() == 0:  # every slot of the partition dropped
+        part = part[~empty[part]]
+        if part.numel() == 0:  # every slot of the partition dropped or without an action token
             continue
         out, stats, (basis, is_top, gram) = salt_advantages(
             a[part],
@@ -193,7 +209,8 @@ def reweight(
 def _check_regime(state, step, metrics, size):
     """salt/out_of_regime (0/1 per slot); at most once per REGIME_WARN_EVERY steps, warn when this step's D_a or
     sign-flip share (partition-size weighted over the batch, as logged) is far above SALT Table 10's."""
-    d_a, sign_flip = (float(metrics[key].nanmean()) for key in ("D_a", "sign_flip"))
+    # absent when no partition had a slot to reweight (each dropped or without an action token)
+    d_a, sign_flip = (float(metrics[key].nanmean()) if key in metrics else math.nan for key in ("D_a", "sign_flip"))
     out = d_a > REGIME_MAX_D_A or sign_flip > REGIME_MAX_SIGN_FLIP  # NaN (no moving coefficient): in regime
     last = state.last_regime_warning
     if out and (last is None or step - last >= REGIME_WARN_EVERY):

@@ -65,6 +65,7 @@ class Batch:
     source     (N,) long CPU  the rollout each slot holds (the curation plan's; slot i itself before curation)
     kept       (N,) bool CPU  slots in the group statistics and SALT after curation (False: dropped by the plan)
     step       the rollout step, from 1 (for messages)
+    actions    (N,) long CPU | None  each rollout's action tokens (the response tokens the loss reads); None: unknown
     """
 
     group_ids: torch.Tensor
@@ -72,6 +73,7 @@ class Batch:
     source: torch.Tensor
     kept: torch.Tensor
     step: int
+    actions: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

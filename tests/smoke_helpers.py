@@ -58,7 +58,7 @@ def assert_steps_replay(name, dumps):
         pipeline.load_state_dict(dump["state"])
         group_ids = dump["group_ids"]
         noisy, corrupted = pipeline.corrupt(dump["clean"], group_ids)
-        replay = pipeline.start(group_ids, corrupted)
+        replay = pipeline.start(group_ids, corrupted, dump["actions"])
         rewards = noisy
         if "curate" in dump:
             # upstream handed the curation the rewards the noise produced (no shaping configured)

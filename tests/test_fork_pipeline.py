@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from openrlhf_geo import geoalign, pipeline
 from openrlhf_geo.fork import hooks as fork_hooks
+from openrlhf_geo.salt import salt_advantages
 from openrlhf_geo.stages import CurationPlan
 
 pytestmark = pytest.mark.fork
@@ -358,10 +359,12 @@ def test_salt_advantages_equal_salt_core_on_the_same_inputs(up, tiny_path, monke
 def stub_curate(plan_source, weight=None, calls=None):
     """A `curate` returning a fixed plan (the wiring under test, not GeoAlign's detector)."""
 
-    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None):
+    def curate(hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None, actions=None):
         n = len(rewards)
         if calls is not None:
-            calls.append(NS(hidden=hidden, rewards=rewards.clone(), group_ids=group_ids, corrupted=corrupted))
+            calls.append(
+                NS(hidden=hidden, rewards=rewards.clone(), group_ids=group_ids, corrupted=corrupted, actions=actions)
+            )
         source = torch.as_tensor(plan_source)
         plan = dataclasses.replace(
             CurationPlan.identity(n),
@@ -1044,3 +1047,69 @@ def test_a_registered_estimator_without_an_upstream_branch_runs_in_the_fork_as_o
         torch.testing.assert_close(fork_advantages, leave_one_out(rewards, group_ids).float())
     else:
         assert metrics["salt/D_a"] > 0  # SALT reweighted the estimator's advantages in both engines
+
+
+# ── rollouts without action tokens; a group a replacement ties (the experience maker's hooks) ──
+
+
+def without_actions(samples, rows):
+    """The experiences a prompt that filled the context window gives (upstream cuts its action mask to nothing)."""
+    for row in rows:
+        samples[row].action_mask = torch.zeros_like(samples[row].action_mask)
+        samples[row].response_length = torch.tensor([0])
+    return samples
+
+
+def test_a_rollout_without_action_tokens_is_left_out_of_salt_and_handed_to_geoalign_as_such(
+    up, tiny_path, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(geoalign.plan, "curate", stub_curate(list(range(12)), calls=calls))
+    argv = "--advantage_estimator salt --salt.features exact --salt.group_prompts 0 --geoalign.enable".split()
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    samples = without_actions(rollouts(up, 3, seed=5, rewards=REWARDS), [5])
+    experiences, geometry = forward_batch(maker, samples)
+    result = maker.compute_advantages_and_returns(experiences)
+
+    assert not geometry["features"][5].any() and not geometry["hidden"][5].any()  # the actor forward's zero rows
+    (call,) = calls
+    assert call.actions.tolist() == [int(s.action_mask.sum()) for s in samples] and int(call.actions[5]) == 0
+    rows = torch.tensor([i for i in range(12) if i != 5])
+    expected, stats = salt_advantages(group_norm(REWARDS)[rows].double(), geometry["features"][rows])
+    got = row_advantages(result, 12)
+    torch.testing.assert_close(got[rows], expected.float())
+    assert stats["m"] == 11.0
+    for e in result:
+        assert torch.equal(e.info["salt/zero_action_rollouts"], torch.ones(len(e.index)))
+        assert torch.equal(e.info["salt/m"], torch.full((len(e.index),), 11.0))  # the empty row's NaN: the batch's
+
+
+def test_geoalign_in_the_fork_counts_rollouts_without_action_tokens(up, tiny_path, monkeypatch):
+    argv = "--advantage_estimator group_norm --geoalign.enable --geoalign.projector.steps 3".split()
+    argv += "--geoalign.projector.hidden_sizes 16 --geoalign.projector.out_dim 8".split()
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    result = maker.make_experience_batch(without_actions(rollouts(up, 3, seed=5, rewards=REWARDS), [0, 7]))
+    for e in result:
+        assert torch.equal(e.info["geo/zero_action_rollouts"], torch.full((len(e.index),), 2.0))
+        assert torch.isfinite(e.info["geo/pairs"]).all()
+
+
+def test_a_group_a_replacement_ties_keeps_its_slots_with_zero_advantages_and_is_counted(up, tiny_path, monkeypatch):
+    """Dynamic filtering ran before (upstream's SamplesGenerator): prompt 0's [1, 1, 1, 0] passed it. Best-Random
+    replaces its flagged 0 by a 1: the prompt keeps its 4 rows, all with advantage 0, and is counted."""
+    rewards = torch.tensor([1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.float)
+    flagged = torch.zeros(12, dtype=torch.bool)
+    flagged[3] = True
+
+    def detect(hidden, rewards, group_ids, config, generator, projector, stats):
+        return torch.full((len(rewards),), math.nan, dtype=torch.float64), flagged.clone(), ""
+
+    monkeypatch.setattr(geoalign.plan, "_detect", detect)
+    maker = make_maker(up, tiny_path, monkeypatch, "--advantage_estimator group_norm --geoalign.enable".split(), 5)
+    result = maker.make_experience_batch(rollouts(up, 3, seed=5, rewards=rewards))
+    assert sum(len(e.index) for e in result) == 12  # nothing dropped, no prompt refilled
+    advantages = row_advantages(result, 12)
+    assert advantages[:4].tolist() == [0.0] * 4  # the donor's row (multiplicity 2) too: 0 x 2
+    torch.testing.assert_close(advantages[4:], group_norm(rewards)[4:])
+    for e in result:
+        assert torch.equal(e.info["geo/zero_variance_groups_after"], torch.ones(len(e.index)))

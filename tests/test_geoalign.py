@@ -5,6 +5,7 @@ import dataclasses
 import io
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from scipy.stats import norm
 from torch.testing import assert_close
 
 import openrlhf_geo.geoalign as geoalign
+from openrlhf_geo.estimators import group_norm
 from openrlhf_geo.geoalign import (
     GDI_KINDS,
     MODES,
@@ -627,7 +629,7 @@ STATS_KEYS = {
     *("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "flag_frac"),
     *("proj_steps", "proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8", "cos_gt_0.8_val"),
     *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold", "skip_no_pairs", "skip_few_scores", "skip_degenerate"),
-    *("skipped_reason", "time_s"),
+    *("skipped_reason", "time_s", "zero_action_rollouts", "zero_variance_groups_after"),
 }
 
 
@@ -847,6 +849,16 @@ def test_bad_inputs_raise_a_clear_error(change, match):
         curate(*change(hidden, rewards, ids), TINY)
 
 
+@pytest.mark.parametrize(
+    "actions,match",
+    [([3] * 15, r"actions must have shape \(16,\)"), ([1.0] * 16, "action-token count"), ([-1] + [2] * 15, ">= 0")],
+)
+def test_bad_action_counts_raise_a_clear_error(actions, match):
+    hidden, rewards, ids, _ = planted(4, 4, 8, 0.0)
+    with pytest.raises(ValueError, match=match):
+        curate(hidden, rewards, ids, TINY, actions=actions)
+
+
 def test_projector_of_the_wrong_width_and_a_config_of_the_wrong_type_are_rejected():
     hidden, rewards, ids, _ = planted(4, 4, 8, 0.0)
     with pytest.raises(ValueError, match="projector expects hidden size 9"):
@@ -933,3 +945,121 @@ def test_reward_margins_that_overflow_float64_are_taken_from_halves():
     plan, huge = curate(hidden, signs * 1.5e308, ids, config, gen(0))
     assert torch.equal(plan.flagged, base.flagged) and torch.equal(plan.source, base.source)
     assert huge["consensus"] == pytest.approx(stats["consensus"], rel=1e-12)
+
+
+# ---------------------------------------------------------------- rollouts without action tokens; tied groups after
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_a_rollout_that_is_not_usable_is_never_a_donor_nor_an_amplify_target(data):
+    n = data.draw(st.integers(1, 24))
+    mode = data.draw(st.sampled_from(MODES))
+    ids = torch.tensor(data.draw(st.lists(st.sampled_from([0, 3, 7]), min_size=n, max_size=n)))
+    rewards = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n)))
+    usable = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    flagged = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n))) & usable
+    plan = rectify(flagged, rewards, ids, mode, gen(data.draw(st.integers(0, 9))), usable=usable)
+    moved = plan.source != torch.arange(n)
+    assert not moved[~usable].any()  # its own slot keeps it (amplify never overwrites it)
+    if mode == "replace":
+        assert usable[plan.source[moved]].all() and not flagged[plan.source[moved]].any()
+    # a prompt whose only unflagged rollouts are not usable has no stable one: left unchanged
+    for p in ids.unique().tolist():
+        in_p = ids == p
+        if not (usable & ~flagged & in_p).any():
+            assert not moved[in_p].any() and plan.weight[in_p].eq(1).all() and plan.keep[in_p].all()
+
+
+def empty_responses(hidden, actions):
+    """What the engines pass for a response without an action token: a zero hidden row."""
+    return hidden * (torch.as_tensor(actions) > 0)[:, None]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10**4), st.floats(0.0, 0.5))
+def test_rollouts_without_action_tokens_leave_pairs_projector_scores_and_donors(seed, empty_rate):
+    """Independently: GeoAlign's detection on the other rollouts alone gives the same pairs, scores and flags."""
+    hidden, rewards, ids, corrupted = planted(12, 8, 16, 0.15, seed=seed)
+    actions = (torch.rand(len(rewards), generator=gen(seed)) >= empty_rate).long() * 5
+    hidden = empty_responses(hidden, actions)
+    plan, stats = curate(hidden, rewards, ids, TINY, gen(3), corrupted=corrupted, actions=actions)
+    rows = torch.nonzero(actions)[:, 0]
+    alone, alone_stats = curate(hidden[rows], rewards[rows], ids[rows], TINY, gen(3))
+    for key in ("pairs", "n_scored", "n_flagged", "proj_loss", "gdi_p50", "kde_mode"):
+        assert stats[key] == pytest.approx(alone_stats[key], rel=0, abs=0, nan_ok=True), key
+    assert_close(plan.score[rows], alone.score, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(plan.flagged[rows], alone.flagged)
+    empty = actions == 0
+    assert plan.score[empty].isnan().all() and not plan.flagged[empty].any()
+    assert not (plan.source != torch.arange(len(rewards)))[empty].any()  # its own slot keeps it
+    assert not empty[plan.source].logical_and(plan.source != torch.arange(len(rewards))).any()  # never a donor
+    assert stats["zero_action_rollouts"] == float(empty.sum())
+    assert stats["flag_frac"] == stats["n_flagged"] / len(rewards)
+
+
+def test_a_zero_hidden_row_was_paired_and_could_be_a_donor():
+    """What passing no action counts does with an empty response's zero row: it is paired and scored like any."""
+    hidden, rewards, ids, _ = planted(4, 4, 8, 0.0, seed=3)
+    rewards = torch.tensor([1.0, 0, 0, 0] * 4)
+    hidden[0] = 0.0
+    _, blind = curate(hidden, rewards, ids, TINY, gen(0))
+    actions = torch.tensor([0] + [4] * 15)
+    _, seen = curate(hidden, rewards, ids, TINY, gen(0), actions=actions)
+    assert blind["pairs"] == 12 and seen["pairs"] == 9  # prompt 0 has no winner left
+    assert blind["zero_action_rollouts"] == 0 and seen["zero_action_rollouts"] == 1
+
+
+def brute_force_tied_after(rewards, ids, plan):
+    """Prompts whose rewards differ and whose kept slots all hold one reward, by direct counting."""
+    count = 0
+    for p in set(ids.tolist()):
+        slots = [i for i in range(len(ids)) if int(ids[i]) == p]
+        before = {float(rewards[i]) for i in slots}
+        after = {float(rewards[plan.source[i]]) for i in slots if plan.keep[i]}
+        count += len(before) > 1 and len(after) == 1
+    return float(count)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_zero_variance_groups_after_counts_the_prompts_a_replacement_tied(data):
+    n_prompts, group = data.draw(st.integers(1, 5)), data.draw(st.integers(2, 5))
+    n = n_prompts * group
+    ids = torch.arange(n) // group
+    rewards = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n)))
+    flagged = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    mode = data.draw(st.sampled_from(MODES))
+    hidden = torch.randn(n, 6, generator=gen(0))
+
+    def detect(hidden, rewards, group_ids, config, generator, projector, stats):  # flags drawn, not detected
+        return torch.full((len(rewards),), math.nan, dtype=torch.float64), flagged.clone(), ""
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(geoalign.plan, "_detect", detect)
+        plan, stats = curate(hidden, rewards, ids, replace(TINY, mode=mode), gen(1))
+    assert stats["zero_variance_groups_after"] == brute_force_tied_after(rewards, ids, plan)
+
+
+def test_a_replacement_can_tie_a_group_that_dynamic_filtering_passed(monkeypatch):
+    """DAPO's filter passed [1, 1, 1, 0] (not tied); Best-Random replaces the flagged 0 by one of the three 1s: the
+    prompt keeps its 4 slots and gets zero group advantages, counted in zero_variance_groups_after."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    flagged = torch.tensor([False, False, False, True, False, False, False, False])
+
+    def detect(hidden, rewards, group_ids, config, generator, projector, stats):
+        return torch.full((len(rewards),), math.nan, dtype=torch.float64), flagged.clone(), ""
+
+    monkeypatch.setattr(geoalign.plan, "_detect", detect)
+    ids = torch.arange(8) // 4
+    plan, stats = curate(torch.randn(8, 6, generator=gen(0)), rewards, ids, TINY, gen(1))
+    slot = rewards[plan.source]
+    assert plan.keep.all() and slot[:4].tolist() == [1.0] * 4 and int(plan.source[3]) in (0, 1, 2)
+    assert stats["zero_variance_groups_after"] == 1.0
+    assert group_norm(slot, ids)[:4].tolist() == [0.0] * 4
+
+
+def test_the_new_geoalign_and_salt_metrics_are_defined_in_the_usage_doc():
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    for name in ("salt/zero_action_rollouts", "geo/zero_action_rollouts", "geo/zero_variance_groups_after"):
+        assert f"`{name}`:" in usage, name

@@ -282,7 +282,8 @@ class GeometryBatch:
         """Reward noise and the pipeline's step; -> the rewards training sees (prompt order)."""
         experiences, pipeline = self.experiences, self.owner.pipeline
         noisy, corrupted = pipeline.corrupt(clean, self.group_ids)
-        self.step = pipeline.start(self.group_ids, corrupted)
+        self.actions = self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in experiences]))
+        self.step = pipeline.start(self.group_ids, corrupted, self.actions)
         if pipeline.config.noise.enabled:
             # Training uses the corrupted `experience.rewards`; upstream copies them into info["reward"] after the
             # length penalties (train/reward); train/noise/clean_reward logs the verifier's clean reward.
@@ -348,7 +349,7 @@ class GeometryBatch:
             verifier=lambda: self.owner.verifier,
             features=lambda: self._geometry("features"),
             entropy=lambda: self._geometry("entropy") if spec is not None and spec.entropy else None,
-            lengths=lambda: self._prompt_order(torch.cat([exp.action_mask.sum(-1) for exp in self.experiences])),
+            lengths=lambda: self.actions,
             partition_prompts=lambda: self.owner.partition_prompts,
         )
         value, _ = self.step.rows(a)

@@ -35,6 +35,7 @@ class Recorder:
             labels[row] = label
         self.dump["labels"] = labels
         noisy = super()._start(clean)
+        self.dump["actions"] = self.actions
         curate, adjust = self.step.curate, self.step.adjust
 
         def recorded_curate(rewards, hidden):

@@ -23,7 +23,7 @@ from openrlhf_geo.geoalign.pairs import (
     preference_pairs,
 )
 from openrlhf_geo.geoalign.scores import detection_auroc, deviation, gdi, kde_flags, prototype
-from openrlhf_geo.groups import group_index
+from openrlhf_geo.groups import group_index, tied_groups
 from openrlhf_geo.registry import register_curation
 from openrlhf_geo.stages import CurationPlan, stream
 
@@ -52,10 +52,11 @@ def best_random_probs(rewards, stable) -> torch.Tensor:
     return torch.where(size == 1, stable.double(), probs)
 
 
-def rectify(flagged, rewards, group_ids, mode="replace", generator=None) -> CurationPlan:
-    """GeoAlign §4.4 rectification: flags -> CurationPlan; "stable" = not flagged (scored or not). A prompt whose
-    rollouts are all flagged is left unchanged (Eq. 8 needs a stable rollout; the paper does not treat this case).
-    flagged, rewards, group_ids (N,).
+def rectify(flagged, rewards, group_ids, mode="replace", generator=None, usable=None) -> CurationPlan:
+    """GeoAlign §4.4 rectification: flags -> CurationPlan; "stable" = not flagged (scored or not) and usable. A
+    prompt without a stable rollout is left unchanged (Eq. 8 needs one; the paper does not treat this case).
+    flagged, rewards, group_ids (N,); usable (N,) bool, None = all: a rollout that is not usable (no action token:
+    `curate`) is never a Best-Random donor, nor an amplify target; its own slot keeps it.
 
     replace  each flagged slot gets a stable rollout of its prompt drawn by Best-Random (Eq. 8), independently
     zero     flagged slots get weight 0 (App. C.5 "Zero-weighting": their advantage contributes nothing)
@@ -75,7 +76,8 @@ def rectify(flagged, rewards, group_ids, mode="replace", generator=None) -> Cura
     group, _ = group_index(group_ids)
     slots = _group_slots(group)  # (n_groups, G)
     valid, member = slots >= 0, slots.clamp(min=0)
-    stable = valid & ~plan.flagged[member]
+    usable = torch.ones(n, dtype=torch.bool) if usable is None else usable.detach().cpu().bool()
+    stable = valid & ~plan.flagged[member] & usable[member]
     bad = valid & plan.flagged[member] & stable.any(1, keepdim=True)  # flags that are acted on
     if mode in ("zero", "drop"):
         plan.weight[slots[bad]] = 0.0
@@ -97,9 +99,9 @@ def rectify(flagged, rewards, group_ids, mode="replace", generator=None) -> Cura
     return plan.to(rewards.device)
 
 
-def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted):
-    """Validate curate's arguments -> (rewards, group_ids, corrupted) as tensors. Lists are accepted; prompt ids
-    may also be strings (mapped to integers, order kept)."""
+def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted, actions):
+    """Validate curate's arguments -> (rewards, group_ids, corrupted, acted (N,) bool: rollouts with an action
+    token) as tensors. Lists are accepted; prompt ids may also be strings (mapped to integers, order kept)."""
     if not isinstance(config, GeoAlignConfig):
         raise ValueError(f"config must be a GeoAlignConfig (got {type(config).__name__})")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -138,12 +140,27 @@ def _check_inputs(hidden, rewards, group_ids, config, generator, projector, corr
         raise ValueError(
             f"projector expects hidden size {projector.layers[0].in_features}, got hidden (N, {hidden.shape[1]})"
         )
-    return rewards, group_ids, corrupted
+    return rewards, group_ids, corrupted, _acted(actions, n)
+
+
+def _acted(actions, n) -> torch.Tensor:
+    """curate's `actions` (N,) action-token counts (None: all have some) -> (N,) bool: rollouts with a token."""
+    if actions is None:
+        return torch.ones(n, dtype=torch.bool)
+    actions = torch.as_tensor(np.asarray(actions) if not isinstance(actions, torch.Tensor) else actions).cpu()
+    if tuple(actions.shape) != (n,):
+        raise ValueError(f"actions must have shape ({n},) to match hidden (N, d), got {tuple(actions.shape)}")
+    if actions.is_floating_point() or actions.is_complex() or bool((actions < 0).any()):
+        raise ValueError("actions must hold each rollout's action-token count (integers >= 0)")
+    return actions > 0
 
 
 def _blank_stats():
     """curate's stats before any step ran (counts 0, measurements NaN, not skipped), in logging order."""
-    counts = ("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps")
+    counts = (
+        *("pairs", "pairs_identical", "prompts_paired", "n_scored", "n_candidates", "n_flagged", "proj_steps"),
+        *("zero_action_rollouts", "zero_variance_groups_after"),
+    )
     measured = (
         *("proj_loss", "proj_train_acc", "val_acc", "consensus", "cos_mean", "cos_gt_0.8", "cos_gt_0.8_val"),
         *("gdi_p50", "gdi_p95", "kde_mode", "kde_threshold"),
@@ -244,16 +261,23 @@ def _outcome_stats(flagged, scores, corrupted, skipped):
 
 
 def curate(
-    hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None
+    hidden, rewards, group_ids, config, generator=None, *, projector=None, corrupted=None, actions=None
 ) -> tuple[CurationPlan, dict]:
     """GeoAlign on one rollout batch (Algorithm 1, function GeoAlign) -> (CurationPlan, stats: dict).
 
     hidden (N, d) last-response-token final hidden states (any float dtype and magnitude; computed in float32 on
     config.device after an exact power-of-two rescale), rewards (N,), group_ids (N,) prompt ids (integers, or a
     list of strings), corrupted (N,) optional bool mask of known-corrupted rollouts (adds precision, recall,
-    auroc). `projector`: a `Projector` trained in place (kept weights when config.warm_start, re-initialised
-    otherwise; moved to config.device in float32); None trains a fresh one. The linear probe is fresh every call.
-    Deterministic under a fixed CPU `generator`.
+    auroc), actions (N,) optional action-token counts per rollout (None: every rollout has some). `projector`: a
+    `Projector` trained in place (kept weights when config.warm_start, re-initialised otherwise; moved to
+    config.device in float32); None trains a fresh one. The linear probe is fresh every call. Deterministic under a
+    fixed CPU `generator`.
+
+    A rollout with no action token (actions 0: an empty response, a prompt that filled the context window, an agent
+    turn without an action span) has no last response token, so no hidden state of §4 (the engines pass a zero
+    row) and no update direction: it forms no Eq. 3 pair, trains no projector (Eq. 4), adds nothing to the
+    prototype (Eq. 5), gets no GDI (Eq. 7) and so is never flagged, and is never an Eq. 8 Best-Random donor (it
+    would copy an empty response over an anomalous one); its own slot keeps it. Counted in zero_action_rollouts.
 
     The plan is the identity, stats["skipped_reason"] naming why (and skip_<reason> = 1.0), when:
       no_pairs    no within-prompt pair with a direction (tied prompts, identical hidden states, an empty batch):
@@ -281,19 +305,47 @@ def curate(
       "nearly 90 %" in §5.4 / Fig. 6d), cos_gt_0.8_val (the same share over the held-out pairs only, which never
       trained the projector; NaN when none is held out), gdi_p50, gdi_p95, kde_mode (start of the high tail),
       kde_threshold (threshold rule only; inf: no sparse tail), skip_no_pairs, skip_few_scores, skip_degenerate,
-      skipped_reason, time_s; with `corrupted`: precision, recall, auroc (of GDI among scored rollouts).
+      skipped_reason, time_s; zero_action_rollouts (rollouts with actions 0, left out as above),
+      zero_variance_groups_after (prompts whose rewards differed and whose kept slots all hold one reward after
+      rectification: a group-normalized estimator gives each of them zero advantages; DAPO's dynamic filtering ran
+      before the curation, docs/usage.md); with `corrupted`: precision, recall, auroc (of GDI among scored rollouts;
+      recall over every corrupted rollout).
     """
     start = time.perf_counter()
-    rewards, group_ids, corrupted = _check_inputs(hidden, rewards, group_ids, config, generator, projector, corrupted)
+    rewards, group_ids, corrupted, acted = _check_inputs(
+        hidden, rewards, group_ids, config, generator, projector, corrupted, actions
+    )
     n, stats = hidden.shape[0], _blank_stats()
     scores, flagged = torch.full((n,), math.nan, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
+    rows = torch.nonzero(acted)[:, 0]  # rollouts with a direction: the others keep NaN scores and no flag
+    scores[rows], flagged[rows], skipped = _detect(
+        hidden[rows], rewards[rows], group_ids[rows], config, generator, projector, stats
+    )
+    # Eq. 8: rectify the flagged rollouts (Best-Random replacement under the default mode) with usable donors only
+    plan = rectify(flagged, rewards, group_ids, config.mode, generator, usable=acted)
+    plan.score = scores.to(device=plan.score.device, dtype=plan.score.dtype)
+    stats.update(_outcome_stats(flagged, scores, corrupted, skipped))
+    stats["zero_action_rollouts"] = float(n - len(rows))
+    stats["zero_variance_groups_after"] = _tied_by_plan(rewards, group_ids, plan)
+    stats["time_s"] = time.perf_counter() - start
+    return plan, stats
 
-    def finish(skipped=""):
-        """Eq. 8: rectify the flagged rollouts (Best-Random replacement under the default mode), then the stats."""
-        plan = rectify(flagged, rewards, group_ids, config.mode, generator)
-        plan.score = scores.to(device=plan.score.device, dtype=plan.score.dtype)
-        stats.update(_outcome_stats(flagged, scores, corrupted, skipped), time_s=time.perf_counter() - start)
-        return plan, stats
+
+def _tied_by_plan(rewards, group_ids, plan) -> float:
+    """Prompts whose rewards (N,) differ but whose kept slots all hold one reward under `plan` (Best-Random can
+    copy the one stable reward over the others)."""
+    group, n_groups = group_index(group_ids)
+    r, keep = rewards.detach().cpu().double(), plan.keep.cpu()
+    before = tied_groups(r, group, n_groups)
+    after = tied_groups(r[plan.source.cpu()][keep], group[keep], n_groups)  # a prompt with no kept slot: not tied
+    return float((after & ~before).sum())
+
+
+def _detect(hidden, rewards, group_ids, config, generator, projector, stats):
+    """Eq. 3-7 and §4.4 on validated inputs -> (GDI scores (N,) float64, NaN where none; flags (N,) bool; the skip
+    reason, "" when the rule ran); fills `stats` (see curate)."""
+    n = hidden.shape[0]
+    scores, flagged = torch.full((n,), math.nan, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
 
     # Eq. 3: within-prompt preference pairs with a direction. Unit displacements are scale-free: an exact
     # power-of-two rescale keeps squared norms and Z = H W1^T of huge hidden states finite.
@@ -305,7 +357,7 @@ def curate(
     stats.update(pairs=float(len(winner)), pairs_identical=identical, prompts_paired=float(len(paired_prompts)))
     stats["n_scored"] = float((torch.bincount(torch.cat((winner, loser)), minlength=n) > 0).sum())
     if not len(winner):
-        return finish("no_pairs")  # §4.5: no pair, identity
+        return scores, flagged, "no_pairs"  # §4.5: no pair, identity
 
     # Eq. 4: the online projector on unit displacements, validated on held-out prompts; v_p = norm(M_psi(u_p))
     val_mask = _held_out_pairs(group[winner], paired_prompts, config.val_frac, generator)
@@ -324,16 +376,16 @@ def curate(
     index = torch.nonzero(~torch.isnan(scores))[:, 0]
     stats["gdi_p50"], stats["gdi_p95"] = np.quantile(scores[index].numpy(), (0.5, 0.95)).tolist()
     if skipped := _skip_reason(scores[index], stats["consensus"], config.min_scores):
-        return finish(skipped)
+        return scores, flagged, skipped
 
     # §4.4: the KDE tail flag (high tail, own density < alpha * peak), then the opt-in cap
     flags, stats["kde_mode"], stats["kde_threshold"] = kde_flags(scores[index].numpy(), config.alpha, config.rule)
     if math.isnan(stats["kde_mode"]):
-        return finish("degenerate")
+        return scores, flagged, "degenerate"
     candidates = index[torch.from_numpy(flags)]
     stats["n_candidates"] = float(len(candidates))
     flagged[_cap_flags(candidates, scores, len(index), config.max_flag_frac)] = True
-    return finish()  # Eq. 8 (in finish): Best-Random replacement within each prompt, rollout counts kept
+    return scores, flagged, ""
 
 
 def _geoalign_fork(config):
@@ -403,4 +455,5 @@ def _curation(config, state, batch, rewards, hidden):
         state.generator,
         projector=state.projector_for(hidden.shape[1]),
         corrupted=batch.corrupted,
+        actions=batch.actions,
     )

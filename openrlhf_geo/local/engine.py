@@ -514,7 +514,7 @@ class Trainer:
 
         # 5. PAR: each reward against M reference responses of the initial policy, then GeoAlign / PF-PPO / PODS:
         # slot i takes the reward of the rollout that fills it (identity without curation)
-        step = self.pipeline.start(batch.group_ids.cpu(), batch.corrupted)
+        step = self.pipeline.start(batch.group_ids.cpu(), batch.corrupted, batch.mask.sum(1))
         rewards = step.adjust("reward", batch.rewards, references=lambda: self._reference_rewards(batch))
         metrics.update(step.batch_metrics)
         rewards = step.curate(rewards, batch.hidden)

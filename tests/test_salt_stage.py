@@ -1,0 +1,90 @@
+"""SALT's stage (`salt_stage.reweight`) on batches with rollouts that have no action token (SALT Eq. 4, 12, 19)."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
+from openrlhf_geo.salt import SaltConfig, salt_advantages
+
+G = 4  # rollouts per prompt
+
+
+def salt_on(a, features, lengths, group_ids, partition_prompts=0, config=None):
+    """The pipeline's advantage stage (SALT alone) on one batch, inputs given as the engines give them."""
+    pipe = GeometryPipeline(GeometryConfig(salt=config or SaltConfig(features="exact")))
+    step = pipe.start(group_ids, None, lengths)
+    inputs = {"features": features, "entropy": None, "lengths": lengths, "partition_prompts": partition_prompts}
+    out = step.adjust("advantage", a, **{name: (lambda value=value: value) for name, value in inputs.items()})
+    return out, step.metrics
+
+
+def batch(data, n_prompts):
+    n = n_prompts * G
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+    features = torch.randn(n, 10, generator=g, dtype=torch.float64) * (lengths > 0)[:, None]  # the engines' zero rows
+    return torch.randn(n, generator=g, dtype=torch.float64), features, lengths, torch.arange(n) // G
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n_prompts=st.integers(1, 4), per=st.integers(0, 2))
+def test_a_rollout_without_action_tokens_is_left_out_of_its_partitions_gram_and_keeps_its_advantage(
+    data, n_prompts, per
+):
+    """Independently: each partition's SALT (`salt_advantages`, Eq. 12-18) on its slots that have a token only."""
+    a, features, lengths, group_ids = batch(data, n_prompts)
+    out, metrics = salt_on(a, features, lengths, group_ids, per)
+    empty = lengths == 0
+    expected, m = a.clone(), torch.full_like(a, math.nan)
+    step = (per or n_prompts) * G
+    for start in range(0, len(a), step):
+        rows = torch.arange(start, min(start + step, len(a)))
+        rows = rows[~empty[rows]]
+        if len(rows):
+            expected[rows], stats = salt_advantages(a[rows], features[rows])
+            m[rows] = stats["m"]
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-12)
+    assert torch.equal(out[empty], a[empty])  # no token carries it: the base estimator's value, unchanged
+    logged_m = metrics.get("salt/m", torch.full_like(m, math.nan).float())  # absent: no partition had a slot
+    torch.testing.assert_close(logged_m, m.float(), equal_nan=True)  # m counts the responses with a token
+    assert metrics["salt/zero_action_rollouts"].tolist() == [float(empty.sum())] * len(a)
+
+
+def test_the_zero_row_of_an_empty_response_was_counted_in_m_and_moved_its_advantage():
+    """What leaving it in did: m = 8 and a'_i = α_t [a_i]_+ (its coordinate lies in P_k's complement), not a_i."""
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    features[3] = 0.0
+    a = torch.tensor([0.5, -1.5, 0.5, 0.5, -0.5, -0.5, 1.5, -0.5], dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 4, 0, 6, 2, 7, 3])
+    out, metrics = salt_on(a, features, lengths, torch.arange(8) // G)
+    left_in, stats = salt_advantages(a, features)
+    assert stats["m"] == 8.0
+    torch.testing.assert_close(float(left_in[3]), stats["alpha"] * 0.5)
+    assert float(out[3]) == 0.5 and float(metrics["salt/m"].nanmean()) == 7.0  # the empty slot's stats are NaN
+
+
+def test_a_partition_whose_rollouts_all_lack_action_tokens_keeps_a_and_logs_no_geometry():
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    features = torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    lengths = torch.tensor([0, 0, 0, 0, 2, 3, 4, 5])
+    features[:4] = 0.0
+    out, metrics = salt_on(a, features, lengths, torch.arange(8) // G, partition_prompts=1)
+    assert torch.equal(out[:4], a[:4])
+    torch.testing.assert_close(out[4:], salt_advantages(a[4:], features[4:])[0])
+    assert all(math.isnan(v) for v in metrics["salt/pr"][:4].tolist())
+    assert metrics["salt/zero_action_rollouts"].tolist() == [4.0] * 8
+
+
+def test_salt_diagnostics_leave_them_out_too():
+    a = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    features = torch.randn(4, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    features[2] = 0.0
+    lengths = torch.tensor([3, 1, 0, 2])
+    out, metrics = salt_on(a, features, lengths, torch.zeros(4, dtype=torch.long), config=SaltConfig(apply=False))
+    assert torch.equal(out, a)
+    assert metrics["salt/m"][[0, 1, 3]].tolist() == [3.0] * 3 and math.isnan(float(metrics["salt/m"][2]))
+    assert metrics["salt/zero_action_rollouts"].tolist() == [1.0] * 4
