@@ -31,8 +31,17 @@ Eq. 19 features (the token-mean gradient of log p, features.lm_head_features) an
 ρ = 1.0), of the proxy alone (ours, paper rule, on each proxy), and on their proxy under the code rule (ours with
 k_rule "code", ρ = 1.0, against theirs).
 
+--edge-cases runs part 4 instead, where the code's absolute ε's decide (both under the code's rule, ρ = 1):
+  scale   m = 64, G = 8, unit-norm rows in 4 orthonormal directions, 16 rows each (PR = 4 exactly), times c = 1 ...
+          1e-6: the code's PR = tr(K)²/(‖K‖²_F + 1e-10) collapses once ‖K‖²_F = c⁴/4 nears 1e-10; ours is scale-free
+  zero    F = 0 (m = 64): ours returns a (k = 0, no geometry); the code takes k = 1 and α = 1 on an eigenvector of the
+          zero Gram, which its LOBPCG start (seeded here by --seeds) or eigh fallback picks
+  ties    m = 48, G = 8, rows in 5 orthogonal directions, 16 rows on one and 8 on each other, entries ±1, ±3, ±5
+          or ±7 (exact in float32): PR = 48²/(16² + 4·8²) = 4.5 exactly for every draw (rows, signs and columns
+          permuted at random); how often each side's computed ρ·PR lands on 4 or 5 (the paper's rule: half up, 5)
+
 Usage: python benchmarks/salt_reference.py --salt-repo DIR [--seeds 3] [--sizes 64 128 256] [--groups 8 16]
-       [--micro 8 16] [--real 4] [--sft-steps 600] [--model DIR] [--threads 1]
+       [--micro 8 16] [--real 4] [--sft-steps 600] [--model DIR] [--threads 1] [--edge-cases [--tie-draws 200]]
 """
 
 import argparse
@@ -45,6 +54,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import scipy.linalg
 import torch
 
 from openrlhf_geo import diagnostics
@@ -244,6 +254,82 @@ def part_tiny_lm(args):
         print(f"| {b} | " + " | ".join(cells) + " |")
 
 
+EDGE_SCALES = (1.0, 1e-2, 1e-3, 1e-4, 1e-6)
+
+
+def grpo_advantages(rng, m, group):
+    r = (rng.uniform(size=(m // group, group)) < 0.5).astype(float)
+    return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+
+
+def clustered(rng, sizes, dim, value=1.0):
+    """(m, dim) float32 rows value·h_j on len(sizes) orthogonal ±1 Hadamard directions h_j (sizes[j] rows on h_j),
+    signs, rows and columns permuted: every entry exact in float32, K's eigenvalues ∝ sizes."""
+    hadamard = scipy.linalg.hadamard(dim)[rng.permutation(dim)[: len(sizes)]]
+    rows = np.concatenate([np.repeat(hadamard[j : j + 1], n, axis=0) for j, n in enumerate(sizes)])
+    rows = rows * rng.choice([-1, 1], size=(len(rows), 1)) * value
+    return torch.tensor(rows[rng.permutation(len(rows))][:, rng.permutation(dim)], dtype=torch.float32)
+
+
+def part_edge_cases(code, args):
+    print("\n## 4. edge cases: the code's ε terms and rounding (ours: --salt.k_rule code --salt.rho 1; theirs: ρ = 1)")
+    print(f"\n### scale: m = 64, G = 8, PR = 4 exactly, features times c (seeds {args.seeds}; means, cos: minimum)")
+    print("| c | ‖K‖²_F | PR ours | PR theirs | k ours | k theirs | α ours | α theirs | cos(a') |")
+    print("|" + "---|" * 9)
+    for c in EDGE_SCALES:
+        rows = []
+        for seed in range(args.seeds):
+            rng = np.random.default_rng(seed)
+            a = torch.tensor(grpo_advantages(rng, 64, 8), dtype=torch.float32)
+            F = clustered(rng, (16,) * 4, 64) / 8.0 * c  # unit-norm rows: ‖K‖²_F = c⁴ / 4
+            mine, other = ours(a, F, "code", 1.0), theirs(code, a, F, 1.0)
+            rows.append((mine, other, cosine(mine[0], other[0])))
+        cells = [f"{c:g}", f"{c**4 / 4:.1e}"]
+        cells += [fmt([r[side][4] for r in rows], 4) for side in (0, 1)]
+        cells += [fmt([r[side][1] for r in rows], 1) for side in (0, 1)]
+        cells += [fmt([r[side][2] for r in rows], 3) for side in (0, 1)]
+        print("| " + " | ".join(cells) + f" | {min(r[2] for r in rows):.6f} |")
+    print(f"\n### zero features: m = 64, G = 8, F = 0 (seeds {args.seeds}: the advantages, the code's LOBPCG start)")
+    print("| seed | k ours | k theirs | α ours | α theirs | ours: a' = a | cos(a'_theirs, a) | theirs' a' − a: "
+          "nonzero entries | cos(a'_theirs, a'_theirs from another start) |")  # fmt: skip
+    print("|" + "---|" * 9)
+    for seed in range(args.seeds):
+        a = torch.tensor(grpo_advantages(np.random.default_rng(seed), 64, 8), dtype=torch.float32)
+        F = torch.zeros(64, 256)
+        out, stats = salt_advantages(a, F, k_rule="code", rho=1.0)
+        results = []
+        for start in (seed, seed + 1000):
+            with torch.random.fork_rng():
+                torch.manual_seed(start)
+                decomposer = code.AdvantageDecomposer(code.DecompositionConfig(enabled=True, rho=1.0))
+                results.append(decomposer.decompose(F, a))
+        new, again = (r.advantage_final.double() for r in results)
+        moved = int((new - a.double()).abs().gt(1e-6).sum())
+        print(
+            f"| {seed} | {int(stats['k'])} | {results[0].k_t} | {stats['alpha']:g} | {results[0].alpha_t:g} | "
+            f"{bool(torch.equal(out, a))} | {cosine(new, a.double()):.4f} | {moved} | {cosine(new, again):.4f} |"
+        )
+    print(f"\n### ties: m = 48, G = 8, PR = 4.5 exactly, {args.tie_draws} draws: how often each k")
+    counts = {"ours (code)": {}, "ours (paper)": {}, "theirs": {}}
+    apart, deviation = 0, {"ours": 0.0, "theirs": 0.0}
+    for draw in range(args.tie_draws):
+        rng = np.random.default_rng(10_000 + draw)
+        a = torch.tensor(grpo_advantages(rng, 48, 8), dtype=torch.float32)
+        F = clustered(rng, (16, 8, 8, 8, 8), 64, value=(1.0, 3.0, 5.0, 7.0)[draw % 4])
+        mine, paper, other = ours(a, F, "code", 1.0), ours(a, F, "paper", None), theirs(code, a, F, 1.0)
+        for name, row in (("ours (code)", mine), ("ours (paper)", paper), ("theirs", other)):
+            counts[name][row[1]] = counts[name].get(row[1], 0) + 1
+        apart += mine[1] != other[1]
+        for name, row in (("ours", mine), ("theirs", other)):
+            deviation[name] = max(deviation[name], abs(row[4] - 4.5))
+    print("| side | " + " | ".join(f"k = {k}" for k in (4, 5)) + " |")
+    print("|---|---|---|")
+    for name, seen in counts.items():
+        print(f"| {name} | {seen.get(4, 0)} | {seen.get(5, 0)} |")
+    print(f"\nlargest |PR − 4.5|: ours {deviation['ours']:.1e}, theirs {deviation['theirs']:.1e}; k ours (code) ≠ "
+          f"k theirs in {apart} of {args.tie_draws} draws")  # fmt: skip
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--salt-repo", type=Path, required=True, help="a local checkout of Chang-pw/SALT")
@@ -258,10 +344,16 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--edge-cases", action="store_true", help="part 4 only: feature scale, zero features, PR ties")
+    p.add_argument("--tie-draws", type=int, default=200, help="part 4's draws of a batch with PR = 4.5")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     code = load(args.salt_repo, "advantage_decomposition")
     start = time.perf_counter()
+    if args.edge_cases:
+        part_edge_cases(code, args)
+        print(f"\ntotal {time.perf_counter() - start:.0f} s, torch {torch.__version__}, {args.threads} thread(s)")
+        return 0
     batches = part_synthetic(code, args)
     if args.micro:
         part_scope(code, args, batches)

@@ -35,6 +35,9 @@ CODE_K_MAX = 64  # the code's k_max (DecompositionConfig, actor.yaml advantage_d
 # The code's rho as it ships in verl/verl/trainer/config/actor/actor.yaml and its README; DecompositionConfig's own
 # default and dp_actor.py's fallback for a missing key are 0.5.
 CODE_RHO = 1.0
+# PR is a float64 ratio of sums over K, exact to ~m·u: within this relative distance of n + ½ it is taken as the tie
+# n + ½ (which the inputs' exact PR may well be), so the rule's tie convention, not PR's last bit, sets k_t
+TIE_RTOL = 1e-12
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,8 @@ def _subspace_dim(pr: float, m: int, k_rule: str = "paper", rho: float | None = 
     """k_t from PR for m responses, by `k_rule`.
 
     "paper": SALT Eq. 14, k_t = clip(⌊PR⌉, 1, m); the text's ⌊·⌉ (nearest integer) leaves ties open: half up.
+    A tie is a (ρ·)PR within TIE_RTOL (relative) of n + ½: the computed PR of inputs whose exact PR is a tie lands an
+    ulp either side of it, and each rule's convention decides, not that ulp.
     App. G.1 restates it as clip(⌊PR_total⌋, 0, BG) (floor, lower bound 0); Eq. 14 and Algorithm 1 (nearest
     integer, lower bound 1) define the method, G.1 only its cost, so Eq. 14 is followed.
     "code": the authors' released code (Chang-pw/SALT, verl/verl/trainer/gradient/advantage_decomposition.py,
@@ -270,10 +275,15 @@ def _subspace_dim(pr: float, m: int, k_rule: str = "paper", rho: float | None = 
     k_max = CODE_K_MAX, B = m and Python's round (ties to even); ρ = rho, None: CODE_RHO. Below m it always
     leaves a residual (exploration) channel; at m = 1 it gives 1, as the code does.
     """
+    x = (CODE_RHO if rho is None else rho) * pr if k_rule == "code" else pr
+    n = math.floor(x)
+    if abs(x - (n + 0.5)) <= TIE_RTOL * x:
+        nearest = n + 1 if k_rule == "paper" or n % 2 else n  # half up; the code's round(): half to even
+    else:
+        nearest = math.floor(x + 0.5)
     if k_rule == "code":
-        scaled = (CODE_RHO if rho is None else rho) * pr
-        return max(1, min(round(scaled), CODE_K_MAX, m - 1))
-    return min(max(int(np.floor(pr + 0.5)), 1), m)
+        return max(1, min(nearest, CODE_K_MAX, m - 1))
+    return min(max(nearest, 1), m)
 
 
 def _top_eigenspace(K: torch.Tensor, k: int, method: str | None = None) -> tuple[torch.Tensor, bool, float]:

@@ -191,7 +191,8 @@ def test_geoalign_threads_prints_one_row_per_shape_and_restores_the_thread_count
 
 
 # A stand-in for the Chang-pw/SALT checkout (no network in CI): the code's documented rule written out independently,
-# k = max(1, min(round(rho * PR), 64, m - 1)), and its proxy, the gradient of -sum_t log p w.r.t. the LM head.
+# k = max(1, min(round(rho * PR), 64, m - 1)) with its absolute ε's (docs/usage.md), in float64, and its proxy, the
+# gradient of -sum_t log p w.r.t. the LM head.
 STAND_IN_DECOMPOSITION = """
 from dataclasses import dataclass, field
 import torch
@@ -215,11 +216,11 @@ class AdvantageDecomposer:
     def decompose(self, F, a):
         F64, a64, m = F.double(), a.double(), len(a)
         K = F64 @ F64.T / m
-        pr = float(K.trace() ** 2 / K.square().sum())
+        pr = float(K.trace() ** 2 / (K.square().sum() + 1e-10))
         k = max(1, min(round(self.config.rho * pr), 64, m - 1))
         V = torch.linalg.eigh(K).eigenvectors[:, -k:]
         u = a64[:, None] * F64
-        neff = float(u.sum(0).square().sum() / u.square().sum())
+        neff = float(u.sum(0).square().sum() / (u.square().sum() + 1e-9))
         alpha = min(max(1.0 - neff, 0.0), 1.0)
         positive = a64.clamp_min(0)
         out = V @ (V.T @ a64) + alpha * (positive - V @ (V.T @ positive))
@@ -286,6 +287,47 @@ def test_salt_reference_compares_the_proxies_of_a_tiny_lm(tmp_path, monkeypatch,
     assert run_salt_reference(tmp_path, monkeypatch, argv) == 0
     (row,) = table_rows(capsys.readouterr().out, "3. the demo's tiny LM")
     assert float(row[3]) < 1e-5  # the code's proxy is −T_i times Eq. 19's, response by response
+
+
+def _edge_tables(out):
+    """{title: its table's rows} of part 4's "### title" sections."""
+    sections = {part.split(":")[0]: part for part in out.split("\n### ")[1:]}
+    return {title: table_rows("## " + sections[title], "") for title in ("scale", "zero features", "ties")}
+
+
+def test_salt_reference_edge_cases_print_ours_scale_free_identity_at_zero_and_tie_conventions(
+    tmp_path, monkeypatch, capsys
+):
+    """On the stand-in (no ε, float64): ours is scale-free (k 4 at every c), returns a unchanged with k = 0 for F = 0,
+    and takes each rule's tie convention at PR = 4.5 (code 4, paper 5)."""
+    assert run_salt_reference(tmp_path, monkeypatch, ["--edge-cases", "--seeds", "2", "--tie-draws", "8"]) == 0
+    out = capsys.readouterr().out
+    tables = _edge_tables(out)
+    assert [row[0] for row in tables["scale"]] == ["1", "0.01", "0.001", "0.0001", "1e-06"]
+    assert all(row[2] == "4.0000" and row[4] == "4.0" for row in tables["scale"])
+    assert [row[1:6] for row in tables["zero features"]] == [["0", "1", "1", "1", "True"]] * 2
+    assert tables["ties"][:2] == [["ours (code)", "8", "0"], ["ours (paper)", "0", "8"]]
+    assert "## 1. synthetic" not in out
+
+
+@pytest.mark.skipif(not os.environ.get("OPENRLHF_GEO_SALT_REPO"), reason="set OPENRLHF_GEO_SALT_REPO to a checkout "
+                    "of Chang-pw/SALT at 94ac08e")  # fmt: skip
+def test_salt_reference_edge_cases_against_the_released_code(monkeypatch, capsys):
+    """docs/usage.md's numbers: the code's ε collapses PR at c <= 1e-3 (k 1 against 4), takes k = 1 and α = 1 on an
+    eigenvector of the zero Gram, and rounds exact ties of ρ·PR by float32's last bit."""
+    spec = importlib.util.spec_from_file_location("salt_reference", ROOT / "benchmarks" / "salt_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(module)
+    argv = ["--salt-repo", os.environ["OPENRLHF_GEO_SALT_REPO"], "--edge-cases", "--seeds", "3", "--tie-draws", "200"]
+    assert module.main(argv) == 0
+    tables = _edge_tables(capsys.readouterr().out)
+    k = {row[0]: (row[4], row[5]) for row in tables["scale"]}
+    assert k["1"] == k["0.01"] == ("4.0", "4.0") and k["0.001"] == k["0.0001"] == k["1e-06"] == ("4.0", "1.0")
+    assert [row[1:6] for row in tables["zero features"]] == [["0", "1", "1", "1", "True"]] * 3
+    assert all(int(row[7]) == 64 for row in tables["zero features"])
+    ties = {row[0]: (int(row[1]), int(row[2])) for row in tables["ties"]}
+    assert ties["ours (code)"] == (200, 0) and ties["ours (paper)"] == (0, 200) and 0 < ties["theirs"][1] < 200
 
 
 def test_salt_reference_refuses_a_folder_without_the_code(tmp_path):

@@ -108,10 +108,32 @@ def test_the_code_rule_keeps_a_residual_channel_where_the_paper_projects_on_ever
         (9.8, 10, "code", None, 9),  # B − 1
         (1.0, 1, "code", None, 1),  # m = 1: k_min wins over m − 1 = 0, as in the code
         (300.0, 1000, "code", 2.0, 64),  # k_max
+        (4.5 + 2e-14, 10, "code", None, 4),  # a computed PR an ulp or so off a tie is the tie
+        (4.5 - 2e-14, 10, "paper", None, 5),
+        (9.0 + 4e-14, 20, "code", 0.5, 4),
+        (4.5 + 1e-9, 10, "code", None, 5),  # outside TIE_RTOL: an ordinary value
+        (4.5 - 1e-9, 10, "paper", None, 4),
     ],
 )
 def test_rounding_and_clipping_of_each_rule(pr, m, k_rule, rho, k):
     assert _subspace_dim(pr, m, k_rule, rho) == k
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_an_input_whose_exact_pr_is_a_tie_gets_each_rules_tie_convention(seed):
+    """48 rows on 5 orthogonal ±1 Hadamard directions, 16 on one and 8 on each other (entries exact in float32, rows
+    and columns shuffled): PR = 48² / (16² + 4·8²) = 4.5 exactly, computed an ulp or so either side of it. The paper's
+    rule takes 5 (half up), the code's 4 (half to even), whatever that ulp."""
+    import scipy.linalg
+
+    rng = np.random.default_rng(seed)
+    directions = scipy.linalg.hadamard(64)[rng.permutation(64)[:5]]
+    F = np.repeat(directions, [16, 8, 8, 8, 8], axis=0) * rng.choice([-1, 1], (48, 1)) * (1, 3, 5, 7)[seed % 4]
+    F = torch.tensor(F[rng.permutation(48)][:, rng.permutation(64)], dtype=torch.float32)
+    a = torch.tensor(rng.standard_normal(48))
+    paper, code = (salt_advantages(a, F, k_rule=rule)[1] for rule in ("paper", "code"))
+    assert paper["pr"] == pytest.approx(4.5, rel=1e-13)
+    assert (paper["k"], code["k"]) == (5, 4)
 
 
 @settings(max_examples=300)
