@@ -42,4 +42,6 @@ setup(
     # PEP 639: an SPDX expression (setuptools >= 77, see pyproject.toml) and no license classifier, which
     # setuptools now reports as deprecated.
     license_expression="Apache-2.0",
+    # LICENSE, and NOTICE crediting OpenRLHF, whose files patches/ changes: in the sdist and the wheel's dist-info
+    license_files=["LICENSE", "NOTICE"],
 )

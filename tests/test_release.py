@@ -78,6 +78,32 @@ def lock_lines(name, names=None):
     return [line for line in lines if names is None or line.split("==")[0] in names]
 
 
+def test_the_sdist_and_the_wheel_ship_the_license_and_the_notice(tmp_path):
+    """LICENSE (Apache-2.0, as setup.py declares) and NOTICE (crediting OpenRLHF, whose files patches/ changes), byte
+    for byte, at the sdist's root and in the wheel's dist-info/licenses, and named by the wheel's metadata."""
+    import tarfile
+    import zipfile
+
+    dist = tmp_path / "dist"
+    run(["bash", str(ROOT / "scripts" / "build.sh"), str(dist)], cwd=tmp_path)
+    version = openrlhf_geo.__version__
+    license_text, notice = (ROOT / "LICENSE").read_bytes(), (ROOT / "NOTICE").read_bytes()
+    assert license_text.lstrip().startswith(b"Apache License\n                           Version 2.0, January 2004")
+    assert b"END OF TERMS AND CONDITIONS" in license_text
+    assert b"OpenRLHF" in notice and b"patches/" in notice and b"Apache License, Version 2.0" in notice
+    with tarfile.open(dist / f"openrlhf_geo-{version}.tar.gz") as sdist:
+        for name, text in (("LICENSE", license_text), ("NOTICE", notice)):
+            assert sdist.extractfile(f"openrlhf_geo-{version}/{name}").read() == text, name
+    with zipfile.ZipFile(dist / f"openrlhf_geo-{version}-py3-none-any.whl") as wheel:
+        info = f"openrlhf_geo-{version}.dist-info"
+        for name, text in (("LICENSE", license_text), ("NOTICE", notice)):
+            assert wheel.read(f"{info}/licenses/{name}") == text, name
+        metadata = wheel.read(f"{info}/METADATA").decode()
+    assert {"License-Expression: Apache-2.0", "License-File: LICENSE", "License-File: NOTICE"} <= set(
+        metadata.splitlines()
+    )
+
+
 def test_the_built_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path):
     dist = tmp_path / "dist"
     run(["bash", str(ROOT / "scripts" / "build.sh"), str(dist)], cwd=tmp_path)
