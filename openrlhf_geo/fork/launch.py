@@ -5,10 +5,13 @@
                      RAY_ADDRESS / RAY_GCS_SERVER_PORT checked before Ray is imported (`check_ray_start`).
     ActorWatchdog    ends the driver, in one line naming the actor, when an actor of its job dies unasked.
     ray_failure      Ray's error of a failed run as one line naming the dead actor and its cause.
+    RunProcesses     stops what the run started (the Ray head, its workers, vLLM's engine processes) by PID when
+                     it ends, fails or is interrupted, and waits until they are gone (bounded).
 
 docs/architecture.md §3.2 has the fault table these implement.
 """
 
+import ctypes
 import importlib.metadata
 import os
 import re
@@ -107,29 +110,171 @@ def main(argv=None) -> int:
     # processes outlived their engine actor otherwise, holding its memory. Ray's per-worker process groups; read by
     # a Ray head this driver starts (on a `ray start` cluster, set it there: docs/architecture.md §3.2).
     os.environ.setdefault("RAY_process_group_cleanup_enabled", "true")
-    watchdog = ActorWatchdog()
-    watchdog.start()
+    run = RunProcesses()
     try:
+        watchdog = ActorWatchdog(run)
+        watchdog.start()
         try:
-            runpy.run_module(install.UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
+            try:
+                runpy.run_module(install.UPSTREAM_MAIN, run_name="__main__", alter_sys=True)
+            finally:
+                watchdog.stop()
+        except BaseException as e:
+            # the watchdog's line names the dead actor; Ray's own error (a dead actor the driver waited on directly,
+            # or an exception raised in one) is read by ray_failure
+            line = watchdog.died or (ray_failure(e) if isinstance(e, Exception) else None)
+            if line is None:
+                raise
+            if watchdog.died is None and "Ray actor " not in line:
+                # a symptom of a death the watchdog had not read yet (a weight sync's "Connection closed by peer"):
+                # name the dead actor first
+                died = dead_actor_within(DEATH_READ_S)
+                line = f"{died}; then {line}" if died else line
+            # The workers' tracebacks are in the log above (Ray forwards them); a job on a running cluster loses its
+            # actors with its driver.
+            print(f"openrlhf-geo: {line}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        run.stop()
+
+
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
+
+
+class RunProcesses:
+    """The processes one run starts, stopped by PID when it ends, fails, is interrupted (Ctrl-C) or gets SIGTERM.
+
+    Ray's shutdown (atexit, or ray.shutdown) signals the head it started and returns at once: its raylet, GCS,
+    dashboard and runtime-env agents, workers and vLLM's EngineCore processes were still up seconds after the run
+    returned, the agents a minute after their GCS was gone. Built before upstream's main runs, this makes the driver
+    a child subreaper (Linux), so every process the run starts stays its descendant even when its parent exits
+    first (raylet's agents and workers), and `stop` then: shuts Ray down if this run started it, waits RAY_EXIT_S
+    for the run's processes to exit, sends SIGTERM to those left, after TERM_S SIGKILL, and waits KILL_S more; what
+    is still there then is named on stderr. A run's processes are the driver's descendants started after it was
+    built (a pytest process that calls `main` keeps its own children); a cluster the driver only joined (RAY_ADDRESS,
+    `ray job submit`) is not among them. Signals that would interrupt `stop` are ignored while it runs (bounded).
+    """
+
+    RAY_EXIT_S, TERM_S, KILL_S = 5.0, 3.0, 2.0
+    POLL_S = 0.1
+
+    def __init__(self):
+        ray = sys.modules.get("ray")
+        self.ray_was_running = ray is not None and ray.is_initialized()
+        self.since = _boot_ticks()  # in /proc's clock ticks since boot: a process started before is not the run's
+        self.subreaper = _subreaper(True)
+        self.sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # the default SIGTERM ends Python without unwinding; Ray's driver handler (ray.init) does the same as
+            # this one, and restores nothing: `stop` puts back what was there before
+            self.sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        self._stopped = threading.Lock()
+
+    def stop(self) -> list[int]:
+        """Stop the run's processes (see the class); -> the PIDs still there at the end (none normally). Runs once."""
+        if not self._stopped.acquire(blocking=False):
+            return []
+        main = threading.current_thread() is threading.main_thread()
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            ray = sys.modules.get("ray")
+            if not self.ray_was_running and ray is not None and ray.is_initialized():
+                try:
+                    ray.shutdown()
+                except Exception:  # a half-started or already broken head: its processes are stopped below
+                    pass
+            left = self._wait(self.RAY_EXIT_S)
+            for signum, wait_s in ((signal.SIGTERM, self.TERM_S), (signal.SIGKILL, self.KILL_S)):
+                if not left:
+                    break
+                for pid in left:
+                    try:
+                        os.kill(pid, signum)
+                    except ProcessLookupError:
+                        pass
+                left = self._wait(wait_s)
+            if left:
+                names = ", ".join(f"{pid} ({_command(pid)})" for pid in left)
+                print(f"openrlhf-geo: processes of this run still running after SIGKILL: {names}", file=sys.stderr)
+            return left
         finally:
-            watchdog.stop()
-    except BaseException as e:
-        # the watchdog's line names the dead actor; Ray's own error (a dead actor the driver waited on directly, or
-        # an exception raised in one) is read by ray_failure
-        line = watchdog.died or (ray_failure(e) if isinstance(e, Exception) else None)
-        if line is None:
-            raise
-        if watchdog.died is None and "Ray actor " not in line:
-            # a symptom of a death the watchdog had not read yet (a weight sync's "Connection closed by peer"):
-            # name the dead actor first
-            died = dead_actor_within(DEATH_READ_S)
-            line = f"{died}; then {line}" if died else line
-        # The workers' tracebacks are in the log above (Ray forwards them); exiting shuts down a head this
-        # process started, and a job on a running cluster loses its actors with its driver.
-        print(f"openrlhf-geo: {line}", file=sys.stderr)
-        return 1
-    return 0
+            _subreaper(self.subreaper)
+            if self.sigterm is not None:
+                signal.signal(signal.SIGTERM, self.sigterm)
+            for signum, handler in held.items():
+                if signum != signal.SIGTERM or self.sigterm is None:
+                    signal.signal(signum, handler)
+
+    def _wait(self, seconds) -> list[int]:
+        """Reap the run's exited children until none of its processes is left or `seconds` pass; -> those left."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = []
+            for pid, parent, state in _descendants(os.getpid(), self.since):
+                if state != "Z":
+                    left.append(pid)
+                elif parent == os.getpid():  # an exited child of ours (or an orphan we adopted as subreaper)
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(self.POLL_S)
+
+
+def _subreaper(on: bool) -> bool:
+    """Set this process's child-subreaper flag (Linux prctl); -> its value before (False where there is none)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        before = ctypes.c_int(0)
+        libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+        return bool(before.value)
+    except (OSError, AttributeError):
+        return False
+
+
+def _boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/<pid>/stat's start time counts (0 without /proc)."""
+    try:
+        with open("/proc/uptime") as f:
+            return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+    except OSError:
+        return 0
+
+
+def _descendants(root, since) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, state) of every descendant of `root` started at or after `since` (boot ticks), from /proc."""
+    children: dict[int, list[tuple[int, int, str]]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
+        parent, started = int(fields[1]), int(fields[19])
+        children.setdefault(parent, []).append((int(entry), started, fields[0].decode()))
+    out, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        for pid, started, state in children.get(parent, ()):
+            todo.append(pid)
+            if started >= since:
+                out.append((pid, parent, state))
+    return out
+
+
+def _command(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80] or "?"
+    except OSError:
+        return "gone"
 
 
 class ActorWatchdog(threading.Thread):
@@ -144,8 +289,9 @@ class ActorWatchdog(threading.Thread):
     POLL_S, GRACE_S, EXIT_S = 2.0, 10.0, 60.0
     FATAL_REASONS = ("WORKER_DIED", "NODE_DIED", "OWNER_DIED")
 
-    def __init__(self):
+    def __init__(self, run: "RunProcesses | None" = None):
         super().__init__(name="openrlhf-geo-actor-watchdog", daemon=True)
+        self.run_processes = run  # stopped before the forced exit
         self.died: str | None = None
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -174,6 +320,8 @@ class ActorWatchdog(threading.Thread):
             if not self._stopped.wait(self.EXIT_S):
                 message = f"openrlhf-geo: {line} (the driver did not stop in {self.EXIT_S:.0f} s: exiting)"
                 print(message, file=sys.stderr, flush=True)
+                if self.run_processes is not None:
+                    self.run_processes.stop()
                 os._exit(1)
             return
 
