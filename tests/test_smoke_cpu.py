@@ -110,8 +110,10 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
 
 
 @pytest.mark.parametrize(
-    "name", ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt"]
-)
+    "name",
+    ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
+     "recipe_engine", "recipe_math_salt"],
+)  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
     out, _, _ = smoke
@@ -152,3 +154,92 @@ def test_the_real_lm_condition_runs_with_its_flags_reward_threads_and_limit(tmp_
     SCRIPT.run_condition("salt", CONDITIONS["salt"], tmp_path, tmp_path / "assets")
     assert seen["timeout"] == SCRIPT.RUN_TIMEOUT_S and "--data.label_key" in seen["cmd"]
     assert seen["cmd"][seen["cmd"].index("--reward.remote_url") + 1] == str(tmp_path / "assets" / "reward_func.py")
+
+
+def recipe_flags(recipe, tmp_path):
+    """The flags a condition's "recipe" stands for, as bash expands them: lib/common.sh's engine_args (ZeRO-3, the
+    math recipes' vLLM memory share), or the train-ppo-ray flags a script submits ("train_math_grpo.sh SALT=1": its
+    `ray` a stub that records its argv, the data it looks for in place, EVAL=0)."""
+    scripts = REPO / "examples/scripts"
+    if recipe == "engine_args":
+        line = (
+            'SCRIPT_DIR=$1; source "$SCRIPT_DIR/lib/common.sh"; engine_args 3 0.6; printf "%s\\0" "${ENGINE_ARGS[@]}"'
+        )
+        done = subprocess.run(["bash", "-c", line, "x", scripts], capture_output=True, text=True, check=True)
+        return done.stdout.split("\0")[:-1]
+    script, *switches = recipe.split()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/ray").write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$HOME/argv"\n')
+    (tmp_path / "bin/ray").chmod(0o755)
+    data = tmp_path / "openrlhf-geo/data"
+    for name in ("math_train", "dapo_math_17k", "aime24", "aime25", "Qwen3-1.7B_no-thinking/dapo_math_17k",
+                 "Qwen3-1.7B_no-thinking/geoalign_eval", "hh/hh_rl", "hh/hh_test"):  # fmt: skip
+        (data / f"{name}.jsonl").parent.mkdir(parents=True, exist_ok=True)
+        (data / f"{name}.jsonl").write_text("{}\n")
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "EVAL": "0"}
+    env.update(switch.split("=") for switch in switches)
+    subprocess.run(["bash", scripts / script], env=env, capture_output=True, check=True)
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    return argv[argv.index("train-ppo-ray") + 1 :]
+
+
+def recipe_problems(recipe, spec):
+    """How a condition's run differs from a recipe's flags beyond its size (SCRIPT.SIZE_FLAGS) and the flags it names
+    as dropped: a recipe flag missing or with another value, a dropped one still on."""
+    ran = [*SCRIPT.COMMON, *spec["flags"]]
+    dropped = {key.split()[0]: key for key in spec.get("dropped", {})}
+    problems = []
+    for i, flag in enumerate(recipe):
+        if not flag.startswith("--"):
+            continue
+        value = recipe[i + 1] if i + 1 < len(recipe) and not recipe[i + 1].startswith("--") else None
+        if flag in dropped:
+            if (flag in ran) if value is None else SCRIPT.flag_value(ran, flag) == value:
+                problems.append(f"{dropped[flag]} is named as dropped but runs")
+        elif flag in SCRIPT.TASK_FLAGS:
+            continue  # the smoke's task (train_command)
+        elif flag not in ran:
+            problems.append(f"{flag} of the recipe does not run")
+        elif value is not None and flag not in SCRIPT.SIZE_FLAGS and SCRIPT.flag_value(ran, flag) != value:
+            problems.append(f"{flag} runs with {SCRIPT.flag_value(ran, flag)}, the recipe's is {value}")
+    return problems
+
+
+RECIPES = [name for name, spec in CONDITIONS.items() if "recipe" in spec]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_condition_runs_its_recipe_but_for_size_task_and_what_it_names_dropped(name, tmp_path):
+    spec = CONDITIONS[name]
+    recipe = recipe_flags(spec["recipe"], tmp_path)
+    assert "--train.colocate_all" in recipe and "--ds.packing_samples" in recipe  # the recipes' engine
+    assert recipe_problems(recipe, spec) == []
+    for key, why in spec["dropped"].items():
+        assert why.startswith("needs CUDA: ") and key.split()[0] in recipe
+
+
+def test_the_recipe_check_catches_a_flag_left_out_and_a_dropped_one_left_on(tmp_path):
+    spec = CONDITIONS["recipe_engine"]
+    recipe = recipe_flags(spec["recipe"], tmp_path)
+    less = {**spec, "flags": [f for f in spec["flags"] if f != "--ds.packing_samples"]}
+    assert recipe_problems(recipe, less) == ["--ds.packing_samples of the recipe does not run"]
+    more = {**spec, "flags": [*spec["flags"], "--vllm.enable_sleep"]}
+    assert recipe_problems(recipe, more) == ["--vllm.enable_sleep is named as dropped but runs"]
+    other = {**spec, "flags": [*spec["flags"], "--ds.zero_stage", "2"]}
+    assert recipe_problems(recipe, other) == ["--ds.zero_stage runs with 2, the recipe's is 3"]
+
+
+def test_the_cpu_copy_runs_deepspeeds_sleep_and_packed_samples_without_cuda(tmp_path):
+    """recipe_engine's two fixes, read in the CPU copy: --ds.enable_sleep's offload and reload synchronize through
+    DeepSpeed's accelerator (torch.cuda.synchronize raises without CUDA), and --ds.packing_samples keeps the given
+    attention implementation (upstream's flash_attention_2 needs flash-attn's CUDA kernels)."""
+    from openrlhf_geo.fork import install
+
+    root = install.materialize(cache_dir=tmp_path, device="cpu")
+    sleep = (root / "openrlhf/utils/deepspeed/deepspeed_utils.py").read_text()
+    assert "torch.cuda.synchronize()" not in sleep and sleep.count("get_accelerator().synchronize()") == 2
+    assert (
+        'args.ds.attn_implementation = "flash_attention_2"' not in (root / "openrlhf/cli/train_ppo_ray.py").read_text()
+    )
+    gpu = install.materialize(cache_dir=tmp_path)  # the GPU fork keeps upstream's
+    assert 'args.ds.attn_implementation = "flash_attention_2"' in (gpu / "openrlhf/cli/train_ppo_ray.py").read_text()

@@ -83,6 +83,50 @@ MULTIRANK = [
 ]  # fmt: skip
 HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "rlhf", "--geoalign.min_scores",
       "8", "--geoalign.projector.steps", "5", "--reward.noise.type", "swap", "--reward.noise.rate", "0.2"]  # fmt: skip
+KL_LOSS = ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.001", "--algo.kl.estimator", "k3"]
+# What a recipe condition scales down: these flags take the smoke's values (sizes: ranks, engines, memory, batches,
+# steps); the task's take the smoke's model, prompts, reward and folders (train_command). Every other flag of the
+# recipe keeps its own value (tests/test_smoke_cpu.py checks it against the recipe as its script submits it).
+SIZE_FLAGS = (
+    "--actor.num_nodes", "--actor.num_gpus_per_node", "--ref.num_nodes", "--ref.num_gpus_per_node",
+    "--vllm.num_engines", "--vllm.gpu_memory_utilization", "--rollout.batch_size", "--rollout.n_samples_per_prompt",
+    "--train.batch_size", "--train.num_episodes", "--eval.steps", "--eval.n_samples_per_prompt", "--ckpt.save_steps",
+)  # fmt: skip
+TASK_FLAGS = (
+    "--actor.model_name_or_path", "--data.prompt_dataset", "--data.input_key", "--data.label_key", "--data.max_len",
+    "--rollout.max_new_tokens", "--reward.remote_url", "--eval.dataset", "--ckpt.output_dir", "--ckpt.path",
+    "--logger.tensorboard_dir",
+)  # fmt: skip
+# SALT's math recipe as train_math_grpo.sh SALT=1 submits it (lib/common.sh's salt_math_run): the engine at ZeRO-2
+# (the 1.5B model's stage), token-budgeted micro-batches, the chat template, evaluation during training (every
+# step here), SALT Table 4's schedule and losses, checkpoints with HF weights (every step here). "{assets}" is the
+# smoke's assets folder.
+RECIPE_MATH_SALT = [
+    "--train.colocate_all", "--ds.enable_sleep", "--ds.zero_stage", "2", "--actor.gradient_checkpointing_enable",
+    "--ds.packing_samples",
+    "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16384", "--rollout.max_tokens_per_gpu", "32768",
+    "--data.apply_chat_template", "--eval.dataset", "{assets}/prompts.jsonl", "--eval.steps", "1",
+    "--eval.temperature", "0.6", "--eval.n_samples_per_prompt", "2",
+    "--train.batch_size", "16", "--train.micro_batch_size", "1", "--train.num_episodes", "1",
+    "--train.max_epochs", "1", "--train.seed", "2025", "--rollout.temperature", "0.6",
+    "--actor.adam.lr", "1e-6", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+    "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean", "--actor.entropy_coef", "0",
+    *KL_LOSS, "--algo.advantage.estimator", "salt", "--salt.base", "group_norm", "--salt.variant", "full",
+    "--ckpt.save_hf", "--ckpt.save_steps", "1", "--ckpt.max_num", "3", "--ckpt.load_enable",
+    "--logger.logging_steps", "1",
+]  # fmt: skip
+# lib/common.sh's engine_args, the engine of every recipe in examples/scripts: actor, reference and vLLM colocated
+# and sleeping in turn, ZeRO-3, packed samples, gradient checkpointing (at one rank each: size only). What a CPU
+# cannot honour is left out, named with the reason ("dropped"); every other flag stays on.
+ENGINE = ["--train.colocate_all", "--ds.enable_sleep", "--ds.zero_stage", "3", "--ds.packing_samples",
+          "--actor.gradient_checkpointing_enable"]  # fmt: skip
+ENGINE_DROPPED = {
+    "--vllm.enable_sleep": "needs CUDA: vLLM's CPU platform refuses sleep mode when the engine starts (ModelConfig: "
+    "'Sleep mode is not supported on current platform.'; it lives in CUDA's cumem allocator); DeepSpeed's side, "
+    "--ds.enable_sleep, runs",
+    "--vllm.sync_backend nccl": "needs CUDA: colocated (--train.colocate_all), upstream syncs the weights by CUDA IPC "
+    "(reduce_tensor of a CUDA tensor, get_physical_gpu_id); the gloo broadcast of COMMON runs instead",
+}
 
 # name -> flags, metrics every step must log finite, and how the run is set up:
 #   after: a run whose checkpoint this one resumes (same --ckpt.path, --ckpt.load_enable, one more episode)
@@ -90,6 +134,8 @@ HH = ["--advantage_estimator", "group_norm", "--geoalign.enable", "--geoalign.pr
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
 #   ranks: data-parallel policy ranks: prompts labelled with ids, the multi-rank checks (check_ranks)
 #   cluster: on two Ray nodes, as `ray job submit` jobs (run_cluster_condition)
+#   recipe: the examples/scripts recipe (or lib/common.sh function) whose flag set it runs, scaled down in size
+#   dropped: flag -> why a CPU cannot honour it (left out of the run; the summary lists them)
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
     # SALT Table 4's KL loss (a reference-model actor too) and its two optimizer steps per rollout step: each one
@@ -136,6 +182,11 @@ CONDITIONS = {
     # checkpointed every step; then resumed as a second job stopped mid-step (`ray job stop`), then as a third
     "two_node_job": {"flags": [*MULTIRANK, "--ckpt.save_steps", "1"], "finite": [*SALT, *GEO, *NOISE], "ranks": 2,
                      "cluster": True},
+    # the recipes' engine (lib/common.sh's engine_args) with SALT, GeoAlign under flipped rewards and the KL loss
+    "recipe_engine": {"flags": [*ENGINE, "--advantage_estimator", "salt", *GEOALIGN, *FLIPS, *KL_LOSS],
+                      "finite": [*SALT, *GEO, *NOISE], "recipe": "engine_args", "dropped": ENGINE_DROPPED},
+    "recipe_math_salt": {"flags": RECIPE_MATH_SALT, "finite": [*SALT, "salt/n_eff_out", "kl"],
+                         "recipe": "train_math_grpo.sh SALT=1", "dropped": ENGINE_DROPPED},
 }  # fmt: skip
 # One run's limit: a hung run fails its condition instead of the whole smoke (a tiny-model condition takes 1.5-3 min
 # on an idle 2-core VM, the SmolLM2 one 40 min; some VMs are 2-3x slower)
@@ -192,6 +243,10 @@ def reward_func(queries, prompts, labels):
 """
 
 
+# The prompt's text as it is (a recipe's --data.apply_chat_template): upstream passes a content list per message
+CHAT_TEMPLATE = "{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endfor %}"
+
+
 def build_assets(out: Path) -> None:
     """Tiny Qwen2 (head_dim 64: vLLM's CPU attention rejects 16), byte-level BPE tokenizer, math and HH prompts,
     a reward-function file, an HH SFT set and a stand-in ArmoRM."""
@@ -202,6 +257,7 @@ def build_assets(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reward_func.py").write_text(REWARD_FUNC)  # also into assets built before it changed
     if (out / "done").is_file():
+        (out / "model" / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # likewise
         return
     pairs = [(a % 10, (3 * a + 1) % 10) for a in range(PROMPTS * 2)]
     corpus = [f"Q: {a} + {b} = ? A: the answer is {a + b}" for a in range(10) for b in range(10)]
@@ -216,6 +272,7 @@ def build_assets(out: Path) -> None:
     )
     tok.train_from_iterator(corpus, trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(out / "model")
     config = Qwen2Config(
         vocab_size=384,  # >= the tokenizer's entries
@@ -601,8 +658,9 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
             server, reward = serve_rm(assets, run, env)
         # a rerun of the smoke in its OUT_DIR replaces its runs (the fork refuses a used output folder otherwise)
         begin = ["--ckpt.load_enable", "--train.num_episodes", "2"] if "after" in spec else ["--ckpt.overwrite"]
+        flags = [flag.replace("{assets}", str(assets)) for flag in spec["flags"]]
         command = train_command(
-            run, out / spec.get("after", name) / "ckpt", [*begin, *spec["flags"]], model, prompts,
+            run, out / spec.get("after", name) / "ckpt", [*begin, *flags], model, prompts,
             reward or str(assets / "reward_func.py"), model_name, spec.get("sync", True),
         )  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
@@ -614,6 +672,8 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
             server.wait()
             left += stop_session(server.pid)
     result = check_run(name, spec, run, code, left, assets, model)
+    if "dropped" in spec:
+        result["dropped"] = spec["dropped"]
     result["wall_s"] = round(time.time() - start, 1)
     return result
 
