@@ -22,7 +22,7 @@ from typing import Any
 
 from openrlhf_geo import registry
 from openrlhf_geo.baselines import BaselineConfig
-from openrlhf_geo.config_flags import add_flags
+from openrlhf_geo.config_flags import add_flags, flag_fields
 from openrlhf_geo.geoalign import PRESETS, GeoAlignConfig
 from openrlhf_geo.pipeline import GeometryConfig
 from openrlhf_geo.rewards.noise import NoiseConfig
@@ -95,6 +95,28 @@ def _given(ns, skip=("enable", "diagnostics")) -> list[str]:
     return [k for k, v in vars(ns).items() if v is not None and k not in skip and not isinstance(v, SimpleNamespace)]
 
 
+ESTIMATOR_SPELLINGS = "estimator_spellings"  # namespace key: ((option string, value), ...) as given
+
+
+class EstimatorFlag(argparse._StoreAction):
+    """The store action of --algo.advantage.estimator and its flat alias --advantage_estimator, in both engines.
+    argparse keeps the last value given, so `--advantage_estimator salt ... --algo.advantage.estimator group_norm`
+    would train GRPO under a SALT label: each spelling's value is kept too, and `validate` refuses two."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = (*getattr(namespace, ESTIMATOR_SPELLINGS, ()), (option_string, values))  # a tuple: hierarchize and
+        setattr(namespace, ESTIMATOR_SPELLINGS, given)  # nest would turn a dict into a namespace
+        super().__call__(parser, namespace, values, option_string)
+
+    @staticmethod
+    def check(args) -> None:
+        """ValueError naming both when the two spellings were given different values (`validate`, first)."""
+        spellings = dict(vars(args).pop(ESTIMATOR_SPELLINGS, ()))  # each spelling's last value
+        if len(set(spellings.values())) > 1:
+            given = " and ".join(f"{flag} {value}" for flag, value in spellings.items())
+            raise ValueError(f"{given}: one setting given two values (the last would silently win); give it once")
+
+
 def validate(args, engine="local") -> None:
     """Check which flags go together, in place; raise ValueError naming the flag. Values are checked by building
     the configs (`geometry_config`), once: the result is `args.geometry`, the run's one configuration; then the
@@ -105,6 +127,7 @@ def validate(args, engine="local") -> None:
     whether SALT changes the advantages, and `args.algo.advantage.estimator` holds the base estimator (`salt` means
     `--salt.base` + SALT, so every upstream code path for that base stays unchanged).
     """
+    EstimatorFlag.check(args)
     timeout = args.reward.timeout_s
     if not (math.isfinite(timeout) and timeout >= 0):
         raise ValueError(f"--reward.timeout_s must be a number of seconds >= 0, 0 for no limit (got {timeout})")
@@ -266,4 +289,30 @@ def flag_config(args) -> dict[str, Any]:
             out[prefix] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
 
     visit("", {k: v for k, v in vars(args).items() if k != "geometry"})  # derived from the flags, not one of them
+    return out
+
+
+def settled(flags: dict[str, Any]) -> dict[str, Any]:
+    """`flags` (as `flag_config` gives them, {"section.flag": value}) with every --salt.*, --geoalign.* and
+    --baseline.* setting replaced by the value its config uses, for a resume's comparison: a default spelled out
+    (`--salt.k_rule paper`, `--geoalign.preset math`) is no change from the flag left out. Flags that build no
+    config (another version's, or a partial set) come back unchanged."""
+    out = dict(flags)
+    try:
+        args = nest(argparse.Namespace(**flags))
+        configs = [
+            (SaltConfig, salt_config(args)),
+            (GeoAlignConfig, geoalign_config(args)),
+            (BaselineConfig, baseline_config(args) or BaselineConfig()),  # no --baseline.* flag: the defaults
+        ]
+        if args.salt.enable:
+            out["salt.base"] = args.salt.base or "group_norm"
+        if args.geoalign.enable:
+            out["geoalign.preset"] = args.geoalign.preset or "math"
+    except (AttributeError, TypeError, ValueError):
+        return dict(flags)
+    for config_type, config in configs:
+        for f, _, dest in flag_fields(config_type):
+            if config is not None and dest in out:
+                out[dest] = flag_config(SimpleNamespace(value=getattr(config, f.name)))["value"]  # stored form
     return out

@@ -11,8 +11,10 @@ test_fork_pipeline.py.
 
 import re
 import warnings
+from types import SimpleNamespace as NS
 
 import pytest
+import torch
 from fork_helpers import parse
 
 from openrlhf_geo.fork import flags as fork_flags
@@ -21,6 +23,8 @@ from openrlhf_geo.fork import install as fork
 from openrlhf_geo.fork import launch
 
 pytestmark = pytest.mark.fork
+
+PROG = "train_ppo_ray.py"  # upstream's parser is named after sys.argv[0]: runpy sets it to the module's file
 
 # ── upstream's parser (`parse`: fork_helpers.py; the `up` fixture: conftest.py) ──
 
@@ -181,13 +185,94 @@ def test_every_baseline_flag_reaches_the_nested_args(up, monkeypatch):
         ("--baseline.policy_loss kl_cov --actor.policy_loss_type gspo", "gspo would be silently ignored"),
         ("--baseline.kl_cov_ratio 0.1", "--baseline.kl_cov_ratio only applies with --baseline.policy_loss kl_cov"),
         ("--baseline.policy_loss clip_cov --actor.eps_clip_low_high 1.5 1.5", "a low PPO clip ratio <= 1 (got 1.5)"),
+        (  # upstream's assertion (a traceback) came after parsing
+            "--advantage_estimator salt --rollout.n_samples_per_prompt 1",
+            "--rollout.n_samples_per_prompt must be >= 2 (group baselines) with --advantage_estimator salt: each "
+            "prompt's samples are its baseline (got 1)",
+        ),
+        ("--advantage_estimator group_norm --rollout.n_samples_per_prompt 1", "with --advantage_estimator group_norm"),
     ],
 )
 def test_invalid_combinations_fail_at_parse_time(up, monkeypatch, capsys, argv, message):
     with pytest.raises(SystemExit) as caught:
         parse(up, monkeypatch, argv.split())
     assert caught.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    if "invalid choice" not in message:  # the fork's refusals: one line, not after upstream's ~200 lines of usage
+        assert len(err.splitlines()) == 1 and err.startswith(f"{PROG}: error: "), err
+
+
+def test_one_sample_per_prompt_still_parses_for_an_estimator_without_groups(up, monkeypatch):
+    args = parse(up, monkeypatch, "--advantage_estimator flash_reinforce --rollout.n_samples_per_prompt 1".split())
+    assert args.algo.advantage.estimator == "flash_reinforce" and args.rollout.n_samples_per_prompt == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--advantage_estimator salt --algo.advantage.estimator group_norm",  # parsed to GRPO with SALT off
+        "--algo.advantage.estimator group_norm --advantage_estimator salt",
+        "--advantage_estimator reinforce_baseline --algo.advantage.estimator salt",  # parsed to SALT on group_norm
+    ],
+)
+def test_the_two_estimator_spellings_given_different_values_are_refused(up, monkeypatch, capsys, argv):
+    """(the local engine's alike: tests/test_local_cli.py)"""
+    first, first_value, second, second_value = argv.split()
+    with pytest.raises(SystemExit) as caught:  # before train(), so before Ray starts
+        parse(up, monkeypatch, argv.split())
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{PROG}: error: {first} {first_value} and {second} {second_value}: one setting given two values (the last "
+        "would silently win); give it once"
+    ]
+
+
+def test_the_two_estimator_spellings_given_the_same_value_parse(up, monkeypatch):
+    args = parse(up, monkeypatch, "--advantage_estimator salt --algo.advantage.estimator salt".split())
+    assert args.salt.enable and args.algo.advantage.estimator == "group_norm"
+    assert not hasattr(args, "estimator_spellings")  # read at parse time, not a flag a checkpoint stores
+
+
+@pytest.mark.parametrize("flag", ["--ckpt.output_dir", "--ckpt.path"])
+def test_an_empty_output_folder_is_refused_at_parse_time(up, monkeypatch, capsys, flag):
+    """ "" is the current directory: the run trained to the end, then its final save failed on it."""
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, ["--advantage_estimator", "group_norm", flag, ""])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"{PROG}: error: {flag} is empty: give a folder"]
+
+
+def write_checkpoint(ckpt_path, args, tag="global_step2"):
+    """What upstream's actor save leaves in --ckpt.path, as far as the parse-time resume check reads it: `latest`,
+    and a model-states file whose client states hold the fork's flags."""
+    folder = ckpt_path / "_actor" / tag
+    folder.mkdir(parents=True)
+    states = {"module": {"w": torch.zeros(4)}, fork_hooks.FLAGS_KEY: fork_flags.resume_flags(args)}
+    torch.save(states, folder / "mp_rank_00_model_states.pt")
+    (ckpt_path / "_actor" / "latest").write_text(tag)
+    return states
+
+
+def test_a_resume_with_changed_flags_is_refused_at_parse_time(up, monkeypatch, capsys, tmp_path):
+    """Refused before Ray starts (it was refused at the checkpoint's load, 80 s in); a default spelled out is no
+    change, at parse time and at the load alike."""
+    ckpt = tmp_path / "ckpt"
+    run = ["--advantage_estimator", "salt", "--ckpt.path", str(ckpt), "--ckpt.output_dir", str(tmp_path / "out")]
+    states = write_checkpoint(ckpt, parse(up, monkeypatch, [*run, "--ckpt.save_steps", "2"]))
+    resume = [*run, "--ckpt.save_steps", "2", "--ckpt.load_enable"]
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, [*resume, "--salt.k_rule", "code", "--train.batch_size", "8"])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{PROG}: error: --ckpt.load_enable: {ckpt}/_actor/global_step2 was written with other flags: --salt.k_rule "
+        "'paper' -> 'code'; --train.batch_size 128 -> 8. Resume with the checkpoint's values, or start a new "
+        "--ckpt.path"
+    ]
+    spelled = parse(up, monkeypatch, [*resume, "--salt.k_rule", "paper", "--salt.base", "group_norm"])
+    fork_hooks.load_geometry_state(NS(args=spelled), states)  # the load's own comparison agrees
+    (ckpt / "_actor" / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"damaged")
+    parse(up, monkeypatch, [*resume, "--salt.k_rule", "code"])  # unreadable here: left to the load (and its fallback)
 
 
 def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monkeypatch, capsys, tmp_path):

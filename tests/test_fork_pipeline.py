@@ -1023,12 +1023,9 @@ def test_a_registered_estimator_without_an_upstream_branch_runs_in_the_fork_as_o
     path and the pipeline replaces those advantages with the estimator's (alone, or as SALT's --salt.base), giving
     what the local engine gives on the same rollouts."""
     from openrlhf_geo import registry
-    from openrlhf_geo.local import flags
 
     toy = registry.Estimator("toy_rloo", leave_one_out, upstream=False)
     monkeypatch.setitem(registry.ESTIMATORS, "toy_rloo", toy)
-    monkeypatch.setattr(flags, "ESTIMATORS", (*registry.local_estimators(), "salt"))
-    monkeypatch.setattr(flags, "LOCAL_SALT_BASES", (*flags.LOCAL_SALT_BASES, "toy_rloo"))
     argv = {
         "estimator": "--advantage_estimator toy_rloo",
         "salt-base": "--advantage_estimator salt --salt.base toy_rloo --salt.features exact",

@@ -406,3 +406,48 @@ def test_the_readme_local_engine_command_generates_as_long_as_the_demo_needs():
     (command,) = re.findall(r"openrlhf-geo train --actor\.model_name_or_path runs/demo/sft[^`]*?(?=\n```)", readme)
     args = parse_args(shlex.split(command.replace("\\\n", " "))[2:])
     assert args.rollout.max_new_tokens >= recipe.MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    "argv",
+    ["--advantage_estimator salt --algo.advantage.estimator group_norm", "--algo.advantage.estimator group_norm "
+     "--advantage_estimator salt"],
+)  # fmt: skip
+def test_the_two_estimator_spellings_given_different_values_are_refused(argv):
+    """argparse kept the last: `--advantage_estimator salt ... --algo.advantage.estimator group_norm` trained GRPO
+    under a SALT label (the fork's parser alike: tests/test_fork_parse.py)."""
+    from openrlhf_geo.local.flags import parse_args
+
+    first, first_value, second, second_value = argv.split()
+    with pytest.raises(ValueError) as refused:
+        parse_args(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d.jsonl", *argv.split()])
+    assert str(refused.value) == (
+        f"{first} {first_value} and {second} {second_value}: one setting given two values (the last would silently "
+        "win); give it once"
+    )
+    same = parse_args(["--actor.config", "c.json", "--actor.tokenizer", "t", "--data.prompt_dataset", "d.jsonl",
+                       "--advantage_estimator", "salt", "--algo.advantage.estimator", "salt"])  # fmt: skip
+    assert same.salt.enable and same.algo.advantage.estimator == "group_norm"
+
+
+def test_a_default_spelled_out_is_no_change_on_resume(setup):
+    from openrlhf_geo.local.flags import build_parser, check_resume_config, parse_args, run_config
+
+    argv = train_argv(setup, 2)[1:]
+    checkpoint = {"config": run_config(parse_args(argv)), "path": setup / "out" / rundir.CHECKPOINT}
+    spelled = parse_args([*argv, "--salt.k_rule", "paper", "--salt.base", "group_norm", "--salt.variant", "full"])
+    check_resume_config(build_parser(), checkpoint, run_config(spelled))  # no refusal
+    changed = run_config(parse_args([*argv, "--salt.k_rule", "code"]))
+    with pytest.raises(ValueError, match=r"the training: --salt.k_rule 'paper' -> 'code'\. Resume"):
+        check_resume_config(build_parser(), checkpoint, changed)
+
+
+def test_an_unreadable_checkpoint_with_load_enable_and_overwrite_gets_advice_that_applies(setup, capsys):
+    out = setup / "out"
+    out.mkdir()
+    (out / rundir.CHECKPOINT).write_bytes(b"not a checkpoint")
+    assert cli.main(train_argv(setup, 1, "--ckpt.load_enable", "--ckpt.overwrite")) == 1
+    err = capsys.readouterr().err
+    assert "checkpoint.pt: unreadable" in err and len(err.strip().splitlines()) == 1, err
+    assert "Restore a copy, or start over: run without --ckpt.load_enable, with --ckpt.overwrite" in err
+    assert (out / rundir.CHECKPOINT).read_bytes() == b"not a checkpoint"

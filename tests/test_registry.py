@@ -211,13 +211,26 @@ def leave_one_out_mean(rewards, group_ids):
     return out
 
 
+def test_an_estimator_registered_after_the_flags_import_is_a_choice_and_a_salt_base(monkeypatch):
+    """The train command's choices are read from the registry when its parser is built, not copied at import."""
+    from openrlhf_geo.local import flags
+
+    toy = registry.Estimator("toy_late", leave_one_out_mean, upstream=False)
+    monkeypatch.setitem(registry.ESTIMATORS, "toy_late", toy)  # after openrlhf_geo.local.flags was imported
+    base = ["--actor.model_name_or_path", "unused", "--data.prompt_dataset", "unused"]
+    assert parse_args([*base, "--advantage_estimator", "toy_late"]).algo.advantage.estimator == "toy_late"
+    salt = parse_args([*base, "--advantage_estimator", "salt", "--salt.base", "toy_late"])
+    assert (salt.salt.enable, salt.geometry.salt_base) == (True, "toy_late")
+    assert "toy_late" in flags.build_parser().format_help()
+    monkeypatch.delitem(registry.ESTIMATORS, "toy_late")
+    with pytest.raises(ValueError, match="invalid choice: 'toy_late'"):
+        parse_args([*base, "--advantage_estimator", "toy_late"])
+
+
 def test_a_registered_estimator_is_a_flag_choice_and_trains_on_the_local_engine(monkeypatch):
     monkeypatch.setitem(
         registry.ESTIMATORS, "toy_rloo", registry.Estimator("toy_rloo", leave_one_out_mean, upstream=False)
     )
-    import openrlhf_geo.local.flags as flags
-
-    monkeypatch.setattr(flags, "ESTIMATORS", (*registry.local_estimators(), "salt"))
     assert "toy_rloo" in registry.group_estimators()  # no whitening: SALT and the group methods may use it
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)

@@ -9,6 +9,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from openrlhf_geo import GeoWarning, options, registry
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.registry import POLICY_LOSSES
@@ -25,6 +27,7 @@ def add_args(parser) -> None:
     action = next(a for a in parser._actions if a.dest == "algo.advantage.estimator")
     added = [name for name, entry in registry.ESTIMATORS.items() if not entry.upstream and name not in action.choices]
     action.choices = [*action.choices, *added]
+    action.__class__ = options.EstimatorFlag  # upstream's store action, also keeping each spelling's value
     parser.add_argument(
         "--ckpt.overwrite",
         action="store_true",
@@ -39,6 +42,16 @@ def validate_args(args) -> None:
     own limits and input checks; raises ValueError naming the flag (shown by parser.error). Deletes nothing:
     --ckpt.overwrite's deletion runs after upstream's checks too (`clear_checkpoints`)."""
     options.validate(args, engine="fork")
+    n = args.rollout.n_samples_per_prompt
+    if n < 2 and args.algo.advantage.estimator in registry.ESTIMATORS:  # upstream asserts it after parsing
+        named = "salt" if args.salt.enable else args.geometry.estimator or args.algo.advantage.estimator
+        raise ValueError(
+            f"--rollout.n_samples_per_prompt must be >= 2 (group baselines) with --advantage_estimator {named}: "
+            f"each prompt's samples are its baseline (got {n})"
+        )
+    for flag, value in (("--ckpt.output_dir", args.ckpt.output_dir), ("--ckpt.path", args.ckpt.path)):
+        if not value:  # "" would be the current directory, and upstream's final save fails on it after the run
+            raise ValueError(f"{flag} is empty: give a folder")
     for flag in ("--actor.model_name_or_path", "--critic.model_name_or_path", "--reward.model_name_or_path"):
         section, name = flag[2:].split(".", 1)
         value = getattr(getattr(args, section), name)
@@ -144,6 +157,7 @@ def check_outputs(args) -> None:
     ckpt = args.ckpt
     checkpoint = Path(ckpt.path, "_actor")
     if ckpt.load_enable and checkpoint.is_dir():
+        check_resume(args, checkpoint)
         return
     outputs = [("--ckpt.output_dir", ckpt.output_dir)]
     if args.critic.save_value_network and args.algo.advantage.estimator == "gae":
@@ -185,3 +199,39 @@ def resume_flags(args) -> dict:
     """{"--section.flag": value} of RESUME_FLAGS, read off upstream's hierarchical namespace."""
     flags = options.flag_config(args)
     return {f"--{k}": v for k, v in flags.items() if any(k == f or k.startswith(f"{f}.") for f in RESUME_FLAGS)}
+
+
+def resume_changes(saved: dict, args) -> list[str]:
+    """'--flag old -> new' for each of the checkpoint's `resume_flags` (`saved`) that this run changes, settings
+    compared as their configs use them (`options.settled`: a default spelled out is no change)."""
+
+    def settled(flags):
+        return {f"--{k}": v for k, v in options.settled({k.removeprefix("--"): v for k, v in flags.items()}).items()}
+
+    old, now = settled(saved), settled(resume_flags(args))
+    return [
+        f"{k} {old.get(k)!r} -> {now.get(k)!r}" for k in sorted(old.keys() | now.keys()) if old.get(k) != now.get(k)
+    ]
+
+
+def check_resume(args, checkpoint: Path) -> None:
+    """--ckpt.load_enable: refuse before Ray starts, naming each flag, a resume that changes `resume_changes` from
+    the checkpoint DeepSpeed's `latest` names in `checkpoint` (<ckpt.path>/_actor). Its flags are read from its
+    model-states file, memory-mapped so that the weights in it are not read; a checkpoint that cannot be read here is
+    left to the load, which compares them again (`load_geometry_state`)."""
+    from openrlhf_geo.fork.hooks import FLAGS_KEY, latest_tag  # hooks imports this module
+
+    tag = latest_tag(checkpoint)
+    files = sorted(Path(checkpoint, tag).glob("*mp_rank_00_model_states.pt")) if tag else []
+    try:
+        # the user's own checkpoint, which DeepSpeed's load unpickles alike
+        states = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # missing, damaged, an older torch format: the load reports it
+        return
+    saved = states.get(FLAGS_KEY) if isinstance(states, dict) else None
+    changed = resume_changes(saved, args) if saved is not None else []
+    if changed:
+        raise ValueError(
+            f"--ckpt.load_enable: {files[0].parent} was written with other flags: {'; '.join(changed)}. Resume with "
+            "the checkpoint's values, or start a new --ckpt.path"
+        )

@@ -38,7 +38,7 @@ import torch
 
 from openrlhf_geo import GeoWarning, baselines, features, options, registry
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
-from openrlhf_geo.fork.flags import resume_flags, writes_checkpoints
+from openrlhf_geo.fork.flags import resume_changes, resume_flags, writes_checkpoints
 from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.fork.replay import Recorder, record_training_step  # noqa: F401  (the ppo_actor diff's name)
 from openrlhf_geo.local.reward import RewardTimeout
@@ -489,9 +489,7 @@ def load_geometry_state(trainer, checkpoint_states) -> None:
     written with other values of RESUME_FLAGS is refused, naming each one, as `openrlhf-geo train` refuses them."""
     saved = checkpoint_states.get(FLAGS_KEY)
     if saved is not None and _section(getattr(trainer, "args", None), "salt") is not None:
-        now = resume_flags(trainer.args)
-        changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(saved.keys() | now.keys())
-                   if saved.get(k) != now.get(k)]  # fmt: skip
+        changed = resume_changes(saved, trainer.args)  # checked at parse time too (fork.flags.check_resume)
         if changed:
             raise ValueError(
                 f"the checkpoint to resume (--ckpt.load_enable) was written with other flags: {'; '.join(changed)}. "

@@ -18,10 +18,6 @@ from openrlhf_geo.config_flags import default_text
 from openrlhf_geo.local import rundir
 from openrlhf_geo.rewards.noise import NoiseConfig
 
-# the registered estimators the local engine computes (registry.ESTIMATORS), and SALT on one of its group ones
-ESTIMATORS = (*registry.local_estimators(), "salt")
-LOCAL_SALT_BASES = tuple(name for name in registry.local_estimators() if name in registry.group_estimators())
-
 
 def build_parser():
     p = FlagParser(
@@ -69,7 +65,9 @@ def build_parser():
     algo.add_argument(
         "--algo.advantage.estimator",
         "--advantage_estimator",
-        choices=ESTIMATORS,
+        # the registered estimators the local engine computes, and SALT on a group one: read as the parser is built,
+        # so an estimator registered after this module's import is a choice
+        choices=(*registry.local_estimators(), "salt"),
         default="group_norm",
         help="group_norm (GRPO), dr_grpo (Dr. GRPO: no std), salt (--salt.base + SALT reweighting)",
     )
@@ -159,9 +157,10 @@ def validate(args):
     options.validate(args)
     if args.reward.pm1 and noise.type == "flip" and tuple(noise.levels) != (-1.0, 1.0):
         raise ValueError("--reward.pm1 makes rewards -1/+1: use --reward.noise.levels -1 1 (or leave it out)")
-    if args.salt.enable and args.algo.advantage.estimator not in LOCAL_SALT_BASES:
+    salt_bases = [name for name in registry.local_estimators() if name in registry.group_estimators()]
+    if args.salt.enable and args.algo.advantage.estimator not in salt_bases:
         raise ValueError(
-            f"the local engine supports --salt.base {' or '.join(LOCAL_SALT_BASES)} (got {args.geometry.salt_base})"
+            f"the local engine supports --salt.base {' or '.join(salt_bases)} (got {args.geometry.salt_base})"
         )
     if (args.actor.model_name_or_path is None) == (args.actor.config is None):
         raise ValueError("give exactly one of --actor.model_name_or_path and --actor.config")

@@ -28,7 +28,7 @@ from unittest import mock
 
 import torch
 
-from openrlhf_geo import lockfile
+from openrlhf_geo import lockfile, options
 
 CHECKPOINT, PREVIOUS, LOCK = "checkpoint.pt", "checkpoint.prev.pt", ".lock"
 FORMAT, VERSION = "openrlhf-geo-local-checkpoint", 1
@@ -334,7 +334,10 @@ def load_checkpoint(out_dir):
         return {**checkpoint, "path": path}
     if not problems:
         raise CheckpointError(f"{out_dir}: no {CHECKPOINT} or {PREVIOUS}")
-    raise CheckpointError("; ".join(problems) + ". Start over with --ckpt.overwrite (or restore a copy)")
+    # the advice holds with --ckpt.overwrite given too: with --ckpt.load_enable a checkpoint is resumed, never replaced
+    raise CheckpointError(
+        "; ".join(problems) + ". Restore a copy, or start over: run without --ckpt.load_enable, with --ckpt.overwrite"
+    )
 
 
 # ---------------------------------------------------------------- logs
@@ -380,7 +383,9 @@ def config_changes(old, new):
     """Flags whose values differ between a checkpoint's config and this run's -> (safe, unsafe), each a list of
     (key, old, new). A key on one side only (a flag added or removed by another version of this code, which the
     user cannot pass) counts as safe, with the value ABSENT on the other side, so that it is reported, not refused.
+    Settings are compared as their configs use them (`options.settled`): a default spelled out is no change.
     """
+    old, new = options.settled(old), options.settled(new)
     safe, unsafe = [], []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
