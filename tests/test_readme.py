@@ -126,3 +126,42 @@ def test_fork_flags_named_anywhere_in_the_readme_and_usage_doc_exist():
             names.update(expand(span.rstrip(".,")))
     assert len(names) > 30
     assert sorted(n for n in names if n not in fork._option_string_actions) == []
+
+
+def test_the_readme_stays_within_180_lines():
+    """Details live in docs/; the README is the entry point (the demo, the install, the fork, the flags table)."""
+    assert len(README.read_text().splitlines()) <= 180
+
+
+def slug(heading):
+    """GitHub's anchor of a markdown heading: lower case, punctuation other than '-' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(path):
+    """The relative links of a markdown file whose file, or #anchor in a markdown file, does not exist."""
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", resolved.read_text(), flags=re.MULTILINE)
+            if anchor not in {slug(h) for h in headings}:
+                problems.append(f"{target}: no heading with that anchor")
+    return problems
+
+
+def test_every_relative_link_of_the_readme_resolves():
+    assert broken_links(README) == []
+    assert slug("The demo (`bash scripts/demo.sh`)") == "the-demo-bash-scriptsdemosh"
+
+
+def test_the_link_check_reports_a_missing_file_and_a_missing_anchor(tmp_path):
+    page = tmp_path / "page.md"
+    (tmp_path / "other.md").write_text("# Set-up and test times\n")
+    page.write_text("[a](other.md#set-up-and-test-times) [b](other.md#nothing) [c](gone.md) [d](https://x.org/y)\n")
+    assert broken_links(page) == ["other.md#nothing: no heading with that anchor", "gone.md: no such file"]
