@@ -1110,3 +1110,13 @@ def test_a_group_a_replacement_ties_keeps_its_slots_with_zero_advantages_and_is_
     torch.testing.assert_close(advantages[4:], group_norm(rewards)[4:])
     for e in result:
         assert torch.equal(e.info["geo/zero_variance_groups_after"], torch.ones(len(e.index)))
+
+
+def test_rewards_that_overflow_upstreams_float32_group_std_are_refused(up, tiny_path, monkeypatch):
+    """±3e38 rewards: upstream's float32 std was inf, so every advantage was 0 and the loss exactly 0, silently."""
+    maker = make_maker(up, tiny_path, monkeypatch, ["--advantage_estimator", "group_norm"], micro_batch=5)
+    experiences, _ = forward_batch(maker, rollouts(up, 3, seed=5, rewards=torch.tensor([3e38, -3e38] * 6)))
+    with pytest.raises(
+        ValueError, match=r"^step 1: the reward gave rollout 0 \(prompt 0\) the reward 3e\+38; 12 of 12"
+    ):
+        maker.compute_advantages_and_returns(experiences)

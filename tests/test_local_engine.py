@@ -787,3 +787,37 @@ def test_advantages_are_clamped_to_the_reward_clip_range_as_upstream_does(tokeni
 def test_a_reversed_reward_clip_range_is_one_line():
     with pytest.raises(ValueError, match="--reward.clip_range must be LOW HIGH"):
         make_args("--reward.clip_range", "1", "-1")
+
+
+def opposite_huge_rewards(prompts, responses, answers):
+    """±3e38: in the fork, upstream's float32 group std of these is inf, every advantage 0 and the loss exactly 0."""
+    return torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(responses))])
+
+
+def test_rewards_that_overflow_float32_group_statistics_are_refused_naming_the_source(tokenizer):
+    args = make_args(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4"
+    )
+    trainer = Trainer(args, tiny_model(tokenizer), tokenizer, addition_problems(8, seed=0), opposite_huge_rewards)
+    with pytest.raises(
+        ValueError, match=r"^step 1: --reward.func \S+ gave rollout 0 \(prompt \d+\) the reward -3e\+38;"
+    ):
+        trainer.step()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 64).flatmap(lambda n: st.lists(st.sampled_from([-1.0, 1.0]), min_size=n, max_size=n)))
+def test_rewards_up_to_the_limit_keep_upstreams_float32_group_statistics_finite(signs):
+    """Upstream's group_norm in float32 (the fork's path) stays finite for any rewards check_reward_scale lets by."""
+    from openrlhf_geo.estimators import check_reward_scale, reward_limit
+
+    n, limit = len(signs), reward_limit(len(signs))
+    rewards = torch.tensor(signs, dtype=torch.float64) * limit
+    check_reward_scale(rewards, torch.zeros(n, dtype=torch.long), 1, "test")  # at the limit: accepted
+    r = rewards.float().view(1, -1)
+    std = r.std(-1, keepdim=True)
+    assert bool(torch.isfinite(std).all())
+    advantages = (r - r.mean(-1, keepdim=True)) / (std + 1e-9)
+    assert bool(torch.isfinite(advantages).all()) and (len(set(signs)) == 1 or bool(advantages.abs().max() > 0.1))
+    with pytest.raises(ValueError, match=r"rewards lie beyond"):
+        check_reward_scale(rewards * 1.001, torch.zeros(n, dtype=torch.long), 1, "test")

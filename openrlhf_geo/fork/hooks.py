@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from openrlhf_geo import GeoWarning, baselines, features, options, registry
+from openrlhf_geo.estimators import check_reward_scale
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.fork.flags import resume_changes, resume_flags, writes_checkpoints
 from openrlhf_geo.fork.install import DUMP_ENV
@@ -207,6 +208,10 @@ class ExperienceGeometry:
         if config is None:
             return
         self.n_samples = args.rollout.n_samples_per_prompt  # also for the reward / advantage checks
+        reward = args.reward  # the source the reward-scale error names (check_reward_scale)
+        self.reward_source = (f"--reward.remote_url {reward.remote_url}" if reward.remote_url
+                              else f"--reward.model_name_or_path {reward.model_name_or_path}"
+                              if reward.model_name_or_path else "the reward")  # fmt: skip
         self.signal = SignalGuard(args.rollout.max_new_tokens)
         if not config.active:
             return
@@ -268,6 +273,7 @@ class GeometryBatch:
         # an HTTP reward model's per-sample list makes upstream's rewards (B, 1): one value per rollout either way
         rewards = self._prompt_order(torch.cat([exp.rewards.reshape(-1) for exp in experiences]))
         check_finite("reward", rewards, self.group_ids, owner.steps)  # every run, before any shaping or actor step
+        check_reward_scale(rewards, self.group_ids, owner.steps, owner.reward_source)  # upstream's float32 std
         if owner.active:
             rewards = self._start(rewards)
         # every run: warn when the step has nothing to learn from (signal/* into info, logged as train/signal/*)

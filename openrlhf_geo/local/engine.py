@@ -34,6 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 from openrlhf_geo import GeoWarning, baselines
+from openrlhf_geo.estimators import check_reward_scale
 from openrlhf_geo.features import lm_head_input, response_geometry
 from openrlhf_geo.groups import group_index, tied_groups
 from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
@@ -632,6 +633,7 @@ class Trainer:
         correct = torch.as_tensor(self.reward_fn(batch.prompts, batch.responses, batch.answers), dtype=torch.float32)
         batch.correct = correct
         rewards = 2 * correct - 1 if args.reward.pm1 else correct.clone()
+        check_reward_scale(rewards, batch.group_ids, self.global_step, f"--reward.func {args.reward.func}")
         paid = None
         if self.pipeline.config.noise.type == "misspecified":
             paid = torch.as_tensor(
