@@ -15,10 +15,14 @@ silently ignored (e.g. `--salt.variant` without `--advantage_estimator salt`).
 import argparse
 import dataclasses
 import math
+import os
+import socket
+import threading
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
 from openrlhf_geo import registry
 from openrlhf_geo.baselines import BaselineConfig
@@ -129,8 +133,12 @@ def validate(args, engine="local") -> None:
     """
     EstimatorFlag.check(args)
     timeout = args.reward.timeout_s
-    if not (math.isfinite(timeout) and timeout >= 0):
-        raise ValueError(f"--reward.timeout_s must be a number of seconds >= 0, 0 for no limit (got {timeout})")
+    if not (math.isfinite(timeout) and 0 <= timeout <= threading.TIMEOUT_MAX):
+        # past TIMEOUT_MAX (about 292 years) a thread's wait raises OverflowError: the deadline would never fire
+        raise ValueError(
+            f"--reward.timeout_s must be a number of seconds in [0, {threading.TIMEOUT_MAX:.3g}], 0 for no limit "
+            f"(got {timeout:g})"
+        )
     # it bounds a .py reward_func only (--reward.func in the local engine, --reward.remote_url in the fork):
     # math-verify has its own per-answer timeout, an HTTP reward upstream's; another value would be silently ignored
     source = getattr(args.reward, "func", None) or getattr(args.reward, "remote_url", None) or ""
@@ -224,6 +232,38 @@ def check_local_path(flag: str, value: str | None) -> None:
             f"{flag} {value}: no such file or directory (read as a local path, not a hub id: "
             f"{Path(value).parent}/ exists here)"
         )
+
+
+HUB_PROBE_S = 5.0  # how long `check_model_source` waits to reach the hub
+
+
+def check_model_source(flag: str, value: str) -> None:
+    """ValueError, at once, when a model flag's `value` cannot load: a missing local path (`check_local_path`), or a
+    hub id (`name`, `org/name`) that is not in the hub cache while the hub is out of reach (HF_HUB_OFFLINE, no
+    network): transformers would retry the hub for over a minute and then raise. Nothing is downloaded here."""
+    check_local_path(flag, value)
+    if Path(value).exists():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(value, "config.json"), str):
+            return
+    except ValueError as error:  # huggingface_hub's HFValidationError: not a hub id either
+        detail = str(error).splitlines()[0]
+        raise ValueError(f"{flag} {value}: no such local path, and not a hub id ({detail})") from None
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if offline:
+        raise ValueError(f"{flag} {value}: no such local path, and not in the hub cache (HF_HUB_OFFLINE is set)")
+    hub = urlsplit(constants.ENDPOINT)
+    try:
+        port = hub.port or (80 if hub.scheme == "http" else 443)
+        socket.create_connection((hub.hostname, port), timeout=HUB_PROBE_S).close()
+    except (OSError, ValueError) as error:  # ValueError: a malformed HF_ENDPOINT
+        raise ValueError(
+            f"{flag} {value}: no such local path, not in the hub cache, and the hub {constants.ENDPOINT} cannot be "
+            f"reached ({getattr(error, 'strerror', None) or error})"
+        ) from None
 
 
 def salt_config(args) -> SaltConfig | None:

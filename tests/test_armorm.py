@@ -3,6 +3,7 @@
 import copy
 import importlib.util
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -282,7 +283,7 @@ def test_serve_rm_cli_binds_localhost_by_default_and_reads_the_token_from_env(mo
         bound["address"] = server.server_address
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args: _fake_scores)
+    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args, **kwargs: _fake_scores)
     monkeypatch.setattr(armorm._Server, "serve_forever", record_and_stop)
     monkeypatch.setenv(armorm.ENV_AUTH_TOKEN, "from-env")
     made = []
@@ -312,7 +313,7 @@ def test_serve_rm_refuses_other_machines_without_a_token_unless_told_to(monkeypa
         def server_close(self):
             pass
 
-    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args: _fake_scores)
+    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args, **kwargs: _fake_scores)
     monkeypatch.setattr(armorm, "make_server", lambda *a, **k: made.append((a, k)) or Recorded())
     monkeypatch.delenv(armorm.ENV_AUTH_TOKEN, raising=False)
     for host in ("0.0.0.0", "::", "10.1.2.3", "rm.example.org"):
@@ -617,3 +618,81 @@ def test_the_pending_bytes_budget_refuses_with_503_and_must_hold_one_body():
         server.server_close()
     with pytest.raises(ValueError, match="max_pending_bytes"):
         armorm.make_server(None, "127.0.0.1", 0, max_body_bytes=100, max_pending_bytes=99)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if serve-rm gets as far as loading a model or a tokenizer (a hub id would go to the hub)."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loaded a model despite bad input")
+
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", forbidden)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
+
+
+def _serve_rm_fails(capsys, *argv):
+    assert armorm.main(["--port", "0", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openrlhf-geo serve-rm: error: "), err
+    return err[0]
+
+
+def test_serve_rm_a_model_that_cannot_load_is_one_line_at_once(tmp_path, monkeypatch, capsys, no_model_load):
+    """`--model sv/nosuch` retried the hub for 79 s, then a traceback; `./sv/nosuch` a traceback at once."""
+    from huggingface_hub import constants
+
+    from openrlhf_geo import options
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # an empty hub cache
+    assert "./sv/nosuch: no such file or directory" in _serve_rm_fails(capsys, "--model", "./sv/nosuch")
+    (tmp_path / "sv").mkdir()  # `sv/nosuch` is then a missing local path, never sent to the hub
+    assert "--model sv/nosuch: no such file or directory (read as a local path" in _serve_rm_fails(
+        capsys, "--model", "sv/nosuch"
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "--model org/nosuch: no such local path, and not in the hub cache (HF_HUB_OFFLINE is set)" in (
+        _serve_rm_fails(capsys, "--model", "org/nosuch")
+    )
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(address, timeout=None):
+        assert timeout == options.HUB_PROBE_S
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(options.socket, "create_connection", unreachable)
+    assert "--model org/nosuch: no such local path, not in the hub cache, and the hub" in (
+        line := _serve_rm_fails(capsys, "--model", "org/nosuch")
+    )
+    assert "cannot be reached (Network is unreachable)" in line
+
+
+def test_serve_rm_a_port_in_use_or_an_empty_token_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    loads = []
+    monkeypatch.setattr(armorm, "ArmoRMScorer", lambda *args, **kwargs: loads.append(args) or _fake_scores)
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _serve_rm_fails(capsys, "--model", "unused", "--port", str(port))
+        assert f"--host 127.0.0.1 --port {port}: Address already in use" in line
+    finally:
+        taken.close()
+    assert "--auth-token is empty" in _serve_rm_fails(capsys, "--model", "unused", "--auth-token", "")
+    assert not loads
+
+
+def test_get_on_the_reward_path_is_405_with_allow_post(serve):
+    url = serve()
+    for path in ("/get_reward", "/"):
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + path, timeout=30)
+        assert error.value.code == 405 and error.value.headers["Allow"] == "POST", path
+        assert "takes POST" in json.loads(error.value.read())["error"]
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(url + "/nowhere", timeout=30)
+    assert error.value.code == 404

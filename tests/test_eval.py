@@ -220,7 +220,7 @@ def no_generation(monkeypatch):
         (["--batch-size", "-1"], ["--batch-size", "got -1"]),
         (["--limit", "0"], ["--limit", "got 0"]),
         (["--data", "math500"], ["--data", "'math500'"]),
-        (["--model", "/no/such/model"], ["--model /no/such/model", "no such local path"]),
+        (["--model", "/no/such/model"], ["--model /no/such/model", "no such file or directory"]),
         (["--model", "./no-such-model"], ["--model ./no-such-model"]),
         (["--model", "~/no-such-model"], ["--model ~/no-such-model"]),
         (["--model", "runs/no/such-checkpoint"], ["--model runs/no/such-checkpoint"]),
@@ -229,6 +229,20 @@ def no_generation(monkeypatch):
 def test_bad_flags_fail_at_once_in_one_line_naming_flag_and_value(flags, expected, tmp_path, capsys, no_generation):
     argv = ["--model", "org/model", "--benchmarks", "math500", "--data-dir", str(FIXTURES)]
     _fails_with_one_line(argv + ["--output-dir", str(tmp_path / "out")] + flags, capsys, *expected)
+
+
+def test_a_model_that_cannot_load_is_one_line_before_the_hub_is_asked(tmp_path, capsys, no_generation, monkeypatch):
+    """`sv/nosuch`, with sv/ here, went to the hub as a hub id; an uncached hub id with the hub out of reach retried it
+    for over a minute. Both are one line now, after the benchmarks load and before any model does."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sv").mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # an empty hub cache
+    argv = ["--benchmarks", "math500", "--data-dir", str(FIXTURES), "--output-dir", str(tmp_path / "out")]
+    _fails_with_one_line(["--model", "sv/nosuch", *argv], capsys, "--model sv/nosuch: no such file or directory (read")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _fails_with_one_line(["--model", "org/nosuch", *argv], capsys, "--model org/nosuch", "(HF_HUB_OFFLINE is set)")
 
 
 def test_backend_vllm_without_vllm_fails_at_once_in_one_line(tmp_path, capsys, no_generation, monkeypatch):

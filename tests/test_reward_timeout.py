@@ -11,6 +11,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from fork_helpers import parse
 
 from openrlhf_geo import cli
 from openrlhf_geo.fork import hooks as fork_hooks
@@ -89,6 +90,18 @@ def test_local_the_timeout_flag_is_checked(setup, capsys):
     assert "--reward.timeout_s 5 bounds the calls of a .py reward_func" in capsys.readouterr().err
 
 
+def test_local_a_timeout_longer_than_a_thread_can_wait_is_refused_at_parse(setup, capsys):
+    """1e10 s passed the check; the deadline thread's wait raised OverflowError at every call and died, so the limit
+    was never enforced. Now one line at parse time (0 is the way to ask for no limit)."""
+    (setup / "ok.py").write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
+    argv = train_argv(setup, "--reward.timeout_s", "1e10")
+    argv[argv.index("--reward.func") + 1] = str(setup / "ok.py")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--reward.timeout_s must be a number of seconds in [0, 9.22e+09]" in err, err
+    assert "got 1e+10" in err and not (setup / "out").exists()
+
+
 def test_local_a_reward_that_ignores_the_interrupt_ends_the_process(tmp_path):
     """A Python thread cannot be stopped: the process prints the line and exits (status 1)."""
     (tmp_path / "deaf.py").write_text(DEAF)
@@ -154,6 +167,16 @@ def test_fork_other_reward_errors_and_returns_are_upstreams(up, monkeypatch, tmp
     (tmp_path / "raises.py").write_text("def reward_func(queries, prompts, labels):\n    return 1 / 0\n")
     assert rollout(up, monkeypatch, tmp_path / "raises.py", 5)["reward"] is None  # upstream logs and goes on
     assert rollout(up, monkeypatch, tmp_path / "ok.py", 0)["reward"] == 1.0  # 0: no limit
+
+
+@pytest.mark.fork
+def test_fork_a_timeout_longer_than_a_thread_can_wait_is_refused_at_parse(up, monkeypatch, capsys, tmp_path):
+    (tmp_path / "ok.py").write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
+    argv = ["--advantage_estimator", "group_norm", "--reward.remote_url", str(tmp_path / "ok.py")]
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, [*argv, "--reward.timeout_s", "1e10"])
+    assert caught.value.code == 2
+    assert "--reward.timeout_s must be a number of seconds in [0, 9.22e+09]" in capsys.readouterr().err
 
 
 @pytest.mark.fork

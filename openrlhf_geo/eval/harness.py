@@ -31,6 +31,7 @@ import numpy as np
 
 from openrlhf_geo.eval.metrics import avg_at_n, mean_pass_at_k, pass_at_k
 from openrlhf_geo.jsonl import read_jsonl
+from openrlhf_geo.options import check_local_path, check_model_source
 from openrlhf_geo.rewards.math_verify import MathVerifyReward, Verdict, extract_last_boxed
 
 # The papers' instruction (the standard one for R1-distilled and Qwen math models); --system-prompt overrides it.
@@ -369,11 +370,6 @@ def _backend(choice):
     return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
 
 
-def _looks_local(model):
-    # Hub ids are `name` or `namespace/name`; anything else can only be a path on this machine.
-    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
-
-
 def check_args(args):
     """Flag values, the model path and the output directory, checked before anything loads; ValueError names the
     flag and value. Creates ``--output-dir`` and proves it writable. Returns (benchmark names, {name: data path})."""
@@ -411,8 +407,7 @@ def check_args(args):
             raise ValueError(f"{flag} must be >= 1 (got {value})")
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm: vllm is not installed (pip install vllm, or --backend hf)")
-    if _looks_local(args.model) and not Path(args.model).expanduser().exists():
-        raise ValueError(f"--model {args.model}: no such local path (hub ids look like namespace/name)")
+    check_local_path("--model", args.model)  # the hub is asked only once the benchmarks load (main)
     out = Path(args.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -435,6 +430,7 @@ def main(argv=None):
 
         from transformers import AutoTokenizer
 
+        check_model_source("--model", args.model)  # not in the hub cache, and the hub unreachable: at once
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
         except OSError as error:

@@ -163,11 +163,14 @@ class ArmoRMScorer:
             text's end is encoded (``tokenize``), so time and memory per conversation follow ``max_length``, not
             the text's length, and no conversation becomes a Python list of more than ``max_length + TAIL_MARGIN``
             tokens.
+        flag: what names `model_path` in errors (a missing local path, an unreachable hub: `check_model_source`).
     """
 
-    def __init__(self, model_path, device=None, dtype=None, batch_size=8, max_length=8192):
+    def __init__(self, model_path, device=None, dtype=None, batch_size=8, max_length=8192, flag="model_path"):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from openrlhf_geo.options import check_model_source
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
@@ -177,6 +180,7 @@ class ArmoRMScorer:
         dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
+        check_model_source(flag, str(model_path))  # a typo or an unreachable hub: at once, not minutes later
         _install_transformers5_shim()
         self.model = AutoModelForSequenceClassification.from_pretrained(
             model_path, trust_remote_code=True, dtype=getattr(torch, DTYPES[dtype])
@@ -396,6 +400,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.rstrip("/") == "/health":
             self._reply(200, {"status": "ok"})
+        elif self.path.rstrip("/") in ("", "/get_reward"):
+            self._reply(405, {"error": f"{self.path} takes POST"}, [("Allow", "POST")])
         else:
             self._reply(404, {"error": f"unknown path {self.path}; POST /get_reward"})
 
@@ -542,11 +548,11 @@ def make_server(
     ``POST /get_reward`` (or ``/``) with ``{"query": [...], "prompts": [...], "labels": [...]}`` →
     ``{"rewards": [...], "scores": [...], "extra_logs": {}}``; ``GET /health`` → ``{"status": "ok"}`` (no token).
     Errors are JSON ``{"error": ...}``: 400 malformed request (bad JSON, empty or ill-typed ``query``), 401 missing
-    or wrong token (when ``auth_token`` is set), 408 headers/body not received within ``read_timeout`` seconds
-    (or fewer body bytes than Content-Length), 411 no Content-Length, 413 body over ``max_body_bytes``, more
-    than ``max_queries`` queries or a query or prompt over ``max_query_chars`` characters, 500 scoring failed,
-    503 with ``Retry-After`` when ``max_pending`` requests (or ``max_pending_bytes`` of their bodies) are already
-    admitted (``server.busy_refusals`` counts them).
+    or wrong token (when ``auth_token`` is set), 405 with ``Allow: POST`` for a GET of ``/get_reward``, 408
+    headers/body not received within ``read_timeout`` seconds (or fewer body bytes than Content-Length), 411 no
+    Content-Length, 413 body over ``max_body_bytes``, more than ``max_queries`` queries or a query or prompt over
+    ``max_query_chars`` characters, 500 scoring failed, 503 with ``Retry-After`` when ``max_pending`` requests (or
+    ``max_pending_bytes`` of their bodies) are already admitted (``server.busy_refusals`` counts them).
     Port 0 picks a free port (``server.server_address[1]``). Run with ``server.serve_forever()``.
 
     Why the standard library rather than upstream's FastAPI/uvicorn: neither is a dependency of this package's
@@ -608,7 +614,11 @@ def reward_func(queries, prompts, labels):
             if not batch_size.isdigit():
                 raise ValueError(f"{ENV_BATCH_SIZE} must be a positive integer (got {batch_size!r})")
             scorer = ArmoRMScorer(
-                model, device=os.environ.get(ENV_DEVICE), dtype=os.environ.get(ENV_DTYPE), batch_size=int(batch_size)
+                model,
+                device=os.environ.get(ENV_DEVICE),
+                dtype=os.environ.get(ENV_DTYPE),
+                batch_size=int(batch_size),
+                flag=ENV_MODEL,
             )
             _default = BatchingScorer(scorer, max_batch=scorer.batch_size)
     conversations = [conversation_from_query(q, p) for q, p in zip(queries, prompts)]
@@ -678,6 +688,10 @@ def main(argv=None):
         )
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
+    if args.auth_token is not None and not args.auth_token.strip():
+        print("openrlhf-geo serve-rm: error: --auth-token is empty: give a token, or leave the flag out on "
+              "127.0.0.1", file=sys.stderr)  # fmt: skip
+        return 2
     if not (args.auth_token or args.allow_unauthenticated or _is_loopback(args.host)):
         print(
             f"openrlhf-geo serve-rm: error: --host {args.host} lets other machines score with the RM: set "
@@ -686,20 +700,31 @@ def main(argv=None):
         )
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    scorer = ArmoRMScorer(args.model, args.device, args.dtype, args.batch_size, args.max_length)
-    batcher = BatchingScorer(scorer, max_batch=4 * args.batch_size, max_wait_s=args.max_wait_ms / 1000)
-    server = make_server(
-        batcher,
-        args.host,
-        args.port,
-        max_body_bytes=args.max_body_bytes,
-        max_queries=args.max_queries,
-        max_query_chars=args.max_query_chars,
-        read_timeout=args.read_timeout,
-        auth_token=args.auth_token,
-        max_pending=args.max_pending,
-        max_pending_bytes=args.max_pending_bytes,
-    )
+    try:  # the port first: a port in use fails before minutes of model loading
+        server = make_server(
+            None,  # the batcher, once the model is loaded; nothing is served before serve_forever
+            args.host,
+            args.port,
+            max_body_bytes=args.max_body_bytes,
+            max_queries=args.max_queries,
+            max_query_chars=args.max_query_chars,
+            read_timeout=args.read_timeout,
+            auth_token=args.auth_token,
+            max_pending=args.max_pending,
+            max_pending_bytes=args.max_pending_bytes,
+        )
+    except OSError as error:
+        print(f"openrlhf-geo serve-rm: error: --host {args.host} --port {args.port}: {error.strerror or error}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        scorer = ArmoRMScorer(args.model, args.device, args.dtype, args.batch_size, args.max_length, flag="--model")
+    except (ValueError, OSError) as error:  # a missing path, an unreachable hub, not a model directory
+        server.server_close()
+        message = str(error) if isinstance(error, ValueError) else f"--model {args.model}: {error}"
+        print(f"openrlhf-geo serve-rm: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
+    server.batcher = BatchingScorer(scorer, max_batch=4 * args.batch_size, max_wait_s=args.max_wait_ms / 1000)
     logger.info(
         "serving %s on http://%s:%d/get_reward (%s)",
         args.model,
