@@ -5,6 +5,9 @@ import email.utils
 import itertools
 import json
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,6 +120,9 @@ _FORMATS = [
 ]
 
 
+HANG_S = 120  # longer than any test waits for a judge run: a request that "never" gets its answer
+
+
 class StandIn:
     """A deterministic judge behind /v1/chat/completions. Responses read "quality=<q> ..."; ``policy``:
 
@@ -130,6 +136,7 @@ class StandIn:
         self.garbage_for, self.refuse_after = set(), None
         self.truncate_first = 0  # these first requests get a body cut short: Content-Length 1000, 6 bytes, close
         self.retry_after = None  # (requests, Retry-After value): the first requests get HTTP 429 with it
+        self.hang_after = None  # requests after this many get no answer for HANG_S
         self.lock = threading.Lock()
 
     def answer(self, user):
@@ -198,6 +205,8 @@ def server():
                 return 503, {"error": "overloaded"}, [("Retry-After", "0")]
             if state.retry_after is not None and number <= state.retry_after[0]:
                 return 429, {"error": "rate limited"}, [("Retry-After", state.retry_after[1])]
+            if state.hang_after is not None and number > state.hang_after:
+                time.sleep(HANG_S)
             time.sleep(1.0 if number <= state.slow_first else state.delay)
             content = state.answer(body["messages"][1]["content"])
             return 200, {"choices": [{"message": {"role": "assistant", "content": content}}]}
@@ -375,6 +384,49 @@ def _error(capsys, after_start=False):
     return err[0]
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--judge.url", "127.0.0.1:8000/v1"], "--judge.url 127.0.0.1:8000/v1: expected an http:// or https://"),
+        (["--n-resamples", "1"], "--n-resamples must be >= 40 at --confidence 0.95 (got 1)"),
+        (["--out", "FILE"], "is a file: give a directory"),
+    ],
+    ids=["url-without-scheme", "one-resample", "out-is-a-file"],
+)
+def test_bad_flags_are_one_line_before_any_request(server, files, capsys, flags, message):
+    """A URL without a scheme was retried 6 times over 45 s, --n-resamples 1 gave a zero-width CI, an --out that is a
+    file a FileExistsError traceback."""
+    (files[2].parent / "FILE").write_text("mine\n")
+    flags = [str(files[2].parent / "FILE") if flag == "FILE" else flag for flag in flags]
+    assert judge.main([*_argv(server, files), *flags]) == 2
+    assert message in _error(capsys)
+    assert server.requests == 0 and (files[2].parent / "FILE").read_text() == "mine\n"
+
+
+def test_ctrl_c_is_one_line_exit_130_and_keeps_whole_result_lines(server, files):
+    """Ctrl-C waited out the requests in flight (85 s), then printed a traceback."""
+    server.hang_after = 4  # two prompts are judged, then the judge stops answering
+    argv = [*_argv(server, files), "--judge.concurrency", "1", "--judge.timeout", str(2 * HANG_S)]
+    process = subprocess.Popen([sys.executable, "-m", "openrlhf_geo.cli", "judge", *argv], stderr=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        results = files[2] / "results.jsonl"
+        for _ in range(600):  # until both prompts are written (a guard, not a timing)
+            if results.exists() and results.read_text().count("\n") == 2 and server.inflight == 1:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=HANG_S / 2)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"openrlhf-geo judge: interrupted; the verdicts in {results} are kept: rerun with the same --out to judge "
+        "the rest"
+    )
+    assert [r["outcome"] for r in _results(files[2])] == ["win", "win"] and not (files[2] / "summary.json").exists()
+
+
 def test_mismatched_inputs_are_clear_errors(server, tmp_path, capsys):
     out = tmp_path / "out"
     cand = _write(tmp_path / "c.jsonl", CANDIDATE_Q)
@@ -425,8 +477,8 @@ def test_proxy_reward_scores_both_sets_with_armorm(server, files, monkeypatch):
     class FakeScorer:  # ArmoRM's interface: conversations -> (B,) scores
         truncated = 0
 
-        def __init__(self, model_path, batch_size):
-            assert model_path == "armorm-path" and batch_size == 8
+        def __init__(self, model_path, batch_size, flag):
+            assert (model_path, batch_size, flag) == ("armorm-path", 8, "--proxy-rm")
 
         def __call__(self, conversations):
             import torch

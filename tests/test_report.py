@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 import shutil
 
 import numpy as np
@@ -177,6 +178,47 @@ def test_report_errors_name_the_problem(runs_dir, tmp_path, capsys):
     bad.write_text('{"reward": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: .*integer 'step'"):
         report.read_metrics_jsonl(bad)
+
+
+def test_a_bootstrap_too_small_for_its_confidence_level_is_refused(runs_dir, capsys):
+    """--n-resamples 1 printed a zero-width "95 % CI"; each 2.5 % tail needs a resample of its own (40 in all)."""
+    for n in ("1", "39"):
+        _fails(
+            [runs_dir, "--baseline", "grpo", "--n-resamples", n], capsys, "--n-resamples must be >= 40", f"got {n})"
+        )
+    _fails([runs_dir, "--baseline", "grpo", "--confidence", "0.99", "--n-resamples", "100"], capsys, ">= 200")
+    assert report.main([str(runs_dir), "--baseline", "grpo", "--n-resamples", "40"]) == 0
+
+
+@pytest.mark.parametrize("name", ["summary.json", "metrics.jsonl"])
+def test_a_seed_file_that_is_a_directory_is_one_line(runs_dir, capsys, name):
+    target = runs_dir / "salt" / "seed1" / name
+    target.unlink()
+    target.mkdir()
+    _fails([runs_dir, "--baseline", "grpo"], capsys, "method 'salt' seed 1", f"{target} is a directory, not a file")
+
+
+def test_runs_that_are_a_file_are_called_a_file(tmp_path, capsys):
+    (tmp_path / "runs.txt").write_text("x")
+    _fails(
+        [tmp_path / "runs.txt", "--baseline", "grpo"], capsys, f"{tmp_path / 'runs.txt'} is a file, not a directory"
+    )
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_any_file(runs_dir, capsys, monkeypatch):
+    out = runs_dir / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # as root, permission bits do not stop a write: the kernel's answer to anyone else
+
+        def read_only(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+        monkeypatch.setattr(report.tempfile, "TemporaryFile", read_only)
+    _fails(
+        [runs_dir, "--baseline", "grpo", "--out", out], capsys, f"--out {out}: cannot write there (Permission denied"
+    )
+    assert list(out.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- --final aggregation, EMA smoothing

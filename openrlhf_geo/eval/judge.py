@@ -39,13 +39,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
-from openrlhf_geo.eval.metrics import paired_gain
+from openrlhf_geo.eval.metrics import check_bootstrap_flags, paired_gain
 from openrlhf_geo.jsonl import read_jsonl
 from openrlhf_geo.rewards.armorm import clean_response, conversation_from_query
 
@@ -382,7 +382,7 @@ def proxy_reward(pairs, model_path, batch_size, confidence, n_resamples, seed):
     """ArmoRM scores (App. B.2 "Proxy Reward") of both response sets and their paired per-prompt difference."""
     from openrlhf_geo.rewards.armorm import ArmoRMScorer
 
-    scorer = ArmoRMScorer(model_path, batch_size=batch_size)
+    scorer = ArmoRMScorer(model_path, batch_size=batch_size, flag="--proxy-rm")
     ours = scorer([conversation_from_query(p + c, p) for _, p, c, _ in pairs]).double().numpy()
     theirs = scorer([conversation_from_query(p + b, p) for _, p, _, b in pairs]).double().numpy()
     gain = paired_gain(ours, theirs, confidence, n_resamples, seed)
@@ -428,7 +428,6 @@ def _check(args):
         ("--judge.max_retries", args.max_retries, 0),
         ("--judge.parse_retries", args.parse_retries, 0),
         ("--judge.max_tokens", args.max_tokens, 1),
-        ("--n-resamples", args.n_resamples, 1),
         ("--limit", 1 if args.limit is None else args.limit, 1),
     ):
         if value < low:
@@ -437,10 +436,47 @@ def _check(args):
         raise ValueError(f"--judge.timeout must be > 0 seconds (got {args.timeout})")
     if not 0 <= args.max_retry_wait < math.inf:
         raise ValueError(f"--judge.max_retry_wait must be a finite number of seconds >= 0 (got {args.max_retry_wait})")
-    if not 0 < args.confidence < 1:
-        raise ValueError(f"--confidence must be in (0, 1) (got {args.confidence})")
+    check_bootstrap_flags(args.confidence, args.n_resamples)
+    url = urlsplit(args.url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise ValueError(f"--judge.url {args.url}: expected an http:// or https:// address (http://host:port/v1)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file: give a directory (for results.jsonl and summary.json)")
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
         raise ValueError(f"--judge.api_key_env {args.api_key_env}: that environment variable is not set")
+
+
+def run_concurrently(work, items, concurrency, lock, interrupted):
+    """work(item) for every item on `concurrency` threads. The first exception stops the taking of new items and is
+    raised once the running ones end (JudgeError: stop asking, keep what is written). A Ctrl-C sets `interrupted`
+    under `lock` (which `work` holds while it writes, and after which it writes nothing) and is raised at once:
+    daemon threads, unlike an executor's, are not joined at exit, so the process does not wait out the requests in
+    flight (each up to --judge.timeout, retried)."""
+    items, failures = iter(items), []
+
+    def worker():
+        while not failures and not interrupted.is_set():
+            with lock:
+                item = next(items, None)
+            if item is None:
+                return
+            try:
+                work(item)
+            except Exception as error:
+                failures.append(error)
+
+    threads = [threading.Thread(target=worker, name="judge", daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:
+        with lock:  # a line being written is finished first
+            interrupted.set()
+        raise
+    if failures:
+        raise failures[0]
 
 
 def run(args):
@@ -464,7 +500,10 @@ def run(args):
         args.max_retry_wait,
     )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot create it ({error.strerror or error})") from None
     results_path = out / "results.jsonl"
     done = read_results(results_path, args.model)
     for k, _, c, b in pairs:
@@ -478,7 +517,7 @@ def run(args):
         )
     print(f"judging {len(todo)} prompts ({len(pairs) - len(todo)} already in {results_path})", file=sys.stderr)
 
-    lock, finished = threading.Lock(), [0]
+    lock, finished, interrupted = threading.Lock(), [0], threading.Event()
 
     def judge_one(item):
         k, prompt, candidate, baseline = item
@@ -489,6 +528,8 @@ def run(args):
         except ValueError as error:  # the judge never gave a parseable verdict: recorded, judged again on rerun
             record |= {"error": str(error), "outcome": None}
         with lock:
+            if interrupted.is_set():  # Ctrl-C: results.jsonl keeps the whole lines written before it
+                return
             with results_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             done[k] = record
@@ -496,14 +537,7 @@ def run(args):
             if finished[0] % max(1, len(todo) // 20) == 0 or finished[0] == len(todo):
                 print(f"judged {finished[0]}/{len(todo)}", file=sys.stderr)
 
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        futures = [pool.submit(judge_one, item) for item in todo]
-        finished_futures, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in finished_futures:
-            if future.exception() is not None:  # JudgeError: stop asking, keep what is written
-                for pending in futures:
-                    pending.cancel()
-                raise future.exception()
+    run_concurrently(judge_one, todo, args.concurrency, lock, interrupted)
 
     records = [done[k] for k, *_ in pairs]
     summary = {
@@ -540,6 +574,13 @@ def main(argv=None):
     except (ValueError, JudgeError) as error:
         print(f"openrlhf-geo judge: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"openrlhf-geo judge: interrupted; the verdicts in {Path(args.out) / 'results.jsonl'} are kept: rerun "
+            "with the same --out to judge the rest",
+            file=sys.stderr,
+        )
+        return 130
     level = f"{args.confidence:.0%} CI"
     print(
         f"{summary['n_judged']}/{summary['n_prompts']} prompts judged ({level}): "

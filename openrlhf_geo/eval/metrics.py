@@ -44,6 +44,25 @@ def avg_at_n(correct):
     return float(correct.mean())
 
 
+def min_resamples(confidence):
+    """The fewest bootstrap resamples whose interval at `confidence` is more than the range of the resamples: each
+    (1 - confidence)/2 tail needs one resample of its own, so 2/(1 - confidence) of them (40 at 95 %; with one
+    resample the interval has zero width)."""
+    return math.ceil(round(2 / (1 - confidence), 9))
+
+
+def check_bootstrap_flags(confidence, n_resamples):
+    """ValueError naming --confidence or --n-resamples when the bootstrap CI they ask for is not one."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"--confidence must be in (0, 1) (got {confidence})")
+    if n_resamples < min_resamples(confidence):
+        raise ValueError(
+            f"--n-resamples must be >= {min_resamples(confidence)} at --confidence {confidence:g} (got "
+            f"{n_resamples}): each {(1 - confidence) / 2:.3g} tail needs a resample of its own, or the interval is "
+            "only the resamples' range"
+        )
+
+
 def paired_gain(method, baseline, confidence=0.95, n_resamples=9999, seed=0, ci_method="percentile"):
     """SALT App. H: mean paired gain of ``method`` over ``baseline`` across matched seeds, with a bootstrap CI.
 

@@ -30,6 +30,7 @@ import json
 import math
 import re
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from scipy import stats
 from scipy.signal import lfilter
 
 from openrlhf_geo import GeoWarning
-from openrlhf_geo.eval.metrics import CI_METHODS, paired_gain
+from openrlhf_geo.eval.metrics import CI_METHODS, check_bootstrap_flags, paired_gain
 
 SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
 # Keys of metrics.jsonl lines that are not metrics: the run tags `openrlhf-geo train` writes on every line, and
@@ -148,6 +149,8 @@ def scan_runs(root):
     both. Warnings: a truncated last metrics.jsonl line, TensorBoard logs without the `tensorboard` package.
     """
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root} is a file, not a directory (expected {root}/<method>/seed<k>/)")
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such directory (expected {root}/<method>/seed<k>/)")
     runs, sources, notes = {}, {}, []
@@ -166,6 +169,9 @@ def scan_runs(root):
         for seed, seed_dir in seed_dirs.items():
             where, run, source = f"method {method_dir.name!r} seed {seed}", Run(), {}
             try:
+                for name in ("summary.json", "metrics.jsonl"):
+                    if (seed_dir / name).is_dir():
+                        raise ValueError(f"{seed_dir / name} is a directory, not a file")
                 if (seed_dir / "summary.json").exists():
                     run.scalars.update(_read_summary(seed_dir / "summary.json"))
                     source.update(dict.fromkeys(run.scalars, seed_dir / "summary.json"))
@@ -453,8 +459,8 @@ def is_report(out):
 
 
 def claim_out(out, names):
-    """Create directory `out` for the report's files `names`; ValueError naming --out when it is a file or would
-    overwrite a file of `names` that is not a previous report's (a study's report.md, say)."""
+    """Create directory `out` for the report's files `names`; ValueError naming --out when it is a file, cannot be
+    written, or would overwrite a file of `names` that is not a previous report's (a study's report.md, say)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory (a new one or a previous report's)")
     taken = [] if is_report(out) else [name for name in names if (out / name).exists()]
@@ -463,13 +469,16 @@ def claim_out(out, names):
                          "--out (a new directory or a previous report's)")  # fmt: skip
     try:
         out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # a read-only --out fails here, before any file is written
+            pass
     except OSError as error:  # e.g. a file where a parent directory should be
-        raise ValueError(f"--out {out}: {error.strerror}") from None
+        raise ValueError(f"--out {out}: cannot write there ({error.strerror or error})") from None
 
 
 def write_report(args):
     """report.md, comparison.json and the plots for parsed ``build_parser`` arguments."""
     final = parse_final(args.final)
+    check_bootstrap_flags(args.confidence, args.n_resamples)
     if args.smooth_ema is not None:
         ema(np.zeros(1), args.smooth_ema)  # validates the weight before any work
     out = Path(args.out or Path(args.runs) / "report")
@@ -523,6 +532,6 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return write_report(args)
-    except (ValueError, FileNotFoundError) as error:  # bad input: one line, no traceback
+    except (ValueError, OSError) as error:  # bad input, an unreadable file, a full disk: one line, no traceback
         print(f"openrlhf-geo report: error: {error}", file=sys.stderr)
         return 2
