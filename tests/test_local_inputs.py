@@ -75,6 +75,17 @@ def test_train_warns_once_naming_how_many_prompts_are_truncated_and_the_limit(tm
     ]
 
 
+def test_train_warns_once_naming_how_many_prompts_are_empty_and_the_dataset(tmp_path, recwarn):
+    """Empty prompts trained without a word."""
+    data = write_rows(tmp_path / "empty.jsonl", ["12+34=", "", "1+2=", "  "])
+    assert cli.main(train_argv(tmp_path, data)) == 0
+    shown = [str(w.message) for w in recwarn if issubclass(w.category, GeoWarning) and "empty" in str(w.message)]
+    assert shown == [
+        f"2 of the 4 prompts of --data.prompt_dataset {data} are empty (the first on line 2; --data.input_key "
+        "'prompt'): they are trained on as written"
+    ]
+
+
 def test_max_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(tmp_path, capsys):
     data = write_rows(tmp_path / "d.jsonl", ["12+34="])
     argv = train_argv(tmp_path, data, "--rollout.max_new_tokens", "127")

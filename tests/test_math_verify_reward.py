@@ -3,6 +3,10 @@
 import asyncio
 import importlib.util
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -350,3 +354,35 @@ def test_bad_items_get_an_error_verdict_with_a_reason_not_an_exception(scorer, c
     assert "nan" in reasons[4] and "nan" in reasons[5] and "inf" in reasons[6] and "list" in reasons[7]
     assert sum("math-verify item" in r.getMessage() for r in caplog.records) == 2 * len(responses)
     assert scorer.verdicts(["\\boxed{2}"], [2])[0].status == "correct"  # numbers are fine golds
+
+
+CTRL_C_SCRIPT = """
+import sys, time
+from openrlhf_geo.rewards.math_verify import MathVerifyReward
+
+scorer = MathVerifyReward(workers=2)
+scorer.verdicts(["\\\\boxed{2}"], ["2"])  # the pool is up
+print("ready", flush=True)
+try:
+    time.sleep(600)
+except KeyboardInterrupt:
+    print(scorer.verdicts(["\\\\boxed{3}"], ["3"])[0].status, flush=True)  # the workers are still serving
+    scorer.close()
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_reaches_the_caller_not_the_workers(tmp_path):
+    """Ctrl-C signals the whole process group: each worker printed a KeyboardInterrupt traceback before `train`'s
+    one-line message. The workers ignore SIGINT; the caller reports it and closes them."""
+    process = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert process.stdout.readline() == "ready\n"
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the caller and its workers
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and out == "correct\n", (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and err.splitlines()[-1] == "interrupted", err

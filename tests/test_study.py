@@ -225,6 +225,8 @@ def test_a_run_counts_as_finished_only_with_its_own_command_and_every_step(tmp_p
         (["salt-scaling", "--regime", "g4"], "--regime g4 changes G"),
         (["regime", "--workers", "0"], "--workers must be >= 1 (got 0)"),
         (["regime", "--seeds", "1", "1"], "--seeds must be distinct"),
+        (["regime", "--seeds", "-3"], "--seeds must lie in [0, 4294967295] (got -3)"),  # ran 25 s, then a traceback
+        (["regime", "--seeds", "0", "99999999999999999999"], "(got 99999999999999999999)"),
         (["regime", "--qiuck"], "did you mean --quick?"),
     ],
 )

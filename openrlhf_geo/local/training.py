@@ -31,12 +31,14 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from openrlhf_geo import GeoWarning
 from openrlhf_geo.jsonl import parse_line, strict_json
 from openrlhf_geo.local import rundir
 from openrlhf_geo.local.flags import build_parser, check_resume_config, parse_args, run_config
@@ -114,9 +116,10 @@ class PromptRows(Sequence):
 def read_dataset(path, input_key, label_key, flag):
     """The {"prompt", "answer"} rows of a jsonl dataset (`PromptRows`), checked in one pass that holds one line at a
     time; ValueError naming the flag, file and line of a bad row or of a prompt longer than MAX_PROMPT_CHARS, or
-    the file of one without rows."""
+    the file of one without rows. Empty (or blank) prompts are trained as written, with one GeoWarning counting them.
+    """
     rows = PromptRows(path, flag, input_key, label_key)
-    offset = 0
+    offset, empty = 0, []
     with rows.open_checked() as handle:
         for number, raw in enumerate(handle, 1):
             parsed = parse_line(raw, number, rows.source)
@@ -129,9 +132,18 @@ def read_dataset(path, input_key, label_key, flag):
                     )
                 rows.offsets.append(offset)
                 rows.lines.append(number)
+                if not prompt.strip():
+                    empty.append(number)
             offset += len(raw)
     if not rows:
         raise ValueError(f"{rows.source}: no rows")
+    if empty:
+        warnings.warn(
+            f"{len(empty)} of the {len(rows)} prompts of {rows.source} are empty (the first on line {empty[0]}; "
+            f"--data.input_key {input_key!r}): they are trained on as written",
+            GeoWarning,
+            stacklevel=2,
+        )
     return rows
 
 

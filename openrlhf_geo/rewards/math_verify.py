@@ -239,7 +239,12 @@ class _Worker:
         from_child, to_parent = os.pipe()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        code = f"from openrlhf_geo.rewards.math_verify import _worker_main; _worker_main({from_parent}, {to_parent})"
+        # SIGINT ignored first: a Ctrl-C reaches the whole process group, and the caller reports it on one line (a
+        # worker would print its own KeyboardInterrupt traceback); a worker exits when its pipe closes
+        code = (
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"from openrlhf_geo.rewards.math_verify import _worker_main; _worker_main({from_parent}, {to_parent})"
+        )
         self.process = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=env
         )
