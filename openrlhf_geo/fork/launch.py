@@ -145,18 +145,20 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
 class RunProcesses:
     """The processes one run starts, stopped by PID when it ends, fails, is interrupted (Ctrl-C) or gets SIGTERM.
 
-    Ray's shutdown (atexit, or ray.shutdown) signals the head it started and returns at once: its raylet, GCS,
-    dashboard and runtime-env agents, workers and vLLM's EngineCore processes were still up seconds after the run
-    returned, the agents a minute after their GCS was gone. Built before upstream's main runs, this makes the driver
-    a child subreaper (Linux), so every process the run starts stays its descendant even when its parent exits
-    first (raylet's agents and workers), and `stop` then: shuts Ray down if this run started it, waits RAY_EXIT_S
-    for the run's processes to exit, sends SIGTERM to those left, after TERM_S SIGKILL, and waits KILL_S more; what
-    is still there then is named on stderr. A run's processes are the driver's descendants started after it was
-    built (a pytest process that calls `main` keeps its own children); a cluster the driver only joined (RAY_ADDRESS,
-    `ray job submit`) is not among them. Signals that would interrupt `stop` are ignored while it runs (bounded).
+    Ray's shutdown (atexit, or ray.shutdown) signals the head it started and returns without waiting: on a CPU run
+    the policy and trainer actors' workers and vLLM's Worker were still running 3 s after it (8 s: still there).
+    Built before upstream's main runs, this makes the driver a child subreaper (Linux), so every process the run
+    starts stays its descendant even when its parent exits first (raylet's workers and agents). `stop` then shuts
+    Ray down if this run started it, waits RAY_EXIT_S for the run's processes to exit, sends SIGTERM to those left,
+    SIGKILL after TERM_S, and waits KILL_S more (each wait ends once nothing of the run is left, zombies reaped);
+    what is still there then is named on stderr. A run's processes are the driver's descendants started after this
+    was built (a pytest process that calls `main` keeps its own children); a cluster the driver only joined
+    (RAY_ADDRESS, `ray job submit`) is not among them. SIGINT and SIGTERM are ignored while `stop` runs (bounded).
     """
 
-    RAY_EXIT_S, TERM_S, KILL_S = 5.0, 3.0, 2.0
+    # After ray.shutdown (its GCS and raylet SIGTERMed, 1.9 s on a CPU run) its actors' workers and vLLM's engine
+    # processes were still running 8 s later: they get RAY_EXIT_S, then SIGTERM (vLLM's engine cleans up on it).
+    RAY_EXIT_S, TERM_S, KILL_S = 2.0, 5.0, 2.0
     POLL_S = 0.1
 
     def __init__(self):
@@ -207,20 +209,23 @@ class RunProcesses:
                     signal.signal(signum, handler)
 
     def _wait(self, seconds) -> list[int]:
-        """Reap the run's exited children until none of its processes is left or `seconds` pass; -> those left."""
+        """Reap the run's exited children until none of its processes is left, not even as a zombie, or `seconds`
+        pass; -> those still running. (An exited process whose parent is gone is this subreaper's child to reap.)"""
         deadline = time.monotonic() + seconds
         while True:
-            left = []
+            running, exited = [], []
             for pid, parent, state in _descendants(os.getpid(), self.since):
                 if state != "Z":
-                    left.append(pid)
-                elif parent == os.getpid():  # an exited child of ours (or an orphan we adopted as subreaper)
+                    running.append(pid)
+                elif parent == os.getpid():
                     try:
                         os.waitpid(pid, os.WNOHANG)
-                    except ChildProcessError:
+                    except ChildProcessError:  # reaped by its Popen meanwhile
                         pass
-            if not left or time.monotonic() > deadline:
-                return left
+                else:
+                    exited.append(pid)  # its parent, still running, reaps it
+            if not running and not exited or time.monotonic() > deadline:
+                return running
             time.sleep(self.POLL_S)
 
 
