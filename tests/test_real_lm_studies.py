@@ -417,6 +417,26 @@ def test_resummarize_refuses_a_directory_a_run_is_writing_and_one_without_its_re
     assert list(empty.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["real-lm-geometry", "real-lm-geoalign"])
+def test_resummarize_refuses_a_result_of_the_first_analysis_in_one_line_and_writes_nothing(name, tmp_path, capsys):
+    """The first runs' results (first-run/, kept as run, before the amendments): the current code cannot derive their
+    summary or report; nothing there is rewritten."""
+    from openrlhf_geo import cli
+
+    out = tmp_path / name
+    out.mkdir()
+    first = RESULTS / name / "first-run"
+    for file in ("records.json", "summary.json", "report.md"):
+        (out / file).write_bytes((first / file).read_bytes())
+    assert cli.main(["study", name, "--resummarize", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"openrlhf-geo study: error: --resummarize {out}: not a {name} result of the amended")
+    assert sorted(p.name for p in out.iterdir()) == ["records.json", "report.md", "summary.json"]
+    for file in ("summary.json", "report.md"):
+        assert (out / file).read_bytes() == (first / file).read_bytes(), file
+
+
 def test_the_gaps_are_proxy_minus_null_per_minibatch_beside_chance_and_salts_gap(tmp_path):
     """Third amendment, item 2, against numpy on the committed block's records: each gap is the mean over the
     mini-batches of proxy − null, chance is the mean of the full gradient's k_t/m (from its PR/k_t record), SALT's gap

@@ -600,13 +600,14 @@ def resummarize(directory) -> int:
     with real_lm.rewriting(directory) as directory:
         records = nan_json(real_lm.read_result(directory, "records.json"))
         old = real_lm.read_result(directory, "summary.json")
-        try:
+        try:  # both derived before either is written
             summary = strict_json(summarize(records, old["setup"]))
+            report = render(summary)
         except (KeyError, TypeError, IndexError, ValueError) as error:
             raise ValueError(f"--resummarize {directory}: not a real-lm-geoalign result of the amended analysis "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
         (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (directory / "report.md").write_text(render(summary))
+        (directory / "report.md").write_text(report)
     print(f"study real-lm-geoalign: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
           f"{len(records)} records")  # fmt: skip
     return 0

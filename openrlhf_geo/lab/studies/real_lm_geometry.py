@@ -57,6 +57,7 @@ PERMUTATIONS = 200  # item 4: permuted-label draws per batch and family
 NULLS = {"matched": "matched-rand-subspace", "random": "rand-proj"}  # item 3's nulls as salt.VARIANTS
 NULL_METRICS = ("norm_ratio", "D_a", "D_g", "n_eff_salt", "U_perp_gain", "sign_flip")
 PROMPT_CIS = ("n_eff_prompts", "n_eff_prompts_apart", "gap_vs_random")  # prompt_cis' entries of a condition
+PLOT = "geometry_by_cap.png"
 FAMILIES = ("prompt", "name", "item")  # item 4's indicator families
 NULL_LABELS = {"norm_ratio": "‖a'‖/‖a‖", "D_a": "D_a", "D_g": "D_g", "n_eff_salt": "n_eff(a')",
                "U_perp_gain": "U⊥ gain", "sign_flip": "sign flips"}  # fmt: skip
@@ -725,7 +726,7 @@ def render_amendment(summary) -> list[str]:
     return lines
 
 
-def plot(summary, out) -> str:
+def plot(summary, out) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -751,10 +752,8 @@ def plot(summary, out) -> str:
         ax.set_xticks(summary["setup"]["caps"], [str(c) for c in summary["setup"]["caps"]])
     axes[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    name = "geometry_by_cap.png"
-    fig.savefig(Path(out) / name, dpi=100)
+    fig.savefig(Path(out) / PLOT, dpi=100)
     plt.close(fig)
-    return name
 
 
 def estimate_seconds(sizes, temperatures, cached) -> float:
@@ -815,11 +814,12 @@ def run(args, out, workers, cache=None):
 
 
 def write_summary(out, summary):
-    """<out>/summary.json, report.md and the plot of a summary."""
-    summary["plots"] = [plot(summary, out)]
-    data = strict_json(summary)
+    """<out>/summary.json, report.md and the plot of a summary, each derived before anything is written."""
+    data = strict_json({**summary, "plots": [PLOT]})
+    report = render(data)
+    plot(summary, out)
     (Path(out) / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
-    (Path(out) / "report.md").write_text(render(data))
+    (Path(out) / "report.md").write_text(report)
 
 
 def resummarize(directory) -> int:
@@ -833,11 +833,10 @@ def resummarize(directory) -> int:
             kept = nan_json({"table": {key: {name: row[name] for name in PROMPT_CIS if name in row}
                                        for key, row in old["table"].items()},
                              "by_cap": old["n_eff_vs_longest_cap_prompts"]})  # fmt: skip
-            summary = summarize(records, old["setup"], kept)
+            write_summary(directory, summarize(records, old["setup"], kept))
         except (KeyError, TypeError, IndexError, ValueError) as error:
             raise ValueError(f"--resummarize {directory}: not a real-lm-geometry result of the amended analysis "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
-        write_summary(directory, summary)
     print(f"study real-lm-geometry: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
           f"{len(records)} records")  # fmt: skip
     return 0

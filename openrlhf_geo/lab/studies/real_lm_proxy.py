@@ -440,11 +440,12 @@ def resummarize(directory) -> int:
         setup.update({key: value for key, value in known.items() if key not in setup})
         try:
             summary = strict_json(summarize(blocks, setup))
+            report = render(summary)  # both derived before either is written
         except (KeyError, TypeError, IndexError) as error:
             raise ValueError(f"--resummarize {directory}: its block files are not real-lm-proxy blocks "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
         (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (directory / "report.md").write_text(render(summary))
+        (directory / "report.md").write_text(report)
     print(f"study real-lm-proxy: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from "
           f"{len(blocks)} block file(s)")  # fmt: skip
     return 0

@@ -192,13 +192,14 @@ def resummarize(directory) -> int:
         try:
             seconds = {name: run["seconds"] for name, run in old["runs"].items()}
             summary = strict_json(summarize(metrics, old["setup"], seconds, old["setup"]))
+            report = render(summary)  # both derived before either is written
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"--resummarize {directory}: its summary.json is not a real-lm-rl summary "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
         except ValueError as error:  # read_jsonl's one line naming the file
             raise ValueError(f"--resummarize {directory}: {error}") from None
         (directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (directory / "report.md").write_text(render(summary))
+        (directory / "report.md").write_text(report)
     print(f"study real-lm-rl: re-derived {directory / 'summary.json'} and {directory / 'report.md'} from the runs' "
           "metrics")  # fmt: skip
     return 0
