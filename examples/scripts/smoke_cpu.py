@@ -337,9 +337,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S) -> tuple[int, list[str]]:
+def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S, grace=60) -> tuple[int, list[str]]:
     """Run `command` in a new session for at most `timeout` s; (exit code, what of the session was left running
-    and then stopped). A run past the limit is stopped and reported as exit code 124."""
+    `grace` s after it exited, then stopped). A run past the limit is stopped and reported as exit code 124."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
@@ -355,7 +355,7 @@ def run_group(command, log_path: Path, env, cwd: Path, timeout=RUN_TIMEOUT_S) ->
             os.killpg(proc.pid, signal.SIGTERM)
             stop_session(proc.pid, grace=10)
             raise
-    return code, stop_session(proc.pid)
+    return code, stop_session(proc.pid, grace)
 
 
 def stop_session(sid: int, grace: float = 60) -> list[str]:
@@ -664,7 +664,8 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
             reward or str(assets / "reward_func.py"), model_name, spec.get("sync", True),
         )  # fmt: skip
         (run / "command.json").write_text(json.dumps(command, indent=1) + "\n")
-        code, more = run_group(command, run / "train.log", env, run, timeout)
+        # the driver stops what its run started before it returns (fork.launch.RunProcesses)
+        code, more = run_group(command, run / "train.log", env, run, timeout, grace=3)
         left += more
     finally:
         if server is not None:
