@@ -143,7 +143,12 @@ def test_the_script_refuses_a_condition_of_the_other_model(tmp_path, capsys):
 
 def test_the_real_lm_condition_runs_with_its_flags_reward_threads_and_limit(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(SCRIPT, "run_group", lambda cmd, log, env, cwd, timeout: seen.update(locals()) or (1, []))
+
+    def run_group(cmd, log, env, cwd, timeout, grace):
+        seen.update(locals())
+        return 1, []
+
+    monkeypatch.setattr(SCRIPT, "run_group", run_group)
     name = "smollm2_salt_geoalign_flip"
     SCRIPT.run_condition(name, SCRIPT.SMOLLM2_CONDITIONS[name], tmp_path, tmp_path / "assets", "smollm2")
     cmd = seen["cmd"]
@@ -151,6 +156,7 @@ def test_the_real_lm_condition_runs_with_its_flags_reward_threads_and_limit(tmp_
     assert cmd[len(cmd) - cmd[::-1].index("--data.max_samples")] == "8"  # the last value is argparse's
     assert seen["env"]["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
     assert seen["timeout"] == SCRIPT.SMOLLM2_RUN_TIMEOUT_S
+    assert seen["grace"] == 3  # nothing of the run may be left 3 s after its driver returned
     SCRIPT.run_condition("salt", CONDITIONS["salt"], tmp_path, tmp_path / "assets")
     assert seen["timeout"] == SCRIPT.RUN_TIMEOUT_S and "--data.label_key" in seen["cmd"]
     assert seen["cmd"][seen["cmd"].index("--reward.remote_url") + 1] == str(tmp_path / "assets" / "reward_func.py")
