@@ -296,8 +296,12 @@ def _locked(target: Path):
     beside it, removed when done so that nothing is left in a user's directory. The holder removes it before
     unlocking, so a process that waited on the removed file retries on the current one."""
     path = target.parent / f".{target.name}.lock"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, _ = lockfile.lock(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, _ = lockfile.lock(path)
+    except OSError as error:  # named by the directory asked for, not by the lock file's path
+        where = f"its lock file {path.name} beside it: " if error.filename == str(path) else ""
+        raise AssetError(f"{target}: cannot write there ({where}{error.strerror})") from None
     with handle:
         try:
             yield

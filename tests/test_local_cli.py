@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_a_used_output_dir_is_never_replaced_silently_and_a_crashed_run_resumes(
     capsys.readouterr()
 
     refusals = [
-        ([], "already holds a run (checkpoint.prev.pt, checkpoint.pt, metrics.jsonl, model)"),  # a fresh run
+        ([], "already holds a run (checkpoint.prev.pt, checkpoint.pt, metrics.jsonl, model, run.json)"),  # fresh
         (
             ["--ckpt.load_enable", "--actor.adam.lr", "1e-3", "--train.seed", "7"],
             "lr 1e-06 -> 0.001, --train.seed 42 -> 7",
@@ -128,8 +129,53 @@ def test_a_used_output_dir_is_never_replaced_silently_and_a_crashed_run_resumes(
     same_numbers(rows[2], first[2])  # step 2 again from the step-1 checkpoint: the same numbers
 
     assert cli.main(train_argv(tmp, 1, "--ckpt.overwrite")) == 0
+    replaced = "checkpoint.prev.pt, checkpoint.pt, checkpoint.pt.bad, metrics.jsonl, model"
+    assert f"replacing the earlier run in {out}: {replaced}\n" in capsys.readouterr().err  # named, then replaced
     assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [0, 1]
     assert not (out / "checkpoint.prev.pt").exists() and not (out / "checkpoint.pt.bad").exists()
+
+
+def test_overwrite_refuses_a_directory_no_run_wrote_and_deletes_nothing(setup, capsys):
+    """--ckpt.overwrite deleted model/, tensorboard/ and metrics.jsonl of a directory that never held a run."""
+    out = setup / "out"
+    for name in ("model/my_weights.bin", "tensorboard/events.mine", "metrics.jsonl", "keep.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    before = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file())
+    assert cli.main(train_argv(setup, 1, "--ckpt.overwrite")) == 1
+    err = capsys.readouterr().err
+    assert f"--ckpt.output_dir {out} holds files no run wrote (keep.txt, metrics.jsonl, model, tensorboard)" in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) == before
+
+
+def test_an_output_dir_holding_or_inside_an_input_is_refused_and_the_input_kept(setup, capsys):
+    """--actor.model_name_or_path DIR/model --ckpt.output_dir DIR --ckpt.overwrite deleted DIR/model at the start."""
+    out = setup / "out"
+    build_model(build_tokenizer(), hidden_size=32, num_layers=1, num_heads=2).save_pretrained(out / "model")
+    build_tokenizer().save_pretrained(out / "model")
+    before = sorted((p.name, p.read_bytes()) for p in (out / "model").iterdir())
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = with_model(train_argv(setup, 1, "--ckpt.overwrite"), out / "model")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt.output_dir {out} holds --actor.model_name_or_path {out / 'model'}: a run there would" in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted((p.name, p.read_bytes()) for p in (out / "model").iterdir()) == before
+    for name in ("data/train.jsonl", "r/reward.py"):
+        (setup / name).parent.mkdir()
+        (setup / name).write_bytes((setup / Path(name).name).read_bytes())
+    refusals = [  # (output directory, the input flag, its value, how the message relates them)
+        (setup / "data", "--data.prompt_dataset", setup / "data" / "train.jsonl", "holds"),
+        (setup / "r" / "x" / "..", "--reward.func", setup / "r" / "reward.py", "holds"),
+        (setup / "tok", "--actor.tokenizer", setup / "tok", "is"),
+        (setup / "tok" / "run", "--actor.tokenizer", setup / "tok", "is inside"),
+        (setup, "--actor.config", setup / "cfg" / "config.json", "holds"),
+    ]
+    for output, flag, value, relation in refusals:
+        argv = train_argv(setup, 1, flag, str(value), "--ckpt.output_dir", str(output))
+        assert cli.main(argv) == 2
+        assert f"--ckpt.output_dir {output} {relation} {flag} {value}: a run there" in capsys.readouterr().err
 
 
 def test_resume_without_a_checkpoint_needs_an_empty_dir(setup, capsys):
@@ -137,7 +183,7 @@ def test_resume_without_a_checkpoint_needs_an_empty_dir(setup, capsys):
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     assert cli.main(train_argv(tmp, 1, "--ckpt.load_enable")) == 1
-    assert "has no checkpoint to resume but holds metrics.jsonl" in capsys.readouterr().err
+    assert f"--ckpt.output_dir {out} holds files no run wrote (metrics.jsonl)" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert cli.main(train_argv(tmp, 1, "--ckpt.load_enable", "--ckpt.output_dir", str(tmp / "empty"))) == 0
     assert "no checkpoint in" in capsys.readouterr().err
@@ -224,6 +270,7 @@ BAD_LINES = {
         (["--actor.model_name_or_path", "./no/model"], "--actor.model_name_or_path ./no/model: no such file or"),
         (["--ckpt.output_dir", "{t}/train.jsonl"], "--ckpt.output_dir {t}/train.jsonl: is a file"),
         (["--ckpt.output_dir", "{t}/train.jsonl/x"], "{t}/train.jsonl/x: cannot write there (Not a directory)"),
+        (["--ckpt.output_dir", ""], "--ckpt.output_dir is empty: name the run's directory"),  # not the cwd
         (["--rollout.temperature", "inf"], "--rollout.temperature must be a finite number (got inf)"),
         (["--rollout.temperature", "nan"], "--rollout.temperature must be a finite number (got nan)"),
         (["--rollout.temperature", "0"], "--rollout.temperature must be > 0 (got 0.0)"),

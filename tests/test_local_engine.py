@@ -821,3 +821,17 @@ def test_rewards_up_to_the_limit_keep_upstreams_float32_group_statistics_finite(
     assert bool(torch.isfinite(advantages).all()) and (len(set(signs)) == 1 or bool(advantages.abs().max() > 0.1))
     with pytest.raises(ValueError, match=r"rewards lie beyond"):
         check_reward_scale(rewards * 1.001, torch.zeros(n, dtype=torch.long), 1, "test")
+
+
+def test_both_counts_of_rollouts_without_action_tokens_reach_the_local_engines_metrics(tokenizer):
+    """The local engine hands the pipeline each rollout's action tokens (its response mask): a rollout whose mask
+    is empty is counted by SALT and GeoAlign (their tests: test_salt_stage.py, test_geoalign.py)."""
+    flags = ["--advantage_estimator", "salt", "--salt.features", "exact", "--geoalign.enable"]
+    flags += ["--geoalign.projector.steps", "3", "--geoalign.projector.hidden_sizes", "16"]
+    trainer = Trainer(make_args(*flags), tiny_model(tokenizer), tokenizer, [], None)
+    captured = capture_advantages(trainer)
+    batch = hand_batch(tokenizer, BASELINE_PROMPTS, BASELINE_RESPONSES, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    batch.mask[2] = False
+    metrics = trainer.learn(batch)
+    assert metrics["salt/zero_action_rollouts"] == 1.0 and metrics["geo/zero_action_rollouts"] == 1.0
+    assert metrics["salt/m"] == 7.0 and len(captured[0]) == 8

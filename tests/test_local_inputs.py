@@ -269,7 +269,7 @@ def foreign(tmp_path):
 def test_train_refused_in_a_foreign_directory_leaves_no_lock(tmp_path, foreign, capsys):
     data = write_rows(tmp_path / "d.jsonl", ["12+34="])
     assert cli.main(train_argv(tmp_path, data, "--ckpt.output_dir", str(foreign))) == 1
-    assert "already holds a run (notes.txt)" in one_error_line(capsys)
+    assert f"{foreign} holds files no run wrote (notes.txt)" in one_error_line(capsys)  # not "a run"
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
 
 

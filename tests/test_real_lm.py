@@ -102,6 +102,16 @@ def test_interrupted_conversion_leaves_nothing_and_the_next_one_finishes(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no lock file, no temp directory
 
 
+def test_a_lock_that_cannot_be_taken_is_named_by_the_out_directory(tmp_path, monkeypatch, capsys):
+    """The refusal was Python's "[Errno 21] Is a directory: '<dir>/.m.lock'", naming only the lock file."""
+    monkeypatch.setattr(real_lm, "_build", _fake_build)
+    (tmp_path / ".m.lock").mkdir()
+    assert real_lm.main(["smollm2", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    reason = "cannot write there (its lock file .m.lock beside it: Is a directory)"
+    assert err == f"openrlhf-geo model: {tmp_path / 'm'}: {reason}\n"
+
+
 def test_concurrent_conversions_build_once_and_leave_no_lock_file(tmp_path, monkeypatch):
     """The lock file is removed after each conversion; a waiter on a removed one must not build beside the holder."""
     import threading

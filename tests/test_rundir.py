@@ -1,5 +1,7 @@
 """The run directory: claiming and locking it, crash-safe checkpoints, log trimming, resume flag checks, loggers."""
 
+import errno
+import json
 import math
 import os
 import random
@@ -55,13 +57,14 @@ def test_claim_starts_fresh_in_a_missing_or_empty_directory(tmp_path):
 
 
 def test_claim_refuses_a_used_directory_unless_resuming_or_overwriting(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with rundir.claim(tmp_path):  # a run's record, then its first log
+        (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(
-        ValueError, match=r"already holds a run \(metrics.jsonl\).*--ckpt.load_enable.*--ckpt.overwrite"
+        ValueError, match=r"already holds a run \(metrics.jsonl, run.json\).*--ckpt.load_enable.*--ckpt.overwrite"
     ):
         with rundir.claim(tmp_path):
             pass
-    with pytest.raises(ValueError, match="--ckpt.load_enable: .* has no checkpoint to resume but holds metrics.jsonl"):
+    with pytest.raises(ValueError, match="--ckpt.load_enable: .* has no checkpoint to resume but holds a run"):
         with rundir.claim(tmp_path, resume=True):
             pass
     with rundir.claim(tmp_path, overwrite=True) as resuming:
@@ -70,6 +73,67 @@ def test_claim_refuses_a_used_directory_unless_resuming_or_overwriting(tmp_path)
     rundir.save_checkpoint(tmp_path, fake_state())
     with rundir.claim(tmp_path, resume=True) as resuming:
         assert resuming is True
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_files_no_run_wrote_are_named_as_such_and_refused_even_with_overwrite(tmp_path, overwrite):
+    """One user file was called "a run"; --ckpt.overwrite deleted a user's model/, tensorboard/ and metrics.jsonl."""
+    names = ["keep.txt", "metrics.jsonl", "model", "tensorboard"]
+    for name in ("keep.txt", "metrics.jsonl", "model/my_weights.bin", "tensorboard/events.mine"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("mine")
+    for resume in (False, True):
+        with pytest.raises(ValueError, match=f"{tmp_path} holds files no run wrote \\({', '.join(names)}\\)") as e:
+            with rundir.claim(tmp_path, resume=resume, overwrite=overwrite):
+                pass
+        assert "a run" not in str(e.value).split("wrote")[0]
+    with rundir.claim(tmp_path / "run"):
+        (tmp_path / "run" / "keep.txt").write_text("mine")  # a user's file beside a run's
+        (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"holds files no run wrote \(keep.txt\)"):
+        with rundir.claim(tmp_path / "run", overwrite=overwrite):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, "run"])
+    assert (tmp_path / "model" / "my_weights.bin").read_text() == "mine"
+
+
+def test_a_fresh_start_writes_the_run_record_and_takes_it_back_when_nothing_else_was_written(tmp_path):
+    with pytest.raises(RuntimeError):
+        with rundir.claim(tmp_path / "run"):
+            assert (tmp_path / "run" / rundir.RECORD).exists()
+            raise RuntimeError("a failed start")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(RuntimeError):
+        with rundir.claim(tmp_path / "run"):
+            (tmp_path / "run" / "metrics.jsonl").write_text("")
+            raise RuntimeError("a failed step")
+    assert rundir.run_files(tmp_path / "run") == (["metrics.jsonl", rundir.RECORD], [])
+
+
+def test_clear_run_deletes_and_names_only_what_the_record_lists_and_this_code_writes(tmp_path, capsys):
+    with rundir.claim(tmp_path):
+        pass
+    record = json.loads((tmp_path / rundir.RECORD).read_text())
+    assert record["paths"] == list(rundir.RUN_FILES)
+    for name in ("metrics.jsonl", "checkpoint.pt", "checkpoint.pt.bad", "checkpoint.pt.bad.1", "wandb", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    rundir.clear_run(tmp_path)
+    shown = "checkpoint.pt, checkpoint.pt.bad, checkpoint.pt.bad.1, metrics.jsonl, model"
+    assert capsys.readouterr().err == f"replacing the earlier run in {tmp_path}: {shown}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rundir.LOCK, "notes.txt", rundir.RECORD, "wandb"]
+    (tmp_path / rundir.RECORD).write_text(json.dumps({"paths": ["*", "notes.txt"]}))  # a record never widens it
+    rundir.clear_run(tmp_path)
+    assert (tmp_path / "notes.txt").exists() and capsys.readouterr().err == ""
+
+
+def test_an_older_versions_run_without_a_record_is_recognised_by_its_checkpoint(tmp_path):
+    rundir.save_checkpoint(tmp_path, fake_state())
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert rundir.run_files(tmp_path) == (["checkpoint.pt", "metrics.jsonl"], [])
+    (tmp_path / "checkpoint.pt").unlink()
+    assert rundir.run_files(tmp_path) == ([], ["metrics.jsonl"])
 
 
 def test_resume_without_a_checkpoint_in_an_empty_directory_starts_fresh_with_a_notice(tmp_path, capsys):
@@ -105,6 +169,37 @@ def test_a_second_run_on_the_same_directory_is_refused_while_the_first_holds_it(
         pass
 
 
+def test_a_lock_file_that_cannot_be_used_is_named_with_the_flag_and_folder_not_as_another_run(tmp_path, monkeypatch):
+    """No permission on the lock file was refused as "another run is writing it"; a lock file that is a symbolic
+    link to nothing made the claim loop forever (run in a child process, killed if it does not return)."""
+    (tmp_path / "dir" / rundir.LOCK).mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"--ckpt.output_dir {tmp_path / 'dir'}: cannot write there \\(.lock: Is a"):
+        with rundir.claim(tmp_path / "dir"):
+            pass
+    with pytest.raises(rundir.OutputClaimed, match=f"--out {tmp_path / 'dir'}: .lock: Is a directory"):
+        with rundir.claim_output(tmp_path / "dir", "cmd"):
+            pass
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / rundir.LOCK).symlink_to(tmp_path / "nothing")
+    claim = "from openrlhf_geo.local import rundir; import sys\nwith rundir.claim(sys.argv[1]): pass"
+    child = subprocess.Popen([sys.executable, "-c", claim, str(tmp_path / "link")], stderr=subprocess.PIPE, text=True)
+    try:
+        err = child.communicate(timeout=120)[1]
+    finally:
+        child.kill()
+        child.wait()
+    assert "cannot write there (.lock: a symbolic link to nothing)" in err
+    assert not (tmp_path / "nothing").exists()
+
+    def denied(path, blocking=True):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(rundir.lockfile, "lock", denied)
+    with pytest.raises(ValueError, match=r"dir: cannot write there \(.lock: Permission denied\)"):
+        with rundir.claim(tmp_path / "dir"):
+            pass
+
+
 def test_the_lock_holds_against_another_process_and_dies_with_it(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); f.write('pid x\\n'); f.flush();"
@@ -123,7 +218,7 @@ def test_the_lock_holds_against_another_process_and_dies_with_it(tmp_path):
         assert resuming is False
 
 
-def test_clear_run_deletes_only_what_a_run_writes(tmp_path):
+def test_clear_run_deletes_only_what_an_older_versions_run_wrote(tmp_path):
     for name in ("metrics.jsonl", "gdi.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "notes.txt"):
         (tmp_path / name).write_text("x")
     (tmp_path / "model").mkdir()
@@ -178,6 +273,18 @@ def test_a_damaged_newest_checkpoint_is_never_loaded_silently(tmp_path, capsys, 
         else:
             assert_same(loaded["state"], newest)
     assert how == "bitflip" or len(list(tmp_path.glob("*/*.bad"))) == 60  # every truncation is caught
+
+
+def test_a_second_fallback_keeps_the_bad_checkpoint_the_first_one_kept(tmp_path, capsys):
+    """The second fallback's checkpoint.pt.bad replaced the first one's."""
+    for damage, steps in ((b"first damage", (1, 2)), (b"second damage", (3, 4))):
+        for step in steps:
+            rundir.save_checkpoint(tmp_path, fake_state(step=step))
+        (tmp_path / rundir.CHECKPOINT).write_bytes(damage)
+        assert rundir.load_checkpoint(tmp_path)["step"] == steps[0]
+    assert "moved it to checkpoint.pt.bad.1 and resuming from" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pt.bad").read_bytes() == b"first damage"
+    assert (tmp_path / "checkpoint.pt.bad.1").read_bytes() == b"second damage"
 
 
 def test_flipped_tensor_bytes_are_detected_by_the_digest(tmp_path):

@@ -213,6 +213,9 @@ def validate(args):
     for ok, message, value in checks:
         if not ok:
             raise ValueError(f"{message} (got {value})")
+    if not args.ckpt.output_dir:
+        raise ValueError("--ckpt.output_dir is empty: name the run's directory (an empty path is the current one)")
+    check_inputs_outside_output(args)
     if args.reward.noise.type == "swap" and args.reward.pm1:
         raise ValueError("--reward.noise.type swap is for scalar rewards; use flip with --reward.pm1")
     if args.train.device is not None:
@@ -248,6 +251,29 @@ INPUT_PATH_FLAGS = (
     "reward.func",
 )
 OUTPUT_PATH_FLAGS = ("ckpt.output_dir", "logger.tensorboard_dir")
+
+
+def check_inputs_outside_output(args):
+    """Refuse (ValueError naming both flags) an input path flag that names something inside --ckpt.output_dir or a
+    directory holding it: a run replaces its model there, and --ckpt.overwrite deletes what an earlier run wrote."""
+    out = args.ckpt.output_dir
+    output = Path(out).resolve()
+    for key in INPUT_PATH_FLAGS:
+        group, _, name = key.partition(".")
+        value = getattr(getattr(args, group), name)
+        if not value or not Path(value).exists():  # a hub id or the built-in reward's name
+            continue
+        given = Path(value).resolve()
+        if output in given.parents:
+            where = "holds"
+        elif given.is_dir() and (given == output or given in output.parents):
+            where = "is" if given == output else "is inside"
+        else:
+            continue
+        raise ValueError(
+            f"--ckpt.output_dir {out} {where} --{key} {value}: a run there would replace or delete its own input; "
+            "choose another --ckpt.output_dir"
+        )
 
 
 def resolve_paths(config):

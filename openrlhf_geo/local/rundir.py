@@ -3,8 +3,10 @@
 Layout of ``--ckpt.output_dir``::
 
     .lock                 flock(2)-ed by the run writing the directory (a second run is refused, never queued)
+    run.json              the run record, written when a run starts fresh: the names a run writes here (RUN_FILES),
+                          the only ones --ckpt.overwrite replaces; other files make it refuse, naming them
     checkpoint.pt         the newest checkpoint; checkpoint.prev.pt the one before it (the fallback);
-                          checkpoint.pt.bad one found unreadable at a resume, kept for inspection
+                          checkpoint.pt.bad (.bad.1, ...) each one found unreadable at a resume, kept for inspection
     metrics.jsonl         one JSON object per step; gdi.jsonl GeoAlign's per-rollout records
     model/                the final model and tokenizer (save_pretrained)
     tensorboard/          --use_tensorboard's default event directory
@@ -14,8 +16,8 @@ A checkpoint is ``{"format", "version", "step", "config", "state", "digest"}``: 
 because torch's zip reader does not verify the CRC of the records it reads: a flipped bit in a tensor loads silently.
 """
 
-import errno
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -30,19 +32,24 @@ import torch
 
 from openrlhf_geo import lockfile, options
 
-CHECKPOINT, PREVIOUS, LOCK = "checkpoint.pt", "checkpoint.prev.pt", ".lock"
+CHECKPOINT, PREVIOUS, LOCK, RECORD = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "run.json"
 FORMAT, VERSION = "openrlhf-geo-local-checkpoint", 1
-# what a run writes; --ckpt.overwrite removes exactly these (wandb/ is left alone: offline runs may be unsynced)
+# what a run writes (fnmatch patterns), stored in its RECORD; --ckpt.overwrite removes exactly these but KEPT
 RUN_FILES = (
     CHECKPOINT,
     PREVIOUS,
     f"{CHECKPOINT}.bad",
+    f"{CHECKPOINT}.bad.[0-9]*",
     f"{CHECKPOINT}.tmp",
     "metrics.jsonl",
+    "metrics.jsonl.tmp",
     "gdi.jsonl",
+    "gdi.jsonl.tmp",
     "model",
     "tensorboard",
+    "wandb",
 )
+KEPT = ("wandb",)  # offline wandb runs may be unsynced
 
 # Flags a resumed run may change: none of them alters the state a step produces from the state before it.
 SAFE_TO_CHANGE = {
@@ -137,14 +144,18 @@ def _lock(path):
     process holds it."""
     try:
         return lockfile.lock(path, blocking=False)
-    except OSError as error:
-        if error.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
+    except BlockingIOError:  # held; a PermissionError (EACCES too) is the file's, and raised as it is
         try:
             owner = Path(path).read_text().strip()
         except OSError:
             owner = ""
         raise Busy(owner or "another process") from None
+
+
+def _unwritable(error):
+    """Why `locked` failed with the OSError `error`, for a message that names the directory: "<strerror>", or
+    ".lock: <strerror>" when the lock file itself is the problem (a directory, a link to nothing, not writable)."""
+    return f"{LOCK}: {error.strerror}" if error.filename and Path(error.filename).name == LOCK else error.strerror
 
 
 def _remove_empty(directories):
@@ -162,9 +173,11 @@ def _remove_empty(directories):
 def claim(out_dir, resume=False, overwrite=False):
     """Create and lock `out_dir` for this process -> yields True to resume from its checkpoint, False to start fresh.
 
-    A fresh start needs an empty directory, or `overwrite` (the caller then clears the old run with `clear_run`
-    once its own inputs are checked). `resume` with a checkpoint present resumes; without one it starts fresh in
-    an empty directory and is an error in a non-empty one (unless `overwrite`). ValueError naming the flag.
+    A fresh start needs an empty directory, or `overwrite` in one that holds only a run's files (`run_files`: the
+    caller then deletes them with `clear_run` once its own inputs are checked); files no run wrote are refused, named,
+    with or without `overwrite`. `resume` with a checkpoint present resumes; without one it starts fresh as without
+    `resume` (in a non-empty directory only with `overwrite`). A fresh start writes the run record (RECORD), taken back
+    when the block raises before anything else was written. ValueError naming the flag.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -173,28 +186,49 @@ def claim(out_dir, resume=False, overwrite=False):
         try:
             stack.enter_context(locked(out_dir))
         except OSError as error:
-            raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({error.strerror})") from None
+            raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({_unwritable(error)})") from None
         except Busy as busy:
             raise ValueError(
                 f"--ckpt.output_dir {out_dir}: another run is writing it ({busy.owner}); wait for it or choose another"
             ) from None
-        yield _decide(out_dir, resume, overwrite)
+        resuming = _decide(out_dir, resume, overwrite)
+        record = out_dir / RECORD
+        written = not resuming and not record.exists()
+        if written:
+            record.write_text(json.dumps({"written_by": "openrlhf-geo train", "paths": list(RUN_FILES)}) + "\n")
+        try:
+            yield resuming
+        except BaseException:
+            if written and {p.name for p in out_dir.iterdir()} <= {LOCK, RECORD}:  # nothing of the run's yet
+                record.unlink()
+            raise
+
+
+def _shown(names):
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def _decide(out_dir, resume, overwrite):
-    held = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
     has_checkpoint = (out_dir / CHECKPOINT).exists() or (out_dir / PREVIOUS).exists()
     if resume and has_checkpoint:
         return True
-    if held and not overwrite:
-        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+    ours, others = run_files(out_dir)
+    if others:
+        why = (
+            f"--ckpt.overwrite replaces only what a run's {RECORD} lists" if overwrite else "a run needs an empty one"
+        )
+        raise ValueError(
+            f"--ckpt.output_dir {out_dir} holds files no run wrote ({_shown(others)}), and {why}: move them, or "
+            "choose another --ckpt.output_dir"
+        )
+    if ours not in ([], [RECORD]) and not overwrite:  # a record alone: a run that wrote nothing yet
         if resume:
             raise ValueError(
-                f"--ckpt.load_enable: {out_dir} has no checkpoint to resume but holds {shown}; "
+                f"--ckpt.load_enable: {out_dir} has no checkpoint to resume but holds a run ({_shown(ours)}); "
                 "pass --ckpt.overwrite to start over there, or choose another --ckpt.output_dir"
             )
         raise ValueError(
-            f"--ckpt.output_dir {out_dir} already holds a run ({shown}); resume it with --ckpt.load_enable, "
+            f"--ckpt.output_dir {out_dir} already holds a run ({_shown(ours)}); resume it with --ckpt.load_enable, "
             "replace it with --ckpt.overwrite, or choose another --ckpt.output_dir"
         )
     if resume:
@@ -202,11 +236,33 @@ def _decide(out_dir, resume, overwrite):
     return False
 
 
+def run_files(out_dir):
+    """(the run's, the others): the names in `out_dir` but the lock, sorted. A run's are its RECORD and the names
+    the record lists (as far as RUN_FILES has them: a record never widens what `clear_run` deletes); an older
+    version's run, which wrote no record, is recognised by its checkpoint. Anything else is not a run's."""
+    out_dir = Path(out_dir)
+    names = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
+    try:
+        listed = json.loads((out_dir / RECORD).read_text())["paths"]
+        patterns = [p for p in listed if p in RUN_FILES] + [RECORD]
+    except FileNotFoundError:
+        patterns = list(RUN_FILES) if (out_dir / CHECKPOINT).exists() or (out_dir / PREVIOUS).exists() else []
+    except (OSError, ValueError, KeyError, TypeError):  # not a record this code wrote: nothing is accounted for
+        patterns = []
+    ours = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    return ours, [name for name in names if name not in ours]
+
+
 def clear_run(out_dir):
-    """Delete what an earlier run wrote in `out_dir` (RUN_FILES); anything else stays."""
-    for name in RUN_FILES:
-        path = Path(out_dir) / name
-        if path.is_dir():
+    """Delete what an earlier run wrote in `out_dir` (`run_files`, but KEPT and the record), naming it; anything
+    else stays."""
+    out_dir = Path(out_dir)
+    replaced = [name for name in run_files(out_dir)[0] if name not in (*KEPT, RECORD)]
+    if replaced:
+        print(f"replacing the earlier run in {out_dir}: {_shown(replaced)}", file=sys.stderr)
+    for name in replaced:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
@@ -312,8 +368,8 @@ def load_checkpoint(out_dir):
     """The newest usable checkpoint of `out_dir` -> {"step", "config", "state", "path"}.
 
     Falls back to checkpoint.prev.pt with a warning when checkpoint.pt is unreadable (the bad file is moved aside
-    to checkpoint.pt.bad so that the next save does not rotate it over the good one); CheckpointError naming the
-    files when neither can be used.
+    to checkpoint.pt.bad, or .bad.1, ... when one is there, so that the next save does not rotate it over the good
+    one); CheckpointError naming the files when neither can be used.
     """
     out_dir = Path(out_dir)
     problems = []
@@ -327,8 +383,12 @@ def load_checkpoint(out_dir):
             problems.append(str(error))
             continue
         if problems:
-            os.replace(out_dir / CHECKPOINT, out_dir / f"{CHECKPOINT}.bad")
-            warn(f"{problems[0]}; moved it to {CHECKPOINT}.bad and resuming from {path} (step {checkpoint['step']})")
+            bad, number = out_dir / f"{CHECKPOINT}.bad", 0
+            while bad.exists():  # one kept by an earlier fallback stays too
+                number += 1
+                bad = out_dir / f"{CHECKPOINT}.bad.{number}"
+            os.replace(out_dir / CHECKPOINT, bad)
+            warn(f"{problems[0]}; moved it to {bad.name} and resuming from {path} (step {checkpoint['step']})")
         elif name == PREVIOUS:
             warn(f"{out_dir / CHECKPOINT} is missing (a kill between renames?); resuming from {path}")
         return {**checkpoint, "path": path}
@@ -420,7 +480,7 @@ def claim_output(path, command, name="--out"):
         try:
             stack.enter_context(locked(out))
         except OSError as error:
-            raise OutputClaimed(f"{name} {out}: {error.strerror}") from None
+            raise OutputClaimed(f"{name} {out}: {_unwritable(error)}") from None
         except Busy:
             raise OutputClaimed(
                 f"{name} {out}: another run is writing it; wait for it or choose another {name}"
