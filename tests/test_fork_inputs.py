@@ -74,8 +74,8 @@ def test_overwrite_deletes_nothing_when_upstreams_own_checks_refuse_the_command(
     final, ckpt = finished_run(tmp_path)
     before = snapshot(tmp_path)
     argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.output_dir", str(final), "--ckpt.path", str(ckpt)]
-    with pytest.raises(AssertionError, match="requires n_samples_per_prompt > 1"):
-        parse(up, monkeypatch, [*argv, "--ckpt.overwrite", "--rollout.n_samples_per_prompt", "1"])
+    with pytest.raises(AssertionError, match="--train.partial_rollout_enable requires --train.async_enable"):
+        parse(up, monkeypatch, [*argv, "--ckpt.overwrite", "--train.partial_rollout_enable"])
     assert snapshot(tmp_path) == before
 
 

@@ -656,7 +656,9 @@ def test_a_checkpoint_written_with_other_geometry_flags_is_refused_naming_each(u
     fork_hooks.save_geometry_state(NS(experience_maker=maker, args=maker.strategy.args), states)
     assert fork_hooks.FLAGS_KEY in states
     changed = make_maker(up, tiny_path, monkeypatch, [*base, "--salt.dim", "1024"], micro_batch=4)
-    with pytest.raises(ValueError, match=r"written with other flags: --salt.dim None -> 1024\. Resume"):
+    from openrlhf_geo.salt import DEFAULT_DIM
+
+    with pytest.raises(ValueError, match=rf"written with other flags: --salt.dim {DEFAULT_DIM} -> 1024\. Resume"):
         fork_hooks.load_geometry_state(NS(experience_maker=changed, args=changed.strategy.args), states)
     fork_hooks.load_geometry_state(NS(experience_maker=maker, args=maker.strategy.args), states)  # same flags
 

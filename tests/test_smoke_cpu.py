@@ -87,9 +87,11 @@ def test_the_resumed_run_continues_at_step_3(smoke):
 def test_a_resume_with_a_changed_flag_is_refused_in_one_line(smoke):
     _ran("resume_changed_flags")
     out, summary, _ = smoke
+    from openrlhf_geo.salt import DEFAULT_DIM
+
     error = summary["resume_changed_flags"]["error"]
-    assert error.startswith("openrlhf-geo: ray::PPOTrainer.fit() failed: ValueError: ") and "--salt.dim" in error
-    assert "--salt.dim None -> 1024" in error  # the checkpoint's run used the default
+    assert error.startswith("train_ppo_ray.py: error: --ckpt.load_enable: ")  # at parse time, before Ray starts
+    assert f"--salt.dim {DEFAULT_DIM} -> 1024" in error  # the checkpoint's run used the default
 
 
 def _dumps(out, name):

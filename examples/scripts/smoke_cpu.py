@@ -527,8 +527,10 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
     problems = [f"left running after exit, stopped: {p}" for p in left]
     result = {"steps": len(steps), "first_step": steps[0] if steps else None}
     if "fails" in spec:
-        # the fork's own line; Ray may still print its workers' last log lines after it
-        lines = [x for x in (run / "train.log").read_text().splitlines() if x.startswith("openrlhf-geo: ")]
+        # the fork's own line (a parse-time refusal: upstream's parser's); Ray may still print its workers' last log
+        # lines after it
+        own = ("openrlhf-geo: ", "train_ppo_ray.py: error: ")
+        lines = [x for x in (run / "train.log").read_text().splitlines() if x.startswith(own)]
         result["error"] = lines[-1] if lines else ""
         if code == 0 or len(lines) != 1 or spec["fails"] not in result["error"]:
             problems.append(f"expected a one-line error with {spec['fails']!r}, got exit {code}: {result['error']}")

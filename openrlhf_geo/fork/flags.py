@@ -39,7 +39,7 @@ def add_args(parser) -> None:
 
 def validate_args(args) -> None:
     """`options.validate` for the fork (which also asks the registries what the fork cannot run), then the fork's
-    own limits and input checks; raises ValueError naming the flag (shown by parser.error). Deletes nothing:
+    own limits and input checks; raises ValueError naming the flag (shown in one line, exit 2). Deletes nothing:
     --ckpt.overwrite's deletion runs after upstream's checks too (`clear_checkpoints`)."""
     options.validate(args, engine="fork")
     n = args.rollout.n_samples_per_prompt
