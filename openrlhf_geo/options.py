@@ -139,14 +139,16 @@ def validate(args, engine="local") -> None:
             f"--reward.timeout_s must be a number of seconds in [0, {threading.TIMEOUT_MAX:.3g}], 0 for no limit "
             f"(got {timeout:g})"
         )
-    # it bounds a .py reward_func only (--reward.func in the local engine, --reward.remote_url in the fork):
-    # math-verify has its own per-answer timeout, an HTTP reward upstream's; another value would be silently ignored
-    source = getattr(args.reward, "func", None) or getattr(args.reward, "remote_url", None) or ""
+    # it bounds a .py reward_func only (--reward.func in the local engine, --reward.remote_url in the fork, or the
+    # fork's agent, whose reward upstream sets after this check): math-verify has its own per-answer timeout, an HTTP
+    # reward upstream's; another value would be silently ignored
+    agent = getattr(getattr(args, "train", None), "agent_func_path", None)
+    source = getattr(args.reward, "func", None) or agent or getattr(args.reward, "remote_url", None) or ""
     if timeout != REWARD_TIMEOUT_S and not any(part.strip().endswith(".py") for part in str(source).split(",")):
         raise ValueError(
             f"--reward.timeout_s {timeout:g} bounds the calls of a .py reward_func (--reward.func in `openrlhf-geo "
-            f"train`, --reward.remote_url in the fork); this run's reward is {source or 'a reward model'}: drop "
-            "the flag"
+            f"train`, --reward.remote_url or --train.agent_func_path in the fork); this run's reward is "
+            f"{source or 'a reward model'}: drop the flag"
         )
     estimator = args.algo.advantage.estimator
     salt = args.salt

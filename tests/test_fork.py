@@ -311,7 +311,7 @@ GPU_DIFFS_SHA256 = {
         "f385ec3463d6c78e886c47b924d601bbe02bf459894163cd14d1dfcc830f4843"
     ),
     "openrlhf.trainer.ray.ppo_actor.diff": "1b4287b7ddca9b5304ed166a335329bdb027d522e6cab363acdc7f58b46c0966",
-    "openrlhf.utils.agent.diff": "62352251642ed3d264ceaa9ae62f19a854e66ea6bb95c6bda7532570f99cb37c",
+    "openrlhf.utils.agent.diff": "d720a35de5ad8b306cfa5e5b20205045a00059c569df7c4f7b67b79c3e24aec4",
     "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }
 

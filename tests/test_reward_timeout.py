@@ -194,3 +194,66 @@ def test_fork_the_driver_reports_the_timeout_in_one_line():
         "ray::RolloutRayActor.generate_responses() failed: RewardTimeout: "
         + message("--reward.remote_url", "/r/reward_func.py", 300)
     )
+
+
+# ── the fork's agent (--train.agent_func_path): upstream's MultiTurnAgentExecutor on the patched copy ──
+
+AGENT = """import asyncio
+
+import torch
+from openrlhf.utils.agent import AgentInstanceBase
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def step(self, states, **kwargs):
+        await asyncio.sleep({sleep})
+        return {{"rewards": torch.tensor(1.0), "environment_feedback": "", "done": True}}
+"""
+
+
+class AgentEngine:
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        return NS(outputs=[NS(token_ids=[3], text=" 3", finish_reason="stop", logprobs=None)])
+
+
+def agent_rollout(up, monkeypatch, path, timeout):
+    """One sample through MultiTurnAgentExecutor.execute with the AgentInstance of `path`, loaded as upstream's
+    vllm_engine loads --train.agent_func_path."""
+    import importlib.util
+
+    import openrlhf.utils.agent as agent
+
+    monkeypatch.setenv(fork_hooks.REWARD_TIMEOUT_ENV, str(timeout))  # set by the driver for every worker
+    spec = importlib.util.spec_from_file_location("agent_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    executor = agent.MultiTurnAgentExecutor(module.AgentInstance)
+    params = NS(max_tokens=4, logprobs=None)
+    return asyncio.run(executor.execute("Q: 1 + 2 = ? A:", "3", params, 64, Tokenizer(), AgentEngine()))
+
+
+@pytest.mark.fork
+def test_fork_an_agent_step_that_does_not_return_ends_the_rollout_with_the_error(up, monkeypatch, tmp_path):
+    (tmp_path / "slow_agent.py").write_text(AGENT.format(sleep=600))
+    with pytest.raises(fork_hooks.AgentTimeout) as caught:
+        agent_rollout(up, monkeypatch, tmp_path / "slow_agent.py", 0.5)
+    assert str(caught.value) == (
+        f"--train.agent_func_path {tmp_path / 'slow_agent.py'}: the agent's step() did not return within 0.5 s "
+        "(--reward.timeout_s; 0 = no limit)"
+    )
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)  # Ray's way to the driver
+    (tmp_path / "agent.py").write_text(AGENT.format(sleep=0))
+    assert agent_rollout(up, monkeypatch, tmp_path / "agent.py", 5)["reward"] == 1.0
+    assert agent_rollout(up, monkeypatch, tmp_path / "agent.py", 0)["reward"] == 1.0  # 0: no limit
+
+
+@pytest.mark.fork
+def test_fork_an_explicit_timeout_with_an_agent_parses(up, monkeypatch, tmp_path):
+    """Upstream makes the agent the run's reward after the fork's check, which reads --train.agent_func_path."""
+    (tmp_path / "agent.py").write_text(AGENT.format(sleep=0))
+    argv = ["--advantage_estimator", "group_norm", "--train.agent_func_path", str(tmp_path / "agent.py")]
+    args = parse(up, monkeypatch, [*argv, "--reward.timeout_s", "30"])
+    assert args.reward.timeout_s == 30 and args.reward.remote_url == ["agent"]

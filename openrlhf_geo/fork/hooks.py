@@ -24,7 +24,9 @@ tests/test_fork_pipeline.py checks the replacement semantics against an explicit
 fork and the local engine produce identical advantages and metrics on the same rollouts.
 """
 
+import asyncio
 import errno
+import inspect
 import os
 import shutil
 import tempfile
@@ -541,6 +543,35 @@ def bounded_reward_func(reward_func, path):
         return result.result()  # it raised its own TimeoutError, or returned as the wait ended
 
     return bounded
+
+
+class AgentTimeout(RewardTimeout):
+    """An AgentInstance's reset() or step() (--train.agent_func_path) that did not return within --reward.timeout_s."""
+
+    def __init__(self, path, call, seconds):
+        ValueError.__init__(
+            self,
+            f"--train.agent_func_path {path}: the agent's {call}() did not return within {seconds:g} s "
+            "(--reward.timeout_s; 0 = no limit)",
+        )
+        self.flag, self.path, self.seconds, self.call = "--train.agent_func_path", path, seconds, call
+
+    def __reduce__(self):  # Ray pickles it from the fork's vLLM actor to the driver
+        return type(self), (self.path, self.call, self.seconds)
+
+
+async def bounded_agent_call(agent, call, *args):
+    """`await agent.<call>(*args)` in upstream's MultiTurnAgentExecutor (the AgentInstance of
+    --train.agent_func_path, whose step() computes the rewards), bounded by --reward.timeout_s as a .py reward_func's
+    calls are (0: not bounded): past it the call is cancelled and AgentTimeout, naming the agent's file, ends the run.
+    The bound is the event loop's: a call that blocks the loop without awaiting is not interrupted."""
+    seconds = float(os.environ.get(REWARD_TIMEOUT_ENV) or options.REWARD_TIMEOUT_S)
+    task = asyncio.ensure_future(getattr(agent, call)(*args))
+    done, _ = await asyncio.wait({task}, timeout=seconds or None)
+    if not done:
+        task.cancel()
+        raise AgentTimeout(inspect.getfile(type(agent).step), call, seconds)
+    return task.result()  # an error of its own (its own TimeoutError too) as it raised it
 
 
 def latest_tag(save_dir) -> str | None:
