@@ -65,6 +65,7 @@ def build_parser():
     algo.add_argument(
         "--algo.advantage.estimator",
         "--advantage_estimator",
+        action=options.EstimatorFlag,  # the two spellings with different values are refused
         # the registered estimators the local engine computes, and SALT on a group one: read as the parser is built,
         # so an estimator registered after this module's import is a choice
         choices=(*registry.local_estimators(), "salt"),
