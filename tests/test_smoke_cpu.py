@@ -2,8 +2,8 @@
 
 Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the two conditions of the
 methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2: about 4 min on an idle
-2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all ten (about 20
-min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
+2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all twelve, the
+recipes' flag sets included (about 30 min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
 the script's own checks (exit codes, finite metrics at every step, weights changed, vLLM's log-probs equal the
 actor's after each weight sync, no process left behind), then, here, that each step's geometry dumped from inside
 the real experience maker is what `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features,
@@ -16,6 +16,7 @@ where a missing engine is a failure.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,62 @@ def test_the_cpu_copy_runs_deepspeeds_sleep_and_packed_samples_without_cuda(tmp_
     )
     gpu = install.materialize(cache_dir=tmp_path)  # the GPU fork keeps upstream's
     assert 'args.ds.attn_implementation = "flash_attention_2"' in (gpu / "openrlhf/cli/train_ppo_ray.py").read_text()
+
+
+MATRIX_HEADER = "| feature | upstream flag | SALT | GeoAlign | evidence |"
+KINDS = ("needs CUDA: ", "refused at parse: ", "not run")
+
+
+def matrix_problems(text):
+    """The problems of docs/usage.md's compatibility matrix against smoke_cpu.py's conditions and the tests: each row's
+    evidence names conditions that exist and tests that exist (`tests/x.py::test_name`), or says "refused at parse:",
+    "needs CUDA:" (with a nearest run named) or "not run"; every recipe condition is in it."""
+    lines = text.splitlines()
+    if MATRIX_HEADER not in lines:
+        return ["no compatibility matrix"]
+    problems, named = [], set()
+    for line in lines[lines.index(MATRIX_HEADER) + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) != 5:
+            problems.append(f"a matrix row needs 5 cells: {line}")
+            continue
+        evidence = cells[4]
+        lists = re.findall(r"\bconditions? ((?:`\w+`(?:, | and )?)+)", evidence)
+        conditions = [name for found in lists for name in re.findall(r"`(\w+)`", found)]
+        tests = [ref for ref in re.findall(r"`([^`]+)`", evidence) if "::" in ref]
+        named.update(conditions)
+        problems += [f"{cells[0]}: no condition {name}" for name in conditions if name not in CONDITIONS]
+        for ref in tests:
+            path, test = ref.split("::")
+            if not (REPO / path).is_file() or f"def {test}(" not in (REPO / path).read_text():
+                problems.append(f"{cells[0]}: no test {ref}")
+        run = conditions or tests
+        if evidence.startswith("needs CUDA: ") and not run:
+            problems.append(f"{cells[0]}: needs CUDA names no nearest run")
+        if not run and not evidence.startswith(KINDS):
+            problems.append(f"{cells[0]}: its evidence is no condition, test, refusal, 'needs CUDA' or 'not run'")
+    problems += [f"recipe condition {name} is not in the matrix" for name in RECIPES if name not in named]
+    return problems
+
+
+def test_the_compatibility_matrix_names_only_conditions_and_tests_that_exist_and_every_recipe_condition():
+    assert matrix_problems((REPO / "docs/usage.md").read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "old,new,problem",
+    [
+        ("condition `recipe_engine` (", "condition `recipe_engin` (", "no condition recipe_engin"),
+        ("condition `recipe_math_salt`", "condition `salt`", "recipe condition recipe_math_salt is not in the matrix"),
+        ("agree_on_sketch_features`", "agree_on_sketches`", "no test tests/test_fork_pipeline.py::test_packed_and"),
+        ("| not run |", "| works |", "its evidence is no condition"),
+        ("nearest run: 2 engines of TP 1 in condition `multirank`", "", "needs CUDA names no nearest run"),
+    ],
+)
+def test_the_matrix_check_fails_on_a_broken_copy(old, new, problem):
+    text = (REPO / "docs/usage.md").read_text()
+    assert old in text
+    problems = matrix_problems(text.replace(old, new, 1))
+    assert any(problem in p for p in problems), problems

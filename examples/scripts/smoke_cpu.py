@@ -243,8 +243,8 @@ def reward_func(queries, prompts, labels):
 """
 
 
-# The prompt's text as it is (a recipe's --data.apply_chat_template): upstream passes a content list per message
-CHAT_TEMPLATE = "{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endfor %}"
+# The prompt's text as it is (a recipe's --data.apply_chat_template; a text-only prompt's content is its string)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def build_assets(out: Path) -> None:
