@@ -304,7 +304,7 @@ def cpu_root(tmp_path_factory):
 # The GPU fork's eight diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
     "openrlhf.__init__.diff": "290daca6083dfcf7158eb356b6e8fbcdcaef61cbacef84e04a9b4a76f62a6ecd",
-    "openrlhf.cli.train_ppo_ray.diff": "3e0926d263aa1aa2b6cece235afea3ab562c5b8e9270d53d6280259b92c805b0",
+    "openrlhf.cli.train_ppo_ray.diff": "d0276cdc3590cf7e2b03918a6786f64be21cd152cb8421884b164dcfea964f9d",
     "openrlhf.models.actor.diff": "5f934c451dadd07a6df0e860489681ebca66020888655ad446c6e1fb288f8dcd",
     "openrlhf.trainer.ppo_trainer.diff": "c9373a55aaba77d245373e418c37863456524964af4d88cdce697adaaa393fff",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (

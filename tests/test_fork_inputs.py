@@ -2,8 +2,16 @@
 the outputs of an earlier run (which upstream writes over without a word) and local .jsonl datasets it could not
 load (a Ray actor's traceback half a minute after the cluster started)."""
 
+import json
+import os
+import zipfile
+
 import pytest
+import torch
 from fork_helpers import parse
+
+from openrlhf_geo.fork import hooks as fork_hooks
+from openrlhf_geo.local import rundir
 
 pytestmark = pytest.mark.fork
 GRPO = ["--advantage_estimator", "group_norm"]
@@ -25,14 +33,15 @@ def finished_run(root):
     final, actor = root / "final", root / "ckpt" / "_actor"
     (actor / "global_step2").mkdir(parents=True)
     final.mkdir()
-    for path in (final / "config.json", final / "model.safetensors", actor / "global_step2" / "model_states.pt"):
+    for path in (final / "config.json", final / "model.safetensors"):
         path.write_text("earlier run")
+    torch.save({"module": {}}, actor / "global_step2" / "model_states.pt")  # read back whole by a resume
     (actor / "latest").write_text("global_step2")
     return final, root / "ckpt"
 
 
 def snapshot(root):
-    return {p: p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_a_run_into_a_finished_runs_outputs_is_refused_naming_flag_and_way_out(up, monkeypatch, capsys, tmp_path):
@@ -56,17 +65,67 @@ def test_a_run_into_a_finished_runs_outputs_is_refused_naming_flag_and_way_out(u
     assert snapshot(tmp_path) == before
 
 
-def test_overwrite_deletes_the_earlier_runs_checkpoints_and_nothing_else(up, monkeypatch, tmp_path):
+def test_overwrite_deletes_the_earlier_runs_checkpoints_and_nothing_else(up, monkeypatch, capsys, tmp_path):
+    """It also deleted every folder whose name ends in _hf (the user's mymodel_hf/), without a word."""
     final, ckpt = finished_run(tmp_path)
     (ckpt / "_critic" / "global_step2").mkdir(parents=True)
     (ckpt / "global_step2_hf").mkdir()
+    (ckpt / "mymodel_hf").mkdir()
     (ckpt / "notes.txt").write_text("mine")
     argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.output_dir", str(final), "--ckpt.path", str(ckpt)]
     args = parse(up, monkeypatch, [*argv, "--ckpt.overwrite"])
     assert args.ckpt.overwrite
     # no later --ckpt.load_enable can resume the earlier run, nor the --ckpt.max_num rotation count its checkpoints
-    assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["mymodel_hf", "notes.txt"]
+    deleted = "_actor, _critic, global_step2_hf"
+    assert f"--ckpt.overwrite: deleting the earlier run's checkpoints in {ckpt}: {deleted}" in capsys.readouterr().out
     assert (final / "model.safetensors").read_text() == "earlier run"  # upstream's final save replaces it
+
+
+def test_a_run_records_what_it_writes_in_ckpt_path_and_overwrite_deletes_only_that(up, monkeypatch, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.output_dir", str(tmp_path / "final"), "--ckpt.path", str(ckpt)]
+    with fork_hooks.claim_outputs(parse(up, monkeypatch, argv)):  # as the patched __main__ holds it for train()
+        for name in ("_actor/global_step2", "global_step2_hf", "best_global_step4_hf"):
+            (ckpt / name).mkdir(parents=True)
+    assert json.loads((ckpt / rundir.RECORD).read_text())["paths"] == list(fork_hooks.RUN_CHECKPOINTS)
+    (ckpt / "mymodel_hf").mkdir()
+    (ckpt / "global_step_mine_hf").mkdir()
+    parse(up, monkeypatch, [*argv, "--ckpt.overwrite"])
+    assert sorted(p.name for p in ckpt.iterdir()) == [rundir.LOCK, "global_step_mine_hf", "mymodel_hf", rundir.RECORD]
+    (ckpt / rundir.RECORD).write_text(json.dumps({"paths": ["*"]}))  # a record never widens what is deleted
+    (ckpt / "_actor").mkdir()
+    parse(up, monkeypatch, [*argv, "--ckpt.overwrite"])
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        rundir.LOCK, "_actor", "global_step_mine_hf", "mymodel_hf", rundir.RECORD
+    ]  # fmt: skip
+
+
+def test_a_second_run_into_the_folders_of_a_running_one_is_refused_and_the_lock_is_released(
+    up, monkeypatch, capsys, tmp_path
+):
+    """Two runs into one --ckpt.output_dir, started 20 s apart, both exited 0; the second replaced the first's model
+    and checkpoints."""
+    for flag in ("--ckpt.output_dir", "--ckpt.path"):
+        final, ckpt = tmp_path / flag / "final", tmp_path / flag / "ckpt"
+        argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.output_dir", str(final), "--ckpt.path", str(ckpt)]
+        held, other = (final, ckpt) if flag == "--ckpt.output_dir" else (ckpt, final)
+        with rundir.locked(held):  # what the first run's driver holds until it ends
+            with pytest.raises(SystemExit) as caught:
+                parse(up, monkeypatch, argv)
+        assert caught.value.code == f"train_ppo_ray.py: error: {flag} {held}: another run is writing it (pid " \
+            f"{os.getpid()}); wait for it or choose another {flag}"  # fmt: skip
+        assert not other.exists()  # a refused run leaves nothing behind
+    final, ckpt = tmp_path / "final", tmp_path / "ckpt"
+    argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.output_dir", str(final), "--ckpt.path", str(ckpt)]
+    parse(up, monkeypatch, argv)  # released when the run ends, here in an exception out of train()
+    assert not final.exists() and not ckpt.exists()
+    with fork_hooks.claim_outputs(parse(up, monkeypatch, argv)):
+        assert (final / rundir.LOCK).read_text() == f"pid {os.getpid()}\n"
+        with pytest.raises(SystemExit, match="--ckpt.output_dir .* another run is writing it"):
+            parse(up, monkeypatch, argv)
+    with rundir.locked(final):  # released when the block ends
+        pass
 
 
 def test_overwrite_deletes_nothing_when_upstreams_own_checks_refuse_the_command(up, monkeypatch, tmp_path):
@@ -154,3 +213,83 @@ def test_datasets_the_fork_does_not_read_are_left_to_upstream(up, monkeypatch, t
     value = f"{chat},{tmp_path / 'data.parquet'},{tmp_path},org/dataset"
     args = parse(up, monkeypatch, [*GRPO, "--data.prompt_dataset", value, "--ckpt.output_dir", str(tmp_path / "o")])
     assert args.data.prompt_dataset == value
+
+
+# ── a resume from a damaged newest checkpoint ──
+
+
+def deepspeed_checkpoints(ckpt, steps, folders=("_actor", "_critic")):
+    """What upstream's saves leave in --ckpt.path, as far as the resume's fallback reads it: per tag a model-states
+    and a ZeRO optimizer-states file (torch zip archives), and `latest` naming the newest tag."""
+    for name in folders:
+        for step in steps:
+            tag = ckpt / name / f"global_step{step}"
+            tag.mkdir(parents=True)
+            torch.save({"module": {"w": torch.full((256,), float(step))}}, tag / "mp_rank_00_model_states.pt")
+            torch.save({"optimizer": torch.zeros(64)}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        (ckpt / name / "latest").write_text(f"global_step{steps[-1]}")
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one_before_it(tmp_path, capsys):
+    """The fork resumed from whatever `latest` named: a flipped bit in a weight loaded silently (torch's reader does
+    not check CRCs), a cut-off file failed in DeepSpeed's load on the actors, naming neither file nor step."""
+    ckpt = tmp_path / "ckpt"
+    deepspeed_checkpoints(ckpt, [1, 2, 3])
+    states = ckpt / "_actor" / "global_step3" / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[data.index(torch.full((256,), 3.0).numpy().tobytes()) + 100] ^= 0x10  # one bit of one weight
+    states.write_bytes(bytes(data))
+    assert torch.load(states, weights_only=True)["module"]["w"].ne(3.0).sum() == 1  # loads silently
+    fork_hooks.fall_back_from_damaged(ckpt)
+    assert capsys.readouterr().err == (
+        f"warning: --ckpt.load_enable: {states} is damaged (checkpoint global_step3, step 3); moved it aside to "
+        f"global_step3.bad and resuming from {ckpt / '_actor' / 'global_step2'} (step 2)\n"
+    )
+    for name in ("_actor", "_critic"):  # both resume the same step; the damaged one is kept for inspection
+        assert fork_hooks.latest_tag(ckpt / name) == "global_step2"
+        assert sorted(p.name for p in (ckpt / name).iterdir()) == [
+            "global_step1", "global_step2", "global_step3.bad", "latest"
+        ]  # fmt: skip
+    fork_hooks.fall_back_from_damaged(ckpt)  # intact now: nothing to do
+    assert capsys.readouterr().err == "" and fork_hooks.latest_tag(ckpt / "_actor") == "global_step2"
+
+    # the resumed run writes global_step3 again, and it is damaged again (the critic's optimizer states, cut off)
+    for name in ("_actor", "_critic"):
+        (ckpt / name / "global_step3").mkdir()
+        for source in (ckpt / name / "global_step2").iterdir():
+            (ckpt / name / "global_step3" / source.name).write_bytes(source.read_bytes())
+        (ckpt / name / "latest").write_text("global_step3")
+    optim = ckpt / "_critic" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[:300])
+    fork_hooks.fall_back_from_damaged(ckpt)
+    assert f"{optim} is damaged (checkpoint global_step3, step 3); moved it aside to global_step3.bad.1" in (
+        capsys.readouterr().err
+    )
+    assert (ckpt / "_actor" / "global_step3.bad").is_dir() and (ckpt / "_actor" / "global_step3.bad.1").is_dir()
+
+    for step in (1, 2):  # nothing intact is left before it: refused, naming the file, its step and what to do
+        (ckpt / "_actor" / f"global_step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError) as refused:
+        fork_hooks.fall_back_from_damaged(ckpt)
+    assert str(refused.value) == (
+        f"--ckpt.load_enable: {ckpt / '_actor' / 'global_step2' / 'mp_rank_00_model_states.pt'} is damaged "
+        f"(checkpoint global_step2, step 2) and no intact checkpoint precedes it in {ckpt / '_actor'}: restore a "
+        "copy, or start over: run without --ckpt.load_enable, with --ckpt.overwrite"
+    )
+
+
+def test_the_resume_falls_back_before_ray_starts_or_refuses_in_one_line(up, monkeypatch, capsys, tmp_path):
+    ckpt, final = tmp_path / "ckpt", tmp_path / "final"
+    deepspeed_checkpoints(ckpt, [2, 4], folders=("_actor",))
+    states = ckpt / "_actor" / "global_step4" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:-40])  # a kill while DeepSpeed wrote it
+    argv = [*GRPO, "--ckpt.save_steps", "2", "--ckpt.load_enable", "--ckpt.output_dir", str(final)]
+    parse(up, monkeypatch, [*argv, "--ckpt.path", str(ckpt)])
+    assert fork_hooks.latest_tag(ckpt / "_actor") == "global_step2"
+    assert f"{states} is damaged (checkpoint global_step4, step 4)" in capsys.readouterr().err
+    (ckpt / "_actor" / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, [*argv, "--ckpt.path", str(ckpt)])
+    assert caught.value.code.startswith("train_ppo_ray.py: error: --ckpt.load_enable: ")
+    assert "global_step2/mp_rank_00_model_states.pt is damaged (checkpoint global_step2, step 2)" in caught.value.code
+    assert zipfile.is_zipfile(ckpt / "_actor" / "global_step4.bad" / states.name) is False  # kept as it was

@@ -272,7 +272,9 @@ def test_a_resume_with_changed_flags_is_refused_at_parse_time(up, monkeypatch, c
     spelled = parse(up, monkeypatch, [*resume, "--salt.k_rule", "paper", "--salt.base", "group_norm"])
     fork_hooks.load_geometry_state(NS(args=spelled), states)  # the load's own comparison agrees
     (ckpt / "_actor" / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"damaged")
-    parse(up, monkeypatch, [*resume, "--salt.k_rule", "code"])  # unreadable here: left to the load (and its fallback)
+    # unreadable here, and no intact checkpoint before it to fall back to (fork_hooks.fall_back_from_damaged)
+    with pytest.raises(SystemExit, match=r"model_states.pt is damaged \(checkpoint global_step2, step 2\)"):
+        parse(up, monkeypatch, [*resume, "--salt.k_rule", "code"])
 
 
 def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monkeypatch, capsys, tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from openrlhf_geo import GeoWarning, options, registry
 from openrlhf_geo.jsonl import iter_jsonl
+from openrlhf_geo.local import rundir
 from openrlhf_geo.registry import POLICY_LOSSES
 from openrlhf_geo.salt_stage import minibatch_partitions
 
@@ -173,7 +174,12 @@ def check_outputs(args) -> None:
     for flag, folder in outputs:
         if not os.path.isdir(folder):
             continue
-        held = sorted(entry.name for entry in os.scandir(folder) if not holds_another_output(entry))
+        # the lock and record of a run's folders (fork_hooks.claim_outputs) are not a run's output
+        held = sorted(
+            entry.name
+            for entry in os.scandir(folder)
+            if entry.name not in (rundir.LOCK, rundir.RECORD) and not holds_another_output(entry)
+        )
         if not held or ckpt.overwrite:
             continue
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")

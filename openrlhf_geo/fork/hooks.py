@@ -26,14 +26,20 @@ fork and the local engine produce identical advantages and metrics on the same r
 
 import asyncio
 import errno
+import fnmatch
 import inspect
+import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import threading
 import warnings
+import zipfile
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +50,7 @@ from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (th
 from openrlhf_geo.fork.flags import resume_changes, resume_flags, writes_checkpoints
 from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.fork.replay import Recorder, record_training_step  # noqa: F401  (the ppo_actor diff's name)
+from openrlhf_geo.local import rundir
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
@@ -58,21 +65,87 @@ SIGNAL_KEY = "openrlhf_geo_signal"  # the learning-signal guard's streak and war
 # ── before train() (cli/train_ppo_ray.py) ──
 
 
-CHECKPOINT_DIRS = ("_actor", "_critic")  # upstream's DeepSpeed checkpoints in --ckpt.path; HF ones are <tag>_hf
+CHECKPOINT_DIRS = ("_actor", "_critic")  # upstream's DeepSpeed checkpoints in --ckpt.path
+# what a run writes in --ckpt.path (fnmatch patterns), stored in its record (rundir.RECORD), which --ckpt.overwrite
+# deletes: the DeepSpeed checkpoints and the HF ones of --ckpt.save_hf (<tag>_hf); nothing else there
+RUN_CHECKPOINTS = (*CHECKPOINT_DIRS, "global_step[0-9]*_hf", "best_global_step[0-9]*_hf")
+
+
+@contextmanager
+def claim_outputs(args):
+    """Hold --ckpt.output_dir, and --ckpt.path when the run writes checkpoints, for this driver until the block ends
+    (`rundir.locked`: released on exit, failure or Ctrl-C; a second run into them is refused). Under the locks: the
+    record of what the run writes in --ckpt.path (RUN_CHECKPOINTS, for `clear_checkpoints`; taken back when the
+    block raises before the run wrote a checkpoint) and a resume's fallback from a damaged newest checkpoint
+    (`fall_back_from_damaged`). A refusal exits as a parse error does, in one line naming the flag. The patched
+    __main__ runs train() in this block, before Ray starts."""
+    ckpt = args.ckpt
+    folders = {ckpt.output_dir: "--ckpt.output_dir"}
+    if writes_checkpoints(args):
+        folders.setdefault(ckpt.path, "--ckpt.path")
+    record, written, held = Path(ckpt.path, rundir.RECORD), False, []
+    with ExitStack() as stack:
+        try:
+            for folder, flag in folders.items():
+                try:
+                    stack.enter_context(rundir.locked(folder))
+                except rundir.Busy as busy:
+                    raise ValueError(
+                        f"{flag} {folder}: another run is writing it ({busy.owner}); wait for it or choose another "
+                        f"{flag}"
+                    ) from None
+                except OSError as error:
+                    raise ValueError(f"{flag} {folder}: cannot write there ({error.strerror})") from None
+            if writes_checkpoints(args) and not record.exists():
+                written_by = {"written_by": "openrlhf-geo train-ppo-ray", "paths": list(RUN_CHECKPOINTS)}
+                record.write_text(json.dumps(written_by) + "\n")
+                written, held = True, run_checkpoints(ckpt.path)
+            if ckpt.load_enable:
+                fall_back_from_damaged(ckpt.path)
+        except BaseException as error:
+            if written:
+                record.unlink()
+            if isinstance(error, ValueError):
+                raise SystemExit(f"{Path(sys.argv[0]).name}: error: {error}") from None
+            raise
+        try:
+            yield
+        except BaseException:
+            if written and set(run_checkpoints(ckpt.path)) <= set(held):  # the run wrote no checkpoint
+                record.unlink(missing_ok=True)
+            raise
+
+
+def run_checkpoints(path) -> list[str]:
+    """The names in --ckpt.path `path` that a run wrote: those its record lists (as far as RUN_CHECKPOINTS has them:
+    a record never widens what `clear_checkpoints` deletes); an older version's run, which wrote no record, is
+    recognised by its _actor/ or _critic/ folder. Anything else there is not a run's."""
+    try:
+        listed = json.loads(Path(path, rundir.RECORD).read_text())["paths"]
+        patterns = [p for p in listed if p in RUN_CHECKPOINTS]
+    except FileNotFoundError:
+        patterns = list(RUN_CHECKPOINTS) if any(Path(path, d).is_dir() for d in CHECKPOINT_DIRS) else []
+    except (OSError, ValueError, KeyError, TypeError):  # not a record this code wrote: nothing is accounted for
+        patterns = []
+    names = sorted(entry.name for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False))
+    return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
 def clear_checkpoints(args) -> None:
-    """--ckpt.overwrite: delete the earlier run's checkpoints in --ckpt.path (_actor/, _critic/, *_hf/), so that
-    neither a later resume nor the --ckpt.max_num rotation mixes them with this run's. Called by the patched
-    __main__ right before train(), after upstream's own argument checks too: a refused command deletes nothing."""
+    """--ckpt.overwrite: delete the earlier run's checkpoints in --ckpt.path (`run_checkpoints`: _actor/, _critic/,
+    its <tag>_hf/; never another folder there), naming them, so that neither a later resume nor the --ckpt.max_num
+    rotation mixes them with this run's. Called by the patched __main__ right before train(), under the locks
+    (`claim_outputs`) and after upstream's own argument checks too: a refused command deletes nothing."""
     ckpt = args.ckpt
     if not (ckpt.overwrite and writes_checkpoints(args) and os.path.isdir(ckpt.path)):
         return
     if ckpt.load_enable and Path(ckpt.path, "_actor").is_dir():  # a resume (`check_outputs`) keeps its checkpoint
         return
-    for entry in os.scandir(ckpt.path):
-        if entry.is_dir(follow_symlinks=False) and (entry.name in CHECKPOINT_DIRS or entry.name.endswith("_hf")):
-            shutil.rmtree(entry.path)
+    names = run_checkpoints(ckpt.path)
+    if names:
+        print(f"--ckpt.overwrite: deleting the earlier run's checkpoints in {ckpt.path}: {', '.join(names)}")
+    for name in names:
+        shutil.rmtree(Path(ckpt.path, name))
 
 
 def policy_loss(args, upstream):
@@ -582,6 +655,75 @@ def latest_tag(save_dir) -> str | None:
         return Path(save_dir, "latest").read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def _step(tag) -> int | None:
+    """The step of a checkpoint tag upstream writes (global_step<N>, best_global_step<N>), else None."""
+    match = re.fullmatch(r"(?:best_)?global_step(\d+)", tag)
+    return int(match[1]) if match else None
+
+
+def damaged_file(tag_dir) -> Path | None:
+    """The first file of the DeepSpeed checkpoint folder `tag_dir` that cannot be read back whole (a torch zip
+    archive cut short or failing its records' CRC-32, which torch's reader does not check: a flipped bit loads
+    silently), or the folder itself when it holds no model states; None when every file checks out. A file in
+    torch's legacy (non-zip) format is left to the load."""
+    tag_dir = Path(tag_dir)
+    if not any(tag_dir.glob("*model_states.pt")):
+        return tag_dir
+    for path in sorted(tag_dir.rglob("*.pt")):
+        with open(path, "rb") as f:
+            if f.read(1) == b"\x80":  # a pickle: torch's legacy format
+                continue
+        try:
+            with zipfile.ZipFile(path) as archive:
+                if archive.testzip() is None:
+                    continue
+        except (zipfile.BadZipFile, OSError, EOFError):
+            pass
+        return path
+    return None
+
+
+def fall_back_from_damaged(ckpt_path) -> None:
+    """--ckpt.load_enable: when a file of the checkpoint DeepSpeed's `latest` names in <ckpt_path>/_actor (or
+    _critic) is damaged (`damaged_file`), resume from the newest intact checkpoint before it, as the local engine
+    falls back to checkpoint.prev.pt: the damaged tag's folders are moved aside to <tag>.bad (.bad.1, ... when one is
+    there), kept for inspection, and `latest` names the intact tag (`commit_latest`), with a warning naming the file,
+    its step and the checkpoint resumed. ValueError naming the file and its step when no intact one precedes it."""
+    dirs = [Path(ckpt_path, name) for name in CHECKPOINT_DIRS if Path(ckpt_path, name).is_dir()]
+    tag = latest_tag(dirs[0]) if dirs else None
+    if tag is None:
+        return
+
+    def damage(candidate):
+        return next((bad for d in dirs if (bad := damaged_file(d / candidate)) is not None), None)
+
+    bad = damage(tag)
+    if bad is None:
+        return
+    step = _step(tag)
+    earlier = [p.name for p in dirs[0].iterdir() if p.is_dir() and _step(p.name) is not None]
+    earlier = sorted((t for t in earlier if t != tag and (step is None or _step(t) < step)), key=_step, reverse=True)
+    intact = next((t for t in earlier if damage(t) is None), None)
+    if intact is None:
+        raise ValueError(
+            f"--ckpt.load_enable: {bad} is damaged (checkpoint {tag}, step {step}) and no intact checkpoint precedes "
+            f"it in {dirs[0]}: restore a copy, or start over: run without --ckpt.load_enable, with --ckpt.overwrite"
+        )
+    aside = f"{tag}.bad"
+    for d in dirs:
+        if (d / tag).exists():
+            aside, number = f"{tag}.bad", 0
+            while (d / aside).exists():  # one kept by an earlier fallback stays too
+                number += 1
+                aside = f"{tag}.bad.{number}"
+            os.replace(d / tag, d / aside)
+        commit_latest(d, intact)
+    rundir.warn(
+        f"--ckpt.load_enable: {bad} is damaged (checkpoint {tag}, step {step}); moved it aside to {aside} and "
+        f"resuming from {dirs[0] / intact} (step {_step(intact)})"
+    )
 
 
 # Below this much free space on the checkpoint's filesystem, a failed save is reported as a full disk: torch.save's
