@@ -186,6 +186,18 @@ def test_driver_killed_mid_step_then_mid_save_resumes_from_the_last_complete_che
     with running(assets, "kill_mid_save", ckpt, [*STATEFUL, *resumed], stall) as second:
         second.wait_for("the stalled save of global_step2", (assets / "saving").is_file)
         assert (ckpt / "_actor" / "global_step2").is_dir() and (ckpt / "_actor" / "global_step1").is_dir()
+        # another run into the checkpoints being written, --ckpt.overwrite and all: refused before Ray starts (it
+        # exited 0 after replacing them), nothing deleted
+        rival = assets / "rival"
+        rival.mkdir()
+        again = SCRIPT.train_command(
+            rival, ckpt, [*STATEFUL, "--ckpt.overwrite"], assets / "assets/model", assets / "assets/prompts.jsonl",
+            str(assets / "assets/reward_func.py"),
+        )  # fmt: skip
+        done = subprocess.run(again, env=SCRIPT.run_env(rival), cwd=rival, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and "Started a local Ray instance" not in done.stderr, done.stderr[-3000:]
+        assert f"error: --ckpt.path {ckpt}: another run is writing it (pid " in done.stderr, done.stderr[-3000:]
+        assert (ckpt / "_actor" / "global_step2").is_dir() and (ckpt / "_actor" / "global_step1").is_dir()
         second_left = second.kill_driver()
     assert latest(ckpt) == "global_step1", "a resume would read a half-written checkpoint"
     second_dumps = dumps(second)
