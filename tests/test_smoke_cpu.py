@@ -2,7 +2,7 @@
 
 Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the two conditions of the
 methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2: about 4 min on an idle
-2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all twelve, the
+2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all fifteen, the
 recipes' flag sets included (about 30 min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
 the script's own checks (exit codes, finite metrics at every step, weights changed, vLLM's log-probs equal the
 actor's after each weight sync, no process left behind), then, here, that each step's geometry dumped from inside
@@ -115,7 +115,7 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
 @pytest.mark.parametrize(
     "name",
     ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
-     "recipe_engine", "recipe_math_salt"],
+     "recipe_engine", "recipe_math_salt", "recipe_math_geoalign", "recipe_math_dapo_salt"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
@@ -261,7 +261,7 @@ KINDS = ("needs CUDA: ", "refused at parse: ", "not run")
 def matrix_problems(text):
     """The problems of docs/usage.md's compatibility matrix against smoke_cpu.py's conditions and the tests: each row's
     evidence names conditions that exist and tests that exist (`tests/x.py::test_name`), or says "refused at parse:",
-    "needs CUDA:" (with a nearest run named) or "not run"; every recipe condition is in it."""
+    "needs CUDA:" (with the nearest run named after "nearest run: ") or "not run"; every recipe condition is in it."""
     lines = text.splitlines()
     if MATRIX_HEADER not in lines:
         return ["no compatibility matrix"]
@@ -284,7 +284,8 @@ def matrix_problems(text):
             if not (REPO / path).is_file() or f"def {test}(" not in (REPO / path).read_text():
                 problems.append(f"{cells[0]}: no test {ref}")
         run = conditions or tests
-        if evidence.startswith("needs CUDA: ") and not run:
+        nearest = evidence.partition("nearest run: ")[2]
+        if evidence.startswith("needs CUDA: ") and not re.search(r"condition `\w+`|`tests/", nearest):
             problems.append(f"{cells[0]}: needs CUDA names no nearest run")
         if not run and not evidence.startswith(KINDS):
             problems.append(f"{cells[0]}: its evidence is no condition, test, refusal, 'needs CUDA' or 'not run'")
@@ -311,3 +312,19 @@ def test_the_matrix_check_fails_on_a_broken_copy(old, new, problem):
     assert old in text
     problems = matrix_problems(text.replace(old, new, 1))
     assert any(problem in p for p in problems), problems
+
+
+def test_a_condition_that_must_fail_passes_only_on_a_one_line_error_with_its_cause_not_on_a_hang(tmp_path):
+    spec = CONDITIONS["vllm_tp2"]
+    cause = f"(RolloutRayActor pid=9) {spec['cause']}\n"
+    error = "openrlhf-geo: Ray actor RolloutRayActor (pid 9) died (creation_task_failure): ...\n"
+
+    def ok(log, code):
+        (tmp_path / "train.log").write_text(log)
+        return SCRIPT.check_run("vllm_tp2", spec, tmp_path, code, [], tmp_path, tmp_path)["ok"]
+
+    assert ok(cause + error, 1)
+    assert not ok(cause + error, 124)  # the driver hung and was stopped at the run's limit
+    assert not ok(cause + error, 0)
+    assert not ok(error, 1)  # the actor's own error is not in the log
+    assert not ok(cause + error + error, 1)

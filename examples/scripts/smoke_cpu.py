@@ -30,6 +30,11 @@ the same on two Ray nodes started with `ray start` (127.0.0.1), as `ray job subm
 `submit_train`: the second node's workers import the fork's copy shipped by py_modules (and are refused without it),
 a job checkpointed every step, its resume stopped mid-step by the Jobs API's stop (what `ray job stop` calls), and
 the resume to the end.
+
+The recipe conditions (`recipe_*`) run the flag sets of examples/scripts' recipes, scaled down only in size and on
+the smoke's task (SIZE_FLAGS, TASK_FLAGS): lib/common.sh's engine (colocated, DeepSpeed's sleep, ZeRO-3, packed
+samples, gradient checkpointing) and the math recipes of SALT and GeoAlign; each names the flags a CPU cannot honour
+and why (`dropped`).
 """
 
 import argparse
@@ -97,23 +102,49 @@ TASK_FLAGS = (
     "--rollout.max_new_tokens", "--reward.remote_url", "--eval.dataset", "--ckpt.output_dir", "--ckpt.path",
     "--logger.tensorboard_dir",
 )  # fmt: skip
-# SALT's math recipe as train_math_grpo.sh SALT=1 submits it (lib/common.sh's salt_math_run): the engine at ZeRO-2
-# (the 1.5B model's stage), token-budgeted micro-batches, the chat template, evaluation during training (every
-# step here), SALT Table 4's schedule and losses, checkpoints with HF weights (every step here). "{assets}" is the
-# smoke's assets folder.
-RECIPE_MATH_SALT = [
+# The math recipes as their scripts submit them (lib/common.sh's salt_math_run, geoalign_math_run): the engine at
+# ZeRO-2 (the 1.5B / 1.7B models' stage) with token-budgeted micro-batches, evaluation during training (every step
+# here), checkpoints with HF weights (every step here). "{assets}" is the smoke's assets folder.
+MATH_ENGINE = [
     "--train.colocate_all", "--ds.enable_sleep", "--ds.zero_stage", "2", "--actor.gradient_checkpointing_enable",
     "--ds.packing_samples",
     "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16384", "--rollout.max_tokens_per_gpu", "32768",
+]  # fmt: skip
+MATH_CKPT = ["--ckpt.save_hf", "--ckpt.save_steps", "1", "--ckpt.max_num", "3", "--ckpt.load_enable",
+             "--logger.logging_steps", "1"]  # fmt: skip
+# SALT Table 4's shared block (salt_math_recipe): the chat template, 2 optimizer steps per rollout step here
+SALT_TABLE4 = [
     "--data.apply_chat_template", "--eval.dataset", "{assets}/prompts.jsonl", "--eval.steps", "1",
     "--eval.temperature", "0.6", "--eval.n_samples_per_prompt", "2",
     "--train.batch_size", "16", "--train.micro_batch_size", "1", "--train.num_episodes", "1",
     "--train.max_epochs", "1", "--train.seed", "2025", "--rollout.temperature", "0.6",
-    "--actor.adam.lr", "1e-6", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
-    "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean", "--actor.entropy_coef", "0",
-    *KL_LOSS, "--algo.advantage.estimator", "salt", "--salt.base", "group_norm", "--salt.variant", "full",
-    "--ckpt.save_hf", "--ckpt.save_steps", "1", "--ckpt.max_num", "3", "--ckpt.load_enable",
-    "--logger.logging_steps", "1",
+    "--actor.adam.lr", "1e-6", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", *KL_LOSS,
+]  # fmt: skip
+SALT_ESTIMATOR = ["--algo.advantage.estimator", "salt", "--salt.base", "group_norm", "--salt.variant", "full"]
+# train_math_grpo.sh SALT=1
+RECIPE_MATH_SALT = [
+    *MATH_ENGINE, *SALT_TABLE4, "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean",
+    "--actor.entropy_coef", "0", *SALT_ESTIMATOR, *MATH_CKPT,
+]  # fmt: skip
+# train_math_dapo.sh SALT=1: DAPO's clip, token-mean loss and dynamic filtering, with SALT
+RECIPE_MATH_DAPO_SALT = [
+    *MATH_ENGINE, *SALT_TABLE4, "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean",
+    "--actor.entropy_coef", "0", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1",
+    *SALT_ESTIMATOR, *MATH_CKPT,
+]  # fmt: skip
+# train_math_geoalign.sh GEOALIGN=1 NOISE_RATE=0.1: GeoAlign's recipe (geoalign_math_recipe) under flipped rewards,
+# 2 optimizer steps per rollout step as there; the online projector trains 5 steps here
+RECIPE_MATH_GEOALIGN = [
+    *MATH_ENGINE, "--eval.dataset", "{assets}/prompts.jsonl", "--eval.steps", "1", "--eval.temperature", "1.0",
+    "--eval.n_samples_per_prompt", "1",
+    "--train.batch_size", "16", "--train.micro_batch_size", "1", "--train.num_episodes", "1",
+    "--train.max_epochs", "1", "--train.seed", "42", "--rollout.temperature", "1.0",
+    "--actor.adam.lr", "1e-6", "--actor.lr_scheduler", "constant_with_warmup", "--actor.lr_warmup_ratio", "0.03",
+    "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean",
+    "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "1e-3",
+    "--algo.advantage.estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "math",
+    "--geoalign.alpha", "0.05", "--reward.noise.type", "flip", "--reward.noise.rate", "0.1",
+    "--reward.noise.seed", "42", *MATH_CKPT, "--geoalign.projector.steps", "5",
 ]  # fmt: skip
 # lib/common.sh's engine_args, the engine of every recipe in examples/scripts: actor, reference and vLLM colocated
 # and sleeping in turn, ZeRO-3, packed samples, gradient checkpointing (at one rank each: size only). What a CPU
@@ -131,6 +162,7 @@ ENGINE_DROPPED = {
 # name -> flags, metrics every step must log finite, and how the run is set up:
 #   after: a run whose checkpoint this one resumes (same --ckpt.path, --ckpt.load_enable, one more episode)
 #   fails: the run must fail with this text in its last stderr line (a one-line error)
+#   cause: ... and its log must hold this text (what an actor raised)
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
 #   ranks: data-parallel policy ranks: prompts labelled with ids, the multi-rank checks (check_ranks)
 #   cluster: on two Ray nodes, as `ray job submit` jobs (run_cluster_condition)
@@ -187,6 +219,15 @@ CONDITIONS = {
                       "finite": [*SALT, *GEO, *NOISE], "recipe": "engine_args", "dropped": ENGINE_DROPPED},
     "recipe_math_salt": {"flags": RECIPE_MATH_SALT, "finite": [*SALT, "salt/n_eff_out", "kl"],
                          "recipe": "train_math_grpo.sh SALT=1", "dropped": ENGINE_DROPPED},
+    "recipe_math_geoalign": {"flags": RECIPE_MATH_GEOALIGN, "finite": [*GEO, *NOISE, "kl"],
+                             "recipe": "train_math_geoalign.sh GEOALIGN=1 NOISE_RATE=0.1", "dropped": ENGINE_DROPPED},
+    "recipe_math_dapo_salt": {"flags": RECIPE_MATH_DAPO_SALT, "finite": SALT, "recipe": "train_math_dapo.sh SALT=1",
+                              "dropped": ENGINE_DROPPED},
+    # what vLLM's CPU build does with an engine of tensor parallelism 2: upstream starts it on vLLM's Ray executor,
+    # which the CPU platform refuses (it has no Ray device key); the nearest run is multirank's 2 engines of TP 1
+    "vllm_tp2": {"flags": ["--advantage_estimator", "salt", "--vllm.tensor_parallel_size", "2"],
+                 "fails": "Ray actor RolloutRayActor",
+                 "cause": "ValueError: current platform cpu does not support ray."},
 }  # fmt: skip
 # One run's limit: a hung run fails its condition instead of the whole smoke (a tiny-model condition takes 1.5-3 min
 # on an idle 2-core VM, the SmolLM2 one 40 min; some VMs are 2-3x slower)
@@ -530,10 +571,13 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
         # the fork's own line (a parse-time refusal: upstream's parser's); Ray may still print its workers' last log
         # lines after it
         own = ("openrlhf-geo: ", "train_ppo_ray.py: error: ")
-        lines = [x for x in (run / "train.log").read_text().splitlines() if x.startswith(own)]
+        log = (run / "train.log").read_text()
+        lines = [x for x in log.splitlines() if x.startswith(own)]
         result["error"] = lines[-1] if lines else ""
-        if code == 0 or len(lines) != 1 or spec["fails"] not in result["error"]:
-            problems.append(f"expected a one-line error with {spec['fails']!r}, got exit {code}: {result['error']}")
+        said = spec["fails"] in result["error"] and spec.get("cause", "") in log
+        if code in (0, 124) or len(lines) != 1 or not said:  # 124: it hung, stopped at the run's limit
+            expected = f"a one-line error with {spec['fails']!r} (the log saying {spec.get('cause')!r})"
+            problems.append(f"expected {expected}, got exit {code}: {result['error']}")
         return {"ok": not problems, "problems": problems, **result}
     if code == 124:
         problems.append(f"timed out, stopped (see {run / 'train.log'})")
