@@ -1,7 +1,10 @@
 """Parsing through the real patched upstream parser, shared by test_fork_pipeline.py and test_example_scripts.py
 (the `up` fixture they pass in is in conftest.py)."""
 
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +22,9 @@ class Parsed(Exception):
 
 def parse(up, monkeypatch, argv):
     """`openrlhf-geo train-ppo-ray ARGV` (fork.main: upstream train_ppo_ray run as __main__ on the fork), stopped
-    where train() starts: returns the args it receives, after upstream's own checks."""
+    where train() starts: returns the args it receives, after upstream's own checks. The output folders default to a
+    temporary folder, not upstream's ./ckpt in the working directory: the driver locks them for the run
+    (fork_hooks.claim_outputs), and test workers parsing at once would meet there. ARGV's own win."""
     import ray
 
     def stop(args):
@@ -29,6 +34,11 @@ def parse(up, monkeypatch, argv):
     monkeypatch.setattr(up.utils, "get_strategy", stop)  # train()'s first call after ray.init
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
-    with pytest.raises(Parsed) as caught:
-        launch.main([*BASE_ARGV, *argv])
+    outputs = Path(tempfile.mkdtemp(prefix="openrlhf-geo-parse-"))
+    defaults = ["--ckpt.output_dir", str(outputs / "ckpt"), "--ckpt.path", str(outputs / "ckpt" / "checkpoints")]
+    try:
+        with pytest.raises(Parsed) as caught:
+            launch.main([*BASE_ARGV, *defaults, *argv])
+    finally:
+        shutil.rmtree(outputs, ignore_errors=True)
     return caught.value.args[0]

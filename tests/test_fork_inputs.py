@@ -156,6 +156,7 @@ def test_upstreams_default_layout_nests_the_checkpoints_in_the_output_folder(up,
     (tmp_path / "ckpt" / "checkpoints_ppo_ray" / "_actor" / "global_step1").mkdir(parents=True)
     (tmp_path / "ckpt" / "tensorboard").mkdir()
     argv = [*GRPO, "--logger.tensorboard_dir", "ckpt/tensorboard"]
+    argv += ["--ckpt.output_dir", "./ckpt", "--ckpt.path", "./ckpt/checkpoints_ppo_ray"]  # (parse's are elsewhere)
     parse(up, monkeypatch, argv)
     parse(up, monkeypatch, [*argv, "--ckpt.save_steps", "1", "--ckpt.load_enable"])
     line = refused(up, monkeypatch, capsys, [*argv, "--ckpt.save_steps", "1"])
