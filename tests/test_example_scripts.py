@@ -690,10 +690,15 @@ def test_train_sft_accepts_the_sft_flags(calls, up, monkeypatch, size):
 def test_serve_rm_accepts_the_server_flags(calls, monkeypatch):
     from openrlhf_geo.rewards import armorm
 
-    def scorer(*args):
+    def scorer(*args, **kwargs):
         raise Parsed(args)
 
+    class Server:  # the script binds 0.0.0.0: no test listens there
+        def server_close(self):
+            pass
+
     monkeypatch.setattr(armorm, "ArmoRMScorer", scorer)
+    monkeypatch.setattr(armorm, "make_server", lambda *args, **kwargs: Server())
     for env in VARIANTS["serve_armorm.sh"]:
         (argv,) = calls[case_id("serve_armorm.sh", env)]
         assert argv[:2] == ["openrlhf-geo", "serve-rm"]

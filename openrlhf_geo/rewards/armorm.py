@@ -724,6 +724,9 @@ def main(argv=None):
         message = str(error) if isinstance(error, ValueError) else f"--model {args.model}: {error}"
         print(f"openrlhf-geo serve-rm: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+    except BaseException:  # Ctrl-C while the model loads: the port is not left bound
+        server.server_close()
+        raise
     server.batcher = BatchingScorer(scorer, max_batch=4 * args.batch_size, max_wait_s=args.max_wait_ms / 1000)
     logger.info(
         "serving %s on http://%s:%d/get_reward (%s)",
