@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +128,28 @@ def test_a_process_that_was_running_before_the_run_is_not_the_runs(tmp_path, mon
     finally:
         before.kill()
         before.wait()
+
+
+def test_the_watchdogs_stop_from_its_own_thread_does_not_raise(monkeypatch):
+    """ActorWatchdog stops the run from its own thread when the driver does not stop: Python sets signal handlers in
+    the main thread only, so `stop` there must leave them (it raised ValueError, and the driver then hung)."""
+    from openrlhf_geo.fork import launch
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(launch.RunProcesses, "RAY_EXIT_S", 0.1)
+    errors = []
+
+    def stop():
+        try:
+            run.stop()
+        except Exception as e:  # what the watchdog's thread died of
+            errors.append(e)
+
+    try:
+        run = launch.RunProcesses()
+        thread = threading.Thread(target=stop)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive() and errors == []
+    finally:
+        signal.signal(signal.SIGTERM, before)

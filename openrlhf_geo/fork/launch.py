@@ -202,7 +202,7 @@ class RunProcesses:
             return left
         finally:
             _subreaper(self.subreaper)
-            if self.sigterm is not None:
+            if main and self.sigterm is not None:  # only the main thread sets handlers (the watchdog's stop: not)
                 signal.signal(signal.SIGTERM, self.sigterm)
             for signum, handler in held.items():
                 if signum != signal.SIGTERM or self.sigterm is None:
