@@ -89,6 +89,7 @@ def test_the_fork_is_one_package_and_local_holds_only_the_engine_and_its_command
     assert {p.stem for p in (PACKAGE / "fork").glob("*.py")} == {
         "__init__",
         "install",
+        "flags",
         "launch",
         "hooks",
         "replay",

@@ -97,6 +97,18 @@ def test_files_no_run_wrote_are_named_as_such_and_refused_even_with_overwrite(tm
     assert (tmp_path / "model" / "my_weights.bin").read_text() == "mine"
 
 
+def test_a_studys_command_file_beside_a_run_is_neither_refused_nor_deleted(tmp_path):
+    """A study writes study.json in a run's directory before the run starts (lab/studies)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "study.json").write_text('{"argv": []}')
+    with rundir.claim(run):
+        (run / "metrics.jsonl").write_text("")
+    with rundir.claim(run, overwrite=True):
+        rundir.clear_run(run)
+    assert sorted(p.name for p in run.iterdir() if p.name != rundir.LOCK) == [rundir.RECORD, "study.json"]
+
+
 def test_a_fresh_start_writes_the_run_record_and_takes_it_back_when_nothing_else_was_written(tmp_path):
     with pytest.raises(RuntimeError):
         with rundir.claim(tmp_path / "run"):

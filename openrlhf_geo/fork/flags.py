@@ -45,7 +45,8 @@ def validate_args(args) -> None:
     options.validate(args, engine="fork")
     n = args.rollout.n_samples_per_prompt
     if n < 2 and args.algo.advantage.estimator in registry.ESTIMATORS:  # upstream asserts it after parsing
-        named = "salt" if args.salt.enable else args.geometry.estimator or args.algo.advantage.estimator
+        salt = args.geometry.salt
+        named = "salt" if salt is not None and salt.apply else args.geometry.estimator or args.algo.advantage.estimator
         raise ValueError(
             f"--rollout.n_samples_per_prompt must be >= 2 (group baselines) with --advantage_estimator {named}: "
             f"each prompt's samples are its baseline (got {n})"
@@ -220,13 +221,24 @@ def resume_changes(saved: dict, args) -> list[str]:
     ]
 
 
+FLAGS_KEY = "openrlhf_geo_flags"  # checkpoint client_states entry
+
+
+def latest_tag(save_dir) -> str | None:
+    """The tag DeepSpeed's `latest` file in `save_dir` names (None without one): the last complete checkpoint, which
+    the patched rotation never deletes before the checkpoint replacing it is written (with --ckpt.max_num 1 or the
+    --ckpt.max_mem limit reached, the folder holds one checkpoint more while a save runs)."""
+    try:
+        return Path(save_dir, "latest").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 def check_resume(args, checkpoint: Path) -> None:
     """--ckpt.load_enable: refuse before Ray starts, naming each flag, a resume that changes `resume_changes` from
     the checkpoint DeepSpeed's `latest` names in `checkpoint` (<ckpt.path>/_actor). Its flags are read from its
     model-states file, memory-mapped so that the weights in it are not read; a checkpoint that cannot be read here is
     left to the load, which compares them again (`load_geometry_state`)."""
-    from openrlhf_geo.fork.hooks import FLAGS_KEY, latest_tag  # hooks imports this module
-
     tag = latest_tag(checkpoint)
     files = sorted(Path(checkpoint, tag).glob("*mp_rank_00_model_states.pt")) if tag else []
     try:

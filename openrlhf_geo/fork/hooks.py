@@ -47,7 +47,7 @@ import torch
 from openrlhf_geo import GeoWarning, baselines, features, options, registry
 from openrlhf_geo.estimators import check_reward_scale
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
-from openrlhf_geo.fork.flags import resume_changes, resume_flags, writes_checkpoints
+from openrlhf_geo.fork.flags import FLAGS_KEY, latest_tag, resume_changes, resume_flags, writes_checkpoints
 from openrlhf_geo.fork.install import DUMP_ENV
 from openrlhf_geo.fork.replay import Recorder, record_training_step  # noqa: F401  (the ppo_actor diff's name)
 from openrlhf_geo.local import rundir
@@ -550,9 +550,6 @@ def minibatch_sampling(actor_trainer, shuffle) -> dict:
 # ── checkpoints (trainer/ppo_trainer.py) ──
 
 
-FLAGS_KEY = "openrlhf_geo_flags"  # checkpoint client_states entry
-
-
 def save_geometry_state(trainer, client_states) -> None:
     """Add the pipeline's state (projector, RNG streams, running statistics) and the fork's flags to a checkpoint's
     client states."""
@@ -645,16 +642,6 @@ async def bounded_agent_call(agent, call, *args):
         task.cancel()
         raise AgentTimeout(inspect.getfile(type(agent).step), call, seconds)
     return task.result()  # an error of its own (its own TimeoutError too) as it raised it
-
-
-def latest_tag(save_dir) -> str | None:
-    """The tag DeepSpeed's `latest` file in `save_dir` names (None without one): the last complete checkpoint, which
-    the patched rotation never deletes before the checkpoint replacing it is written (with --ckpt.max_num 1 or the
-    --ckpt.max_mem limit reached, the folder holds one checkpoint more while a save runs)."""
-    try:
-        return Path(save_dir, "latest").read_text().strip() or None
-    except FileNotFoundError:
-        return None
 
 
 def _step(tag) -> int | None:

@@ -50,6 +50,9 @@ RUN_FILES = (
     "wandb",
 )
 KEPT = ("wandb",)  # offline wandb runs may be unsynced
+# What a study writes in a run's directory before the run (lab/studies: the command it runs there): a run neither
+# refuses nor deletes it.
+BESIDE = ("study.json",)
 
 # Flags a resumed run may change: none of them alters the state a step produces from the state before it.
 SAFE_TO_CHANGE = {
@@ -199,7 +202,7 @@ def claim(out_dir, resume=False, overwrite=False):
         try:
             yield resuming
         except BaseException:
-            if written and {p.name for p in out_dir.iterdir()} <= {LOCK, RECORD}:  # nothing of the run's yet
+            if written and {p.name for p in out_dir.iterdir()} <= {LOCK, RECORD, *BESIDE}:  # nothing of the run's yet
                 record.unlink()
             raise
 
@@ -239,9 +242,9 @@ def _decide(out_dir, resume, overwrite):
 def run_files(out_dir):
     """(the run's, the others): the names in `out_dir` but the lock, sorted. A run's are its RECORD and the names
     the record lists (as far as RUN_FILES has them: a record never widens what `clear_run` deletes); an older
-    version's run, which wrote no record, is recognised by its checkpoint. Anything else is not a run's."""
+    version's run, which wrote no record, is recognised by its checkpoint. Anything else but BESIDE is not a run's."""
     out_dir = Path(out_dir)
-    names = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
+    names = sorted(p.name for p in out_dir.iterdir() if p.name not in (LOCK, *BESIDE))
     try:
         listed = json.loads((out_dir / RECORD).read_text())["paths"]
         patterns = [p for p in listed if p in RUN_FILES] + [RECORD]
