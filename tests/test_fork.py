@@ -303,7 +303,7 @@ def cpu_root(tmp_path_factory):
 
 # The GPU fork's eight diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "290daca6083dfcf7158eb356b6e8fbcdcaef61cbacef84e04a9b4a76f62a6ecd",
+    "openrlhf.__init__.diff": "9efa62be3bafc029e91ab06ed5e83106fb0af8d34a8f1c692ac0699ac689c0a7",
     "openrlhf.cli.train_ppo_ray.diff": "d0276cdc3590cf7e2b03918a6786f64be21cd152cb8421884b164dcfea964f9d",
     "openrlhf.models.actor.diff": "5f934c451dadd07a6df0e860489681ebca66020888655ad446c6e1fb288f8dcd",
     "openrlhf.trainer.ppo_trainer.diff": "c9373a55aaba77d245373e418c37863456524964af4d88cdce697adaaa393fff",
