@@ -10,6 +10,7 @@ import pytest
 import torch
 from fork_helpers import parse
 
+from openrlhf_geo import GeoWarning
 from openrlhf_geo.fork import hooks as fork_hooks
 from openrlhf_geo.local import rundir
 
@@ -203,6 +204,20 @@ def test_a_local_jsonl_dataset_upstream_cannot_load_is_one_line_naming_the_flag_
     for key, value in datasets.items():
         argv += [key, value]
     assert f"error: {flag} {bad}{message}" in refused(up, monkeypatch, capsys, argv)
+
+
+def test_empty_prompts_are_counted_in_one_warning_naming_the_flag_and_file(up, monkeypatch, tmp_path):
+    """They trained without a word, as in `openrlhf-geo train` before it warned."""
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(ROWS + b'{"input": " ", "label": "1"}\n' + ROWS + b'{"input": [], "label": "1"}\n')
+    argv = [*GRPO, "--data.prompt_dataset", str(data), "--ckpt.output_dir", str(tmp_path / "out")]
+    with pytest.warns(GeoWarning) as caught:
+        parse(up, monkeypatch, argv)
+    (line,) = [str(w.message) for w in caught if "empty" in str(w.message)]
+    assert line == (
+        f"2 of the 4 prompts of --data.prompt_dataset {data} are empty (the first on line 2; --data.input_key "
+        "'input'): they are trained on as written"
+    )
 
 
 def test_datasets_the_fork_does_not_read_are_left_to_upstream(up, monkeypatch, tmp_path):

@@ -118,16 +118,17 @@ def check_datasets(args) -> None:
     its datasets (`iter_jsonl`, one line at a time: a missing file, bad UTF-8, a line that is not a JSON object), and
     checked for rows and the --data.input_key (and --data.label_key when given) of every one: ValueError naming the
     flag, file and line, instead of a Ray actor's traceback half a minute after the cluster started. The fields are
-    not type-checked (--data.apply_chat_template takes message lists; a .py reward_func any label). Hub names,
-    folders and other formats are upstream's to load (`blending_datasets`: comma-separated entries, each
-    `path[@data_dir]`)."""
+    not type-checked (--data.apply_chat_template takes message lists; a .py reward_func any label); empty prompts
+    (blank text, no messages) are trained as written, with one GeoWarning counting them, as `openrlhf-geo train`
+    does. Hub names, folders and other formats are upstream's to load (`blending_datasets`: comma-separated entries,
+    each `path[@data_dir]`)."""
     for flag, value in (("--data.prompt_dataset", args.data.prompt_dataset), ("--eval.dataset", args.eval.dataset)):
         for entry in value.split(",") if value else ():
             path = entry.split("@")[0].strip()
             if not path.endswith(".jsonl"):
                 continue
             keys = {"--data.input_key": args.data.input_key, "--data.label_key": args.data.label_key}
-            rows = 0
+            rows, empty = 0, []
             for number, row in iter_jsonl(path, flag):
                 rows += 1
                 for key_flag, key in keys.items():
@@ -135,8 +136,18 @@ def check_datasets(args) -> None:
                         raise ValueError(
                             f"{flag} {path}:{number}: no {key!r} field ({key_flag}; the line has {sorted(row)})"
                         )
+                prompt = row[args.data.input_key]
+                if not (prompt.strip() if isinstance(prompt, str) else prompt):
+                    empty.append(number)
             if not rows:
                 raise ValueError(f"{flag} {path}: no rows")
+            if empty:
+                warnings.warn(
+                    f"{len(empty)} of the {rows} prompts of {flag} {path} are empty (the first on line {empty[0]}; "
+                    f"--data.input_key {args.data.input_key!r}): they are trained on as written",
+                    GeoWarning,
+                    stacklevel=2,
+                )
 
 
 def writes_checkpoints(args) -> bool:
