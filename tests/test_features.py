@@ -154,6 +154,25 @@ def test_sketch_equals_its_hashes_applied_to_the_exact_gradient(V, d, dim, chunk
     assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [13, 64])
+def test_the_gpu_tile_forced_on_a_cpu_gives_the_cpu_tiles_features(monkeypatch, chunk):
+    """On a GPU a tile is the whole chunk (`_TensorSketchTiles`: `EXP_TILE` applies to CPUs only), a branch no CPU
+    run takes: forced here by lifting EXP_TILE past the chunk, against the float64 sketch of the exact gradient and
+    the CPU's tiles of EXP_TILE tokens (the same sums in another order: float32 rounding apart)."""
+    from openrlhf_geo import features
+
+    logits, hidden, tokens, mask = random_batch(11, B=4, S=24, V=300, d=40, scale=20.0)
+    logits[1, :3] += 400.0  # rows the exp pass redoes shifted, inside a tile
+    expected = numpy_exact(logits, hidden, tokens, mask, 0.7) @ countsketch_matrix(300, 40, 256, seed=2)
+    args = (logits, hidden, tokens, mask, "sketch", 256)
+    assert int(mask.sum()) > chunk > features.EXP_TILE  # several chunks, each more than one CPU tile
+    cpu_tiles = lm_head_features(*args, seed=2, temperature=0.7, chunk_size=chunk)
+    monkeypatch.setattr(features, "EXP_TILE", 10**6)
+    gpu_tile = lm_head_features(*args, seed=2, temperature=0.7, chunk_size=chunk)
+    assert_close(gpu_tile.double(), expected, rtol=1e-5, atol=1e-6)
+    assert_close(gpu_tile, cpu_tiles, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_sketch_redoes_rows_whose_unshifted_exp_overflows_or_underflows(temperature):
     logits, hidden, tokens, mask = random_batch(7, B=3, S=5, V=300, d=6, scale=20.0)
