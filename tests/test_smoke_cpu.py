@@ -2,8 +2,8 @@
 
 Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the two conditions of the
 methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2: about 4 min on an idle
-2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all fifteen, the
-recipes' flag sets included (about 30 min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
+2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs all seventeen, the
+recipes' flag sets included (about 35 min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
 the script's own checks (exit codes, finite metrics at every step, weights changed, vLLM's log-probs equal the
 actor's after each weight sync, no process left behind), then, here, that each step's geometry dumped from inside
 the real experience maker is what `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features,
@@ -115,7 +115,8 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
 @pytest.mark.parametrize(
     "name",
     ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
-     "recipe_engine", "recipe_math_salt", "recipe_math_geoalign", "recipe_math_dapo_salt"],
+     "dapo_geoalign_flip", "gspo_salt_geoalign", "recipe_engine", "recipe_math_salt", "recipe_math_geoalign",
+     "recipe_math_dapo_salt"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)

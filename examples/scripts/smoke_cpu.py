@@ -204,6 +204,19 @@ CONDITIONS = {
                   "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean"],
         "finite": SALT,
     },
+    # DAPO's dynamic filtering before GeoAlign's curation, under flipped rewards: a replacement can tie a group that
+    # the filter kept (geo/zero_variance_groups_after counts them)
+    "dapo_geoalign_flip": {
+        "flags": ["--advantage_estimator", "salt", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range",
+                  "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean",
+                  *GEOALIGN, *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE, "geo/zero_variance_groups_after"],
+    },
+    # GSPO's sequence-level ratio on SALT's advantages (one value per sequence, as GSPO's own), GeoAlign under flips
+    "gspo_salt_geoalign": {
+        "flags": ["--advantage_estimator", "salt", "--actor.policy_loss_type", "gspo", *GEOALIGN, *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE],
+    },
     # the random stand-in reward model's scores differ little within a group (sd ~2e-3): a step may have no strict
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
     "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
