@@ -205,11 +205,12 @@ CONDITIONS = {
         "finite": SALT,
     },
     # DAPO's dynamic filtering before GeoAlign's curation, under flipped rewards: a replacement can tie a group that
-    # the filter kept (geo/zero_variance_groups_after counts them)
+    # the filter kept (geo/zero_variance_groups_after counts them); alpha 0.5 so that GeoAlign flags and replaces
+    # rollouts in 2 steps of the tiny model
     "dapo_geoalign_flip": {
         "flags": ["--advantage_estimator", "salt", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range",
                   "0", "1", "--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean",
-                  *GEOALIGN, *FLIPS],
+                  *GEOALIGN, "--geoalign.alpha", "0.5", *FLIPS],
         "finite": [*SALT, *GEO, *NOISE, "geo/zero_variance_groups_after"],
     },
     # GSPO's sequence-level ratio on SALT's advantages (one value per sequence, as GSPO's own), GeoAlign under flips
