@@ -362,8 +362,8 @@ from openrlhf_geo.rewards.math_verify import MathVerifyReward
 
 scorer = MathVerifyReward(workers=2)
 scorer.verdicts(["\\\\boxed{2}"], ["2"])  # the pool is up
-print("ready", flush=True)
-try:
+try:  # "ready" inside: the test's SIGINT may come as soon as it is printed
+    print("ready", flush=True)
     time.sleep(600)
 except KeyboardInterrupt:
     print(scorer.verdicts(["\\\\boxed{3}"], ["3"])[0].status, flush=True)  # the workers are still serving
