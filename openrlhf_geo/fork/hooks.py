@@ -701,11 +701,7 @@ def fall_back_from_damaged(ckpt_path) -> None:
     aside = f"{tag}.bad"
     for d in dirs:
         if (d / tag).exists():
-            aside, number = f"{tag}.bad", 0
-            while (d / aside).exists():  # one kept by an earlier fallback stays too
-                number += 1
-                aside = f"{tag}.bad.{number}"
-            os.replace(d / tag, d / aside)
+            aside = rundir.set_aside(d / tag).name
         commit_latest(d, intact)
     rundir.warn(
         f"--ckpt.load_enable: {bad} is damaged (checkpoint {tag}, step {step}); moved it aside to {aside} and "

@@ -367,6 +367,18 @@ def read_checkpoint(path):
     return body
 
 
+def set_aside(path) -> Path:
+    """Move the damaged file or folder `path` to <name>.bad, or .bad.1, ... when one is there (one kept by an earlier
+    fallback stays too), kept for inspection; -> where it went."""
+    path = Path(path)
+    bad, number = path.with_name(f"{path.name}.bad"), 0
+    while bad.exists():
+        number += 1
+        bad = path.with_name(f"{path.name}.bad.{number}")
+    os.replace(path, bad)
+    return bad
+
+
 def load_checkpoint(out_dir):
     """The newest usable checkpoint of `out_dir` -> {"step", "config", "state", "path"}.
 
@@ -386,11 +398,7 @@ def load_checkpoint(out_dir):
             problems.append(str(error))
             continue
         if problems:
-            bad, number = out_dir / f"{CHECKPOINT}.bad", 0
-            while bad.exists():  # one kept by an earlier fallback stays too
-                number += 1
-                bad = out_dir / f"{CHECKPOINT}.bad.{number}"
-            os.replace(out_dir / CHECKPOINT, bad)
+            bad = set_aside(out_dir / CHECKPOINT)
             warn(f"{problems[0]}; moved it to {bad.name} and resuming from {path} (step {checkpoint['step']})")
         elif name == PREVIOUS:
             warn(f"{out_dir / CHECKPOINT} is missing (a kill between renames?); resuming from {path}")
