@@ -120,13 +120,8 @@ def run_checkpoints(path) -> list[str]:
     """The names in --ckpt.path `path` that a run wrote: those its record lists (as far as RUN_CHECKPOINTS has them:
     a record never widens what `clear_checkpoints` deletes); an older version's run, which wrote no record, is
     recognised by its _actor/ or _critic/ folder. Anything else there is not a run's."""
-    try:
-        listed = json.loads(Path(path, rundir.RECORD).read_text())["paths"]
-        patterns = [p for p in listed if p in RUN_CHECKPOINTS]
-    except FileNotFoundError:
-        patterns = list(RUN_CHECKPOINTS) if any(Path(path, d).is_dir() for d in CHECKPOINT_DIRS) else []
-    except (OSError, ValueError, KeyError, TypeError):  # not a record this code wrote: nothing is accounted for
-        patterns = []
+    legacy = any(Path(path, d).is_dir() for d in CHECKPOINT_DIRS)
+    patterns = rundir.recorded(path, RUN_CHECKPOINTS, legacy) or []
     names = sorted(entry.name for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False))
     return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 

@@ -245,15 +245,24 @@ def run_files(out_dir):
     version's run, which wrote no record, is recognised by its checkpoint. Anything else but BESIDE is not a run's."""
     out_dir = Path(out_dir)
     names = sorted(p.name for p in out_dir.iterdir() if p.name not in (LOCK, *BESIDE))
-    try:
-        listed = json.loads((out_dir / RECORD).read_text())["paths"]
-        patterns = [p for p in listed if p in RUN_FILES] + [RECORD]
-    except FileNotFoundError:
-        patterns = list(RUN_FILES) if (out_dir / CHECKPOINT).exists() or (out_dir / PREVIOUS).exists() else []
-    except (OSError, ValueError, KeyError, TypeError):  # not a record this code wrote: nothing is accounted for
-        patterns = []
+    listed = recorded(out_dir, RUN_FILES, legacy=(out_dir / CHECKPOINT).exists() or (out_dir / PREVIOUS).exists())
+    patterns = [] if listed is None else [*listed, RECORD]
     ours = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
     return ours, [name for name in names if name not in ours]
+
+
+def recorded(directory, allowed, legacy) -> list[str] | None:
+    """The patterns of what a run wrote in `directory` (`run_files`, and the fork's --ckpt.path): those its RECORD
+    lists, as far as `allowed` has them (a record never widens what is deleted); without a record, every one of
+    `allowed` when `legacy` (an older version's run, recognised by what it left), else none. None for a record this
+    code did not write: nothing is accounted for."""
+    try:
+        listed = json.loads((Path(directory) / RECORD).read_text())["paths"]
+        return [p for p in listed if p in allowed]
+    except FileNotFoundError:
+        return list(allowed) if legacy else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def clear_run(out_dir):
