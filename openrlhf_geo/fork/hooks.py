@@ -87,15 +87,7 @@ def claim_outputs(args):
     with ExitStack() as stack:
         try:
             for folder, flag in folders.items():
-                try:
-                    stack.enter_context(rundir.locked(folder))
-                except rundir.Busy as busy:
-                    raise ValueError(
-                        f"{flag} {folder}: another run is writing it ({busy.owner}); wait for it or choose another "
-                        f"{flag}"
-                    ) from None
-                except OSError as error:
-                    raise ValueError(f"{flag} {folder}: cannot write there ({error.strerror})") from None
+                rundir.hold(stack, folder, flag)
             if writes_checkpoints(args) and not record.exists():
                 written_by = {"written_by": "openrlhf-geo train-ppo-ray", "paths": list(RUN_CHECKPOINTS)}
                 record.write_text(json.dumps(written_by) + "\n")

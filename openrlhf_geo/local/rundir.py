@@ -186,14 +186,7 @@ def claim(out_dir, resume=False, overwrite=False):
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--ckpt.output_dir {out_dir}: is a file, not a directory")
     with ExitStack() as stack:
-        try:
-            stack.enter_context(locked(out_dir))
-        except OSError as error:
-            raise ValueError(f"--ckpt.output_dir {out_dir}: cannot write there ({_unwritable(error)})") from None
-        except Busy as busy:
-            raise ValueError(
-                f"--ckpt.output_dir {out_dir}: another run is writing it ({busy.owner}); wait for it or choose another"
-            ) from None
+        hold(stack, out_dir, "--ckpt.output_dir")
         resuming = _decide(out_dir, resume, overwrite)
         record = out_dir / RECORD
         written = not resuming and not record.exists()
@@ -205,6 +198,19 @@ def claim(out_dir, resume=False, overwrite=False):
             if written and {p.name for p in out_dir.iterdir()} <= {LOCK, RECORD, *BESIDE}:  # nothing of the run's yet
                 record.unlink()
             raise
+
+
+def hold(stack, folder, flag) -> None:
+    """Enter `locked(folder)`, the output folder `flag` names, into the ExitStack `stack`; ValueError naming the flag
+    and the folder when it cannot be written there or another run is writing it."""
+    try:
+        stack.enter_context(locked(folder))
+    except OSError as error:
+        raise ValueError(f"{flag} {folder}: cannot write there ({_unwritable(error)})") from None
+    except Busy as busy:
+        raise ValueError(
+            f"{flag} {folder}: another run is writing it ({busy.owner}); wait for it or choose another {flag}"
+        ) from None
 
 
 def _shown(names):
