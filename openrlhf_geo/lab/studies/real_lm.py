@@ -84,22 +84,28 @@ def problems(collection: Collection):
 # ---------------------------------------------------------------- sampling
 
 
-def _sample_hf(model_path, prompt_ids, collection):
+def _sample_hf(model_path, prompt_ids, collection, device="cpu", progress=None, model=None):
+    """HF `generate`, one prompt's samples per call -> token ids per sample (EOS included); `model` an already
+    loaded one (else loaded from model_path onto `device`), `progress(1)` after each prompt."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model.eval()
     eos = model.config.eos_token_id
     torch.manual_seed(collection.seed)
     config = GenerationConfig(do_sample=True, temperature=collection.temperature, top_k=0, top_p=1.0,
                               max_new_tokens=collection.max_tokens, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
     out = []
     for ids in prompt_ids:  # one prompt's samples per call: no padding, the prompt exactly as vLLM gets it
-        x = torch.tensor([ids] * collection.samples)
+        x = torch.tensor([ids] * collection.samples, device=model.device)
         with torch.no_grad():
             seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
         for row in seq[:, len(ids) :].tolist():
             end = row.index(eos) + 1 if eos in row else len(row)
             out.append(row[:end])
+        if progress is not None:
+            progress(1)
     return out
 
 
@@ -233,35 +239,35 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
 
     config = SaltConfig()
     spec = GeometrySpec(features=config.features, dim=config.dim, seed=config.seed)
-    n, eos = len(response_ids), model.config.eos_token_id
+    n, eos, device = len(response_ids), model.config.eos_token_id, model.device  # the results are on the CPU
     sums = {cap: None for cap in caps}  # (N, D) float64 Σ_t ψ_t over the first min(T_i, cap) tokens
     hidden = {cap: None for cap in caps}
     lengths = torch.tensor([len(r) for r in response_ids])
     model.eval()
     for i, prompt in enumerate(prompt_ids):
-        p = torch.tensor([prompt])
+        p = torch.tensor([prompt], device=device)
         out = model(input_ids=p, use_cache=True, output_hidden_states=True)
         last_logits, last_hidden = out.logits[:, -1:], out.hidden_states[-1][:, -1:]  # they produce token 0
         for start in range(i * samples, (i + 1) * samples, micro_batch):
             rows = list(range(start, min(start + micro_batch, (i + 1) * samples)))
             width = max(len(response_ids[r]) for r in rows)
-            seq = torch.full((len(rows), width), eos, dtype=torch.long)
+            seq = torch.full((len(rows), width), eos, dtype=torch.long, device=device)
             for k, r in enumerate(rows):
                 seq[k, : len(response_ids[r])] = torch.tensor(response_ids[r])
             cache = copy.deepcopy(out.past_key_values)
             cache.batch_repeat_interleave(len(rows))
-            positions = torch.arange(len(prompt), len(prompt) + width).expand(len(rows), -1)
+            positions = torch.arange(len(prompt), len(prompt) + width, device=device).expand(len(rows), -1)
             step = model(input_ids=seq, past_key_values=cache, position_ids=positions, output_hidden_states=True)
             # position s (0 = the prompt's last token) produces response token s; its label is seq[:, s]
             logits = torch.cat([last_logits.expand(len(rows), -1, -1), step.logits[:, :-1]], dim=1) / temperature
             h = torch.cat([last_hidden.expand(len(rows), -1, -1), step.hidden_states[-1][:, :-1]], dim=1)
-            T = lengths[rows]
+            T = lengths[rows].to(device)
             for lo, hi in _segments(caps):
-                producing = (torch.arange(width)[None, :] >= lo) & (
-                    torch.arange(width)[None, :] < T.clamp(max=hi)[:, None]
+                producing = (torch.arange(width, device=device)[None, :] >= lo) & (
+                    torch.arange(width, device=device)[None, :] < T.clamp(max=hi)[:, None]
                 )
                 geo = response_geometry(spec, logits, h, seq, producing, producing, temperature)
-                segment = geo["features"].double() * producing.sum(1, keepdim=True)  # mean -> sum over the segment
+                segment = geo["features"].double() * producing.sum(1, keepdim=True).cpu()  # mean -> segment sum
                 for cap in caps:
                     if cap >= hi:
                         if sums[cap] is None:
@@ -271,7 +277,7 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
             final = step.hidden_states[-1]
             for cap in caps:  # the hidden state at the position holding the last response token within the cap
                 last = (T.clamp(max=cap) - 1).clamp(min=0)
-                hidden[cap][rows] = final[torch.arange(len(rows)), last].float()
+                hidden[cap][rows] = final[torch.arange(len(rows), device=device), last].float().cpu()
             if progress is not None:
                 progress(len(rows))
     out = {}

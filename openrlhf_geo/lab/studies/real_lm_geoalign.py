@@ -197,10 +197,11 @@ def batches(prompts, samples, per_batch):
     return [np.arange(b * per_batch * samples, (b + 1) * per_batch * samples) for b in range(prompts // per_batch)]
 
 
-def analyse(data, per_batch, draws) -> list[dict]:
+def analyse(data, per_batch, draws, progress=None) -> list[dict]:
     """Every call's record: the first analysis's (one per curate call, no "analysis" key), then the amendment's
     ("analysis": "held_out" per (hidden kind, prompt), "null_flip" per curate call on a null, "rollouts" per
-    flipped call: per-rollout GDI on the real and null hidden states, pair counts, and each detector's flags)."""
+    flipped call: per-rollout GDI on the real and null hidden states, pair counts, and each detector's flags).
+    `progress(1)` after each batch."""
     collection = data["collection"]
     cap = collection["caps"][-1]
     hidden, rewards = data["geometry"][cap]["hidden"], data["rewards"][cap]
@@ -235,6 +236,8 @@ def analyse(data, per_batch, draws) -> list[dict]:
                 for name, score in (("pair_count_top", detail["pair_count"]), ("gdi_top", gdi)):
                     detail[name] = np.nonzero(top_flags(score, np.isfinite(gdi), n_f, key))[0].tolist()
                 amended.append({"analysis": "rollouts", "batch": b, "rate": rate, "draw": draw, **detail})
+        if progress is not None:
+            progress(1)
     return records + amended
 
 

@@ -274,9 +274,10 @@ def batch_families(questions, rows, samples) -> dict:
     return {"prompt": np.arange(len(prompts)), "name": labels[:, 0], "item": labels[:, 1]}
 
 
-def analyse(data, setup) -> list[dict]:
+def analyse(data, setup, families=True, progress=None) -> list[dict]:
     """Every (cap, G) condition of one collection on its disjoint batches -> records (amendment item 3 at every
-    condition, item 4 at the longest cap)."""
+    condition, item 4 at the longest cap unless `families` is False: it reads word_task's names and items, which
+    `openrlhf-geo inspect`'s prompts do not have). `progress(1)` after each batch."""
     records = []
     collection = data["collection"]
     T, longest = collection["temperature"], max(setup["caps"])
@@ -288,11 +289,14 @@ def analyse(data, setup) -> list[dict]:
         for G in setup["groups"]:
             for r, rows in enumerate(replicates(collection["prompts"], collection["samples"], G, setup["m"])):
                 idx = torch.as_tensor(rows)
-                families = batch_families(data["questions"], rows, collection["samples"]) if cap == longest else None
+                labels = (batch_families(data["questions"], rows, collection["samples"])
+                          if families and cap == longest else None)  # fmt: skip
                 record = analyse_batch(rewards[idx], geometry["gram"][idx][:, idx], lengths[idx], G,
-                                       seed=(T, cap, G, r), families=families)  # fmt: skip
+                                       seed=(T, cap, G, r), families=labels)  # fmt: skip
                 record["truncated"] = float((~finished_by_cap[idx]).double().mean())
                 records.append({"T": T, "cap": cap, "G": G, "replicate": r, **record})
+                if progress is not None:
+                    progress(1)
     return records
 
 
@@ -542,7 +546,7 @@ def summarize(records, setup, cis) -> dict:
     # item 4 at the longest cap, per (T, G)
     families = {}
     for (T, cap, G), rows in conditions.items():
-        if cap != longest:
+        if cap != longest or "family_k" not in rows[0]:  # item 4 not measured (`analyse`'s families)
             continue
         entry = {"batches": len(rows), "k": interval([r["family_k"] for r in rows])}
         for family in FAMILIES:
