@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "demo": ("openrlhf_geo.lab.demo", "tiny SFT->RL on CPU: GRPO vs +SALT vs +GeoAlign, with a report"),
     "study": ("openrlhf_geo.lab.study", "the CPU studies of docs/studies/, resumable, with a report"),
+    "inspect": ("openrlhf_geo.lab.inspection", "SALT's regime and GeoAlign's separability on your model and data"),
     "train": ("openrlhf_geo.local.training", "single-process training run (CPU or one GPU)"),
     "train-ppo-ray": ("openrlhf_geo.fork.launch", "upstream openrlhf.cli.train_ppo_ray with the fork's patches"),
     "fork": ("openrlhf_geo.fork.install", "fork maintenance: `fork verify`, `fork path`"),
