@@ -678,8 +678,10 @@ def response_geometry(
     the last one with a token get zero rows).
     features: `lm_head_features` of each response's tokens with `hidden / temperature`, the exact gradient of the
     temperature-scaled log-probs (SALT Eq. 19). hidden: the lm_head input at the response's last token (GeoAlign
-    §4: the last-token hidden state). entropy: sum over the response's tokens of H(softmax(z)) / log V (SALT App.
-    F.3 entropy-alpha's H_t is its token-weighted mean, computed by the pipeline).
+    §3.1: the final generated token's; a multi-turn rollout's last action token, not the environment's tokens after
+    it). entropy: sum over the response's tokens of H(softmax(z)) / log V (SALT App. F.3 entropy-alpha's H_t is its
+    token-weighted mean, computed by the pipeline). All three read every position of `producing` / `response`,
+    however many spans a row holds.
     """
     rows = rows if rows is not None else producing.shape[0]
     out = {}

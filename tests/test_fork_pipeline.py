@@ -5,7 +5,7 @@ Covers: hub ids and local model paths passing upstream's parser, and `train` shi
 correct features / hidden states; PolicyModelActor.forward's return value; the experience maker's SALT advantages
 against `salt_advantages`; GeoAlign rectification on micro-batched Experiences; PolicyLoss gradients under
 replacement against an explicitly duplicated batch; metrics through `info` and the replay-buffer split/merge;
-GeoAlign state in checkpoints.
+GeoAlign state in checkpoints; multi-turn agents' rollouts (every action span in SALT's and GeoAlign's inputs).
 """
 
 import copy
@@ -1122,3 +1122,139 @@ def test_rewards_that_overflow_upstreams_float32_group_std_are_refused(up, tiny_
         ValueError, match=r"^step 1: the reward gave rollout 0 \(prompt 0\) the reward 3e\+38; 12 of 12"
     ):
         maker.compute_advantages_and_returns(experiences)
+
+
+# ── multi-turn agents (--train.agent_func_path): every action span counts ──
+# Upstream's MultiTurnAgentExecutor runs examples/agents/two_turns.py against a scripted engine, and upstream's
+# SamplesGenerator turns each rollout into an Experience whose action mask has one span per turn, the environment's
+# tokens between and after them. Checked against a float64 brute force over the positions the executor recorded
+# (`action_ranges`), independent of the mask the fork reads.
+
+AGENT_MAX_LEN = 64  # the tiny model's max_position_embeddings
+
+
+class CharTokenizer:
+    """One token per character (ids 1..V-1), as the executor tokenizes observations and feedback."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        return {"input_ids": torch.tensor([[1 + ord(c) % (V - 1) for c in text]])}
+
+
+class ScriptedEngine:
+    """The vLLM engine the executor awaits: each turn samples 1-11 random tokens, at most the turn's max_tokens."""
+
+    def __init__(self, seed):
+        self.generator, self.max_tokens = torch.Generator().manual_seed(seed), []
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        self.max_tokens.append(sampling_params.max_tokens)
+        n = min(int(torch.randint(1, 12, (1,), generator=self.generator)), sampling_params.max_tokens)
+        ids = torch.randint(1, V, (n,), generator=self.generator).tolist()
+        return NS(outputs=[NS(token_ids=ids, text="".join(chr(97 + i % 26) for i in ids), finish_reason="stop",
+                              logprobs=None)])  # fmt: skip
+
+
+def agent_rollouts(n_prompts, seed):
+    """(Experiences as upstream's SamplesGenerator makes them, the executor's responses) of N_PER_PROMPT rollouts per
+    prompt, the agent loaded as upstream's vllm_engine loads --train.agent_func_path."""
+    import asyncio
+    import importlib.util
+
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    path = Path(__file__).resolve().parents[1] / "examples/agents/two_turns.py"
+    spec = importlib.util.spec_from_file_location("agent_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    executor, engine = module.AgentExecutor(), ScriptedEngine(seed)
+    responses = []
+    for p in range(n_prompts * N_PER_PROMPT):
+        run = executor.execute(f"Q{p // N_PER_PROMPT}: 1 + 1 = ? A:", "", NS(max_tokens=16, logprobs=None),
+                               AGENT_MAX_LEN, CharTokenizer(), engine)  # fmt: skip
+        responses.append(asyncio.run(run))
+    assert max(engine.max_tokens) == module.TURN_TOKENS  # the example caps each turn
+    assert all(len(r["action_ranges"]) == module.TURNS for r in responses)
+    samples = [SamplesGenerator._process_response_into_experience(None, r, max_len=AGENT_MAX_LEN) for r in responses]
+    return samples, responses
+
+
+def agent_reference(actor, response):
+    """Independent of Actor.forward: one rollout's raw logits and final (lm_head input) hidden states in float64,
+    its tokens and the positions of its action tokens (every turn's)."""
+    tokens = response["observation_tokens"]
+    seq = torch.tensor(tokens)[None]
+    with torch.no_grad():
+        out = actor.model(seq, attention_mask=torch.ones_like(seq), output_hidden_states=True)
+    positions = [t for start, end in response["action_ranges"] for t in range(start, end)]
+    return out.logits[0].double(), out.hidden_states[-1][0].double(), tokens, positions
+
+
+def eq19(logits, hidden, tokens, positions, temperature):
+    """SALT Eq. 19 by brute force, float64: vec((1/T) Σ_t (onehot(y_t) − softmax(z_{t−1}/τ)) h_{t−1}ᵀ / τ) over the
+    action tokens at `positions` of one sequence (token t is produced by the logits at t − 1)."""
+    grad = torch.zeros(logits.shape[1], hidden.shape[1], dtype=torch.float64)
+    for t in positions:
+        e = -torch.softmax(logits[t - 1] / temperature, -1)
+        e[tokens[t]] += 1
+        grad += torch.outer(e, hidden[t - 1] / temperature)
+    return (grad / len(positions)).flatten()
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_salt_features_sum_over_every_turn_and_geoalign_reads_the_last_action_token(up, tiny_path, packing):
+    """SALT's features (exact and the default sketch) sum over every action token of every turn, not the last span
+    nor every token after the first action; GeoAlign's hidden state is the last action token's, the final generated
+    token, not the environment's last token (docs/architecture.md §5)."""
+    from openrlhf_geo.features import lm_head_features
+
+    samples, responses = agent_rollouts(1, seed=5)
+    batch = up.experience.Experience.concat_experiences(samples, pad_token_id=0)  # right-padded, (B, S-1) masks
+    actor = load_actor(up, tiny_path, packing, temperature=0.7)
+    outs = {}
+    for method in ("exact", "sketch"):  # V·d = 1536 > 256: the sketch really sketches
+        spec = fork_hooks.GeometrySpec(features=method, dim=256, seed=3, hidden=True)
+        with torch.no_grad():
+            outs[method] = actor(batch.sequences, batch.action_mask, batch.attention_mask, True, geometry=spec)[1]
+    for b, response in enumerate(responses):
+        logits, hidden, tokens, positions = agent_reference(actor, response)
+        exact = outs["exact"].geometry["features"][b].double()
+        torch.testing.assert_close(exact, eq19(logits, hidden, tokens, positions, 0.7), atol=2e-6, rtol=1e-4)
+        (start, _), (last_start, end) = response["action_ranges"]
+        for wrong in (range(last_start, end), range(start, end)):  # the last span; every token after the first action
+            assert (exact - eq19(logits, hidden, tokens, wrong, 0.7)).abs().max() > 1e-3
+        # the sketch of the same tokens (the sketch itself: tests/test_features.py)
+        mask = torch.zeros(1, len(tokens), dtype=torch.bool)
+        mask[0, [t - 1 for t in positions]] = True
+        labels = torch.tensor(tokens[1:] + [0])[None]
+        sketch = lm_head_features(logits[None].float(), hidden[None].float(), labels, mask, "sketch", 256, seed=3,
+                                  temperature=0.7)  # fmt: skip
+        torch.testing.assert_close(outs["sketch"].geometry["features"][b], sketch[0], atol=2e-6, rtol=1e-4)
+        # GeoAlign: the final generated token's hidden state; the environment's tokens follow it
+        assert positions[-1] == end - 1 < len(tokens) - 1
+        for out in outs.values():
+            torch.testing.assert_close(out.geometry["hidden"][b].double(), hidden[end - 1], atol=1e-5, rtol=1e-5)
+            assert (out.geometry["hidden"][b].double() - hidden[-1]).abs().max() > 1e-2
+
+
+def test_the_experience_maker_hands_salt_and_geoalign_every_turn(up, tiny_path, monkeypatch, tmp_path):
+    """Through the patched experience maker (micro-batches of 5), as a real run's step record holds it: each
+    rollout's two action spans, SALT's lengths and features over both turns' tokens, GeoAlign's hidden states at the
+    last action token; the record replays through the pipeline."""
+    from smoke_helpers import assert_steps_replay
+
+    argv = f"--advantage_estimator salt --salt.features exact --geoalign.enable {GEO_FAST}".split()
+    monkeypatch.setenv("OPENRLHF_GEO_DUMP_DIR", str(tmp_path))
+    maker = make_maker(up, tiny_path, monkeypatch, argv, micro_batch=5)
+    samples, responses = agent_rollouts(4, seed=9)
+    maker.make_experience_batch(copy.deepcopy(samples))
+    dump = torch.load(tmp_path / "step0001.pt", weights_only=False)
+    assert dump["spans"].tolist() == [2] * 16
+    inputs, hidden = dump["advantage"]["inputs"], dump["curate"]["hidden"]
+    actor = load_actor(up, tiny_path)
+    for i, response in enumerate(responses):  # the samples are in prompt order
+        logits, states, tokens, positions = agent_reference(actor, response)
+        assert int(dump["actions"][i]) == int(inputs["lengths"][i]) == len(positions)
+        expected = eq19(logits, states, tokens, positions, 1.0)
+        torch.testing.assert_close(inputs["features"][i].double(), expected, atol=2e-6, rtol=1e-4)
+        torch.testing.assert_close(hidden[i].double(), states[positions[-1]], atol=1e-5, rtol=1e-5)
+    assert_steps_replay("agent", {1: dump})

@@ -225,7 +225,9 @@ def response_geometry(
     logits (B, S, V) padded or (1, T, V) packed, already divided by `temperature` (Actor.forward does it in place);
     hidden: the lm_head input of the same forward, same layout; labels: Actor.forward's rolled sequences (label at
     position s = token s+1), same layout; action_mask (B, A): column j <-> position S-1-A+j (whose logits produced
-    token S-A+j); attention_mask (B, S); indices (T,): packed position -> flat padded position (None = padded).
+    token S-A+j), any number of spans per row (a multi-turn agent's turns: every action token counts, the hidden
+    state is the last one's); attention_mask (B, S); indices (T,): packed position -> flat padded position (None =
+    padded).
     """
     if ring_attn_group is not None:
         raise ValueError("SALT / GeoAlign geometry is not available with ring attention (--ds.ring_attn_size > 1)")

@@ -36,6 +36,9 @@ class Recorder:
         self.dump["labels"] = labels
         noisy = super()._start(clean)
         self.dump["actions"] = self.actions
+        # each rollout's action spans (maximal runs of action tokens): a multi-turn agent's turns
+        starts = [m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1] for m in (e.action_mask.bool() for e in experiences)]
+        self.dump["spans"] = self._prompt_order(torch.cat([s.sum(-1) for s in starts]))
         curate, adjust = self.step.curate, self.step.adjust
 
         def recorded_curate(rewards, hidden):
