@@ -218,13 +218,22 @@ def remote_reward(url):
     return reward_fn
 
 
-def score(args, prompts, responses, labels) -> torch.Tensor:
-    """(N,) float32 rewards of the decoded responses; InspectError naming the reward's flag when it fails."""
+def make_reward(args):
+    """The reward the engines take, built before sampling (a .py file that cannot load fails before any rollout)."""
     from openrlhf_geo.local.reward import make_reward_fn
 
+    if args.remote_url:
+        return remote_reward(args.remote_url)
+    try:
+        return make_reward_fn(args.reward_func)
+    except ValueError as error:  # load_python_reward's one-line errors name --reward.func
+        raise InspectError(str(error)) from None
+
+
+def score(args, reward_fn, prompts, responses, labels) -> torch.Tensor:
+    """(N,) float32 rewards of the decoded responses; InspectError naming the reward's flag when it fails."""
     flag = "--reward.remote_url" if args.remote_url else "--reward.func"
     try:
-        reward_fn = remote_reward(args.remote_url) if args.remote_url else make_reward_fn(args.reward_func)
         rewards = reward_fn(prompts, responses, labels).float()
     except InspectError:
         raise
@@ -268,6 +277,7 @@ def collect(args, out, log=print) -> dict:
     path = model_path(args.model)
     model, tokenizer = load_model(path, device)
     texts, labels, digest = read_prompts(args, tokenizer)
+    reward_fn = make_reward(args)
     n, _ = used_prompts(len(texts), args.batch_size)
     if n < len(texts):
         log(f"inspect: {n} of the {len(texts)} prompts are used (whole SALT batches of --rollout.batch_size)")
@@ -296,9 +306,8 @@ def collect(args, out, log=print) -> dict:
     if rewards is None:
         responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         with tqdm(total=1, desc=f"scoring {len(responses)} responses", unit="batch") as bar:
-            rewards = score(
-                args, [t for t in texts for _ in range(G)], responses, [a for a in labels for _ in range(G)]
-            )
+            prompts = [t for t in texts for _ in range(G)]
+            rewards = score(args, reward_fn, prompts, responses, [a for a in labels for _ in range(G)])
             bar.update(1)
         _save_phase(out / REWARDS, key, rewards)
         timings["scoring"] = time.perf_counter() - start

@@ -1,0 +1,238 @@
+"""`openrlhf-geo inspect` (openrlhf_geo/lab/inspection.py): the command on the demo's tiny model, its resume, its
+one-line refusals, and the real-LM studies' numbers through it (one implementation of the analysis)."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from openrlhf_geo.lab import inspection
+from openrlhf_geo.lab.studies import real_lm, real_lm_geometry
+from openrlhf_geo.lab.task import addition_problems, write_jsonl
+
+DEMO_MODEL = Path(inspection.__file__).parents[1] / "assets" / "demo_sft"
+SMALL = inspection.Protocol(salt_prompts=4, geoalign_prompts=8, draws=1, replicates=200, gap_replicates=20)
+
+
+def _args(tmp_path, *extra, prompts=8):
+    path = tmp_path / "add.jsonl"
+    if not path.exists():
+        write_jsonl(path, addition_problems(prompts, seed=3, carry_only=True))
+    argv = ["--model", str(DEMO_MODEL), "--prompts", str(path), "--out", str(tmp_path / "out"), "--device", "cpu",
+            "--data.max_samples", str(prompts), "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4",
+            "--rollout.max_new_tokens", "40", *extra]  # fmt: skip
+    return inspection.build_parser().parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One inspect run on the demo's tiny model (8 prompts x 4, 40 tokens), at a small protocol."""
+    tmp = tmp_path_factory.mktemp("inspect")
+    args = _args(tmp)
+    out = Path(args.out)
+    out.mkdir()
+    assert inspection.run(args, out, SMALL) == 0
+    return args, out
+
+
+def test_inspect_reports_salt_and_geoalign_beside_their_nulls_on_the_demo_model(tiny_run):
+    args, out = tiny_run
+    summary = json.loads((out / "summary.json").read_text())
+    report = (out / "report.md").read_text()
+    assert (out / "inspect.png").stat().st_size > 0
+    s = summary["salt"]
+    # n_eff(a) (SALT Eq. 6) recomputed from the saved rewards and Gram: the mean over the batches with signal
+    from openrlhf_geo import diagnostics
+    from openrlhf_geo.estimators import group_norm
+
+    rewards = torch.load(out / "rewards.pt", weights_only=False)["payload"]
+    gram = torch.load(out / "geometry.pt", weights_only=False)["payload"][40]["gram"]
+    direct = []
+    for b in range(2):
+        rows = torch.arange(16 * b, 16 * (b + 1))
+        a = group_norm(rewards[rows].double(), torch.arange(16) // 4)
+        if bool((a != 0).any()):
+            K = gram[rows][:, rows]
+            direct.append(float(a @ K @ a / (a * a * K.diagonal()).sum()))
+            assert math.isfinite(diagnostics.effective_sample_size(a, K, 0.0))
+    assert direct and math.isclose(s["n_eff"]["mean"], float(np.mean(direct)), rel_tol=1e-9)
+    assert s["verdict"] == real_lm_geometry.regime(s["n_eff"])
+    for key in ("n_eff_permuted", "pr", "k_paper", "k_code", "D_a", "D_a_random", "D_a_permuted", "norm_ratio",
+                "norm_ratio_random", "norm_ratio_permuted", "n_eff_in"):  # fmt: skip
+        assert key in s and "mean" in s[key], key
+    g = summary["geoalign"]
+    assert set(g["amendment"]["held_out"]) == {"real", "permuted", "gaussian"}
+    assert set(g["amendment"]["detection"]) == {"0.05", "0.10"}
+    assert set(summary["suggestions"]) == {"salt", "geoalign"} and "Eq. 17" in summary["suggestions"]["salt"]
+    for text in ("## Verdicts", "## Suggested flags", "n_eff(a) (Eq. 6)", "GDI AUROC (Eq. 7)", s["verdict"]):
+        assert text in report
+
+
+def test_a_rerun_resumes_from_the_saved_rollouts_without_sampling_again(tiny_run, monkeypatch):
+    args, out = tiny_run
+    before = torch.load(out / "rollouts.pt", weights_only=False)["payload"]["response_ids"]
+
+    def no_sampling(*a, **k):
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(real_lm, "_sample_hf", no_sampling)
+    monkeypatch.setattr(real_lm, "forward_geometry", no_sampling)
+    data = inspection.collect(args, out, log=lambda *a: None)
+    assert data["response_ids"] == before
+
+
+def test_prompts_to_decide_scales_the_ci_width_as_one_over_root_prompts():
+    assert inspection.prompts_to_decide({"mean": 1.25, "low": 0.75, "high": 1.75, "n": 2000}, 64) == 64 * 4
+    assert inspection.prompts_to_decide({"mean": 1.5, "low": 1.1, "high": 1.9, "n": 2000}, 64) is None
+    assert inspection.prompts_to_decide({"mean": 0.5, "low": 0.2, "high": 0.8, "n": 2000}, 64) is None
+
+
+def _error(capsys, argv):
+    code = inspection.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    last = err.splitlines()[-1]  # above it, the phases' progress bars
+    assert last.startswith("openrlhf-geo inspect: error: "), err
+    return last
+
+
+def _argv(tmp_path, prompts_rows=None, *extra, model=None):
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, prompts_rows if prompts_rows is not None else addition_problems(8, seed=1))
+    return ["--model", str(model or DEMO_MODEL), "--prompts", str(path), "--out", str(tmp_path / "out"),
+            "--device", "cpu", "--data.max_samples", "8", *extra]  # fmt: skip
+
+
+def test_a_model_that_cannot_load_is_one_line_naming_model(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    err = _error(capsys, _argv(tmp_path, None, model=broken))
+    assert err.startswith(f"openrlhf-geo inspect: error: --model {broken}")
+    assert not (tmp_path / "out" / "command.json").exists()  # nothing of the command's was left
+
+
+def test_a_prompt_file_without_the_key_is_one_line_naming_the_flag(tmp_path, capsys):
+    err = _error(capsys, _argv(tmp_path, [{"question": "1+1=", "answer": "2"}] * 8))
+    assert "no 'prompt' field (--data.input_key" in err
+
+
+def test_a_reward_that_fails_is_one_line_naming_its_file(tmp_path, capsys):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    raise RuntimeError('boom')\n")
+    argv = _argv(tmp_path, None, "--reward.func", str(reward), "--rollout.max_new_tokens", "2",
+                 "--rollout.n_samples_per_prompt", "2")  # fmt: skip
+    err = _error(capsys, argv)
+    assert f"--reward.func {reward}: reward_func raised RuntimeError: boom" in err
+
+
+def test_too_few_prompts_for_a_ci_is_one_line(tmp_path, capsys):
+    err = _error(capsys, _argv(tmp_path, addition_problems(3, seed=1)))
+    assert "3 prompts, too few for a CI over prompts" in err
+    err = _error(capsys, [*_argv(tmp_path, None), "--data.max_samples", "4"])
+    assert "--data.max_samples 4: too few prompts" in err
+
+
+def test_another_commands_output_directory_is_refused_and_kept(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "command.json").write_text(json.dumps({"command": "openrlhf-geo study real-lm-geometry"}))
+    (out / "summary.json").write_text("{}")
+    err = _error(capsys, _argv(tmp_path, None))
+    assert "holds the output of `openrlhf-geo study real-lm-geometry`" in err
+    assert (out / "summary.json").read_text() == "{}"
+
+
+def _study_collection(tiny_llama, prompts=4, samples=8, caps=(8, 16), T=0.6):
+    """A collection in real_lm.collect's layout from a tiny model: random rollouts, their geometry, random rewards."""
+    g = torch.Generator().manual_seed(5)
+    prompt_ids = [torch.randint(3, 61, (6,), generator=g).tolist() for _ in range(prompts)]
+    response_ids = [torch.randint(3, 61, (int(torch.randint(2, 17, (1,), generator=g)),), generator=g).tolist() + [2]
+                    for _ in range(prompts * samples)]  # fmt: skip
+    geometry = real_lm.forward_geometry(tiny_llama, prompt_ids, response_ids, samples, caps, T)
+    rewards = {cap: torch.randint(0, 2, (prompts * samples,), generator=g).float() for cap in caps}
+    return {"collection": {"prompts": prompts, "samples": samples, "temperature": T, "caps": list(caps),
+                           "max_tokens": caps[-1]},
+            "eos": 2, "questions": [f"q{i}" for i in range(prompts)], "response_ids": response_ids,
+            "rewards": rewards, "geometry": geometry}  # fmt: skip
+
+
+def test_inspect_reproduces_real_lm_geometrys_condition_on_the_same_collection():
+    """The study's table row (T, longest cap, G = samples) from its own run of analyse/resample/summarize equals
+    inspect's SALT view of the same collection at the study's batch size: one analysis, two front ends."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                         eos_token_id=2, pad_token_id=2, bos_token_id=1, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    data = _study_collection(LlamaForCausalLM(config).eval())
+    setup = {"caps": (8, 16), "groups": (4, 8), "m": 16}
+    records = real_lm_geometry.analyse(data, setup, families=False)
+    resampled = real_lm_geometry.resample(data, setup, count=200, gap_count=20)
+    study = real_lm_geometry.summarize(records, setup, real_lm_geometry.prompt_cis(records, setup, resampled))
+    row = study["table"]["T=0.6 cap=16 G=8"]
+    protocol = inspection.Protocol(salt_prompts=2, replicates=200, gap_replicates=20)
+    mine = inspection.analyse_salt({**data, "collection": {**data["collection"], "caps": [16]}}, protocol)
+    mine = mine["condition"]
+    assert mine["n_eff"] == row["n_eff_prompts_apart"] and mine["verdict"] == row["regime_apart"]
+    for key, theirs in (("pr", "pr"), ("k_paper", "k"), ("D_a", "D_a"), ("norm_ratio", "norm_ratio"),
+                        ("norm_ratio_random", "random_norm_ratio"), ("n_eff_permuted", "n_eff_perm_mean"),
+                        ("n_eff_in", "n_eff_group")):  # fmt: skip
+        assert mine[key] == row[theirs], key
+    assert mine["gap_vs_random"]["norm_ratio"] == row["gap_vs_random"]["norm_ratio"]
+
+
+COMMITTED = Path(__file__).parents[1] / "docs" / "studies" / "results"
+
+
+@pytest.mark.slow
+def test_inspect_reproduces_the_committed_real_lm_studies_on_their_cached_collection():
+    """real-lm-geometry's committed T = 0.6, cap 256, G = 16 row and real-lm-geoalign's amended analysis, through
+    inspect's analysis on the studies' cached collection (built by `openrlhf-geo study real-lm-geometry`)."""
+    collection = real_lm.Collection(prompts=64, samples=16, temperature=0.6, max_tokens=256, caps=(32, 64, 128, 256))
+    try:
+        cached = real_lm.cached(collection)
+    except real_lm.real_lm.AssetError as error:
+        pytest.skip(str(error))
+    if not cached:
+        pytest.skip(
+            "the real-LM studies' collection is not cached here: `openrlhf-geo study real-lm-geometry` builds it"
+        )
+    data = real_lm.collect(collection)
+    data = {**data, "collection": {**data["collection"], "caps": [256]}}
+    protocol = inspection.Protocol(salt_prompts=16, geoalign_prompts=16, draws=5)
+    mine = inspection.analyse_salt(data, protocol)["condition"]
+    row = json.loads((COMMITTED / "real-lm-geometry" / "summary.json").read_text())["table"]["T=0.6 cap=256 G=16"]
+    for key, theirs in (("n_eff", "n_eff_prompts_apart"), ("pr", "pr"), ("k_paper", "k"), ("D_a", "D_a")):
+        for stat in ("mean", "low", "high"):
+            assert math.isclose(mine[key][stat], row[theirs][stat], rel_tol=1e-9, abs_tol=1e-12), (key, stat)
+    geo = inspection.analyse_geoalign(data, protocol)
+    committed = json.loads((COMMITTED / "real-lm-geoalign" / "summary.json").read_text())
+    assert geo["verdicts"] == committed["amended_verdicts"]
+    held = committed["amendment"]["held_out"]["real"]["val_acc"]
+    assert math.isclose(geo["amendment"]["held_out"]["real"]["val_acc"]["mean"], held["mean"], rel_tol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("OPENRLHF_GEO_SMOKE") != "full", reason="the real LM: OPENRLHF_GEO_SMOKE=full")
+def test_inspect_on_the_real_lm(tmp_path):
+    """`openrlhf-geo inspect --model smollm2` end to end on the shipped word problems, small: 8 prompts x 4."""
+    from openrlhf_geo import real_lm as asset
+
+    try:
+        asset.convert()
+    except asset.AssetError as error:
+        pytest.skip(str(error))
+    prompts = Path(__file__).parents[1] / "examples" / "data" / "word_problems.jsonl"
+    argv = ["--model", "smollm2", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--device", "cpu",
+            "--data.max_samples", "8", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "8",
+            "--rollout.max_new_tokens", "64", "--rollout.temperature", "0.6"]  # fmt: skip
+    assert inspection.main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["salt"]["prompts"] == 8 and summary["setup"]["model"] == "smollm2"
+    assert summary["salt"]["verdict"] == real_lm_geometry.regime(summary["salt"]["n_eff"])
