@@ -415,7 +415,11 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
         raise ValueError(f"unknown SALT gram estimator {gram!r}; valid: {', '.join(GRAMS)}")
     if sketch_shape is not None and gram != "shrink":
         raise ValueError(f"sketch_shape is only used with gram='shrink' (gram={gram!r})")
-    for name, x, ndim, shape in (("advantages", advantages, 1, "(m,)"), ("features", features, 2, "(m, D)")):
+    inner = isinstance(features, InnerProducts)
+    if inner and gram != "raw":
+        raise ValueError(f"features given as InnerProducts need gram='raw' (gram={gram!r} reads F's columns)")
+    features, label = (features.matrix, "(m, m)") if inner else (features, "(m, D)")
+    for name, x, ndim, shape in (("advantages", advantages, 1, "(m,)"), ("features", features, 2, label)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(
                 f"{name} must be a floating-point torch.Tensor of shape {shape}, got {type(x).__name__}"
@@ -428,10 +432,10 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
             raise ValueError(f"{name} contains NaN or inf; SALT needs finite inputs")
     if advantages.numel() == 0:
         raise ValueError("advantages is empty (m = 0); SALT needs m >= 1 responses")
-    if features.shape[0] != advantages.shape[0]:
+    if features.shape[0] != advantages.shape[0] or (inner and features.shape[1] != features.shape[0]):
         raise ValueError(
             f"features must have one row per advantage: got {features.shape[0]} rows for "
-            f"{advantages.shape[0]} advantages"
+            f"{advantages.shape[0]} advantages" + (f" (InnerProducts {tuple(features.shape)})" if inner else "")
         )
     _check_alpha(variant, alpha, "alpha")
     if VARIANTS[variant].needs_entropy != (entropy is not None):
@@ -448,6 +452,14 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
     return advantages.detach().to(device="cpu", dtype=torch.float64)
 
 
+class InnerProducts(NamedTuple):
+    """The features' inner products G = F Fᵀ (m, m), given to salt_advantages in place of F (m, D): all SALT needs
+    of F under gram="raw" (K = G/m), for callers that form G where the features are (each rank its rows' block) and
+    never gather F in one place."""
+
+    matrix: torch.Tensor
+
+
 class SaltGeometry(NamedTuple):
     """What `salt_advantages(..., return_basis=True)` hands back beside a' and its stats."""
 
@@ -459,7 +471,7 @@ class SaltGeometry(NamedTuple):
 @torch.no_grad()
 def salt_advantages(
     advantages: torch.Tensor,
-    features: torch.Tensor,
+    features: torch.Tensor | InnerProducts,
     variant: str = "full",
     alpha: float | None = None,
     generator: torch.Generator | None = None,
@@ -473,6 +485,9 @@ def salt_advantages(
     rho: float | None = None,
 ) -> tuple:
     """SALT coefficients a' (m,) from advantages a (m,) and features F (m, D) -> (a', stats) [+ basis].
+
+    F may be given as InnerProducts(G), G = F Fᵀ (m, m) formed elsewhere (gram="raw" only): the same K = G/m, so
+    the same a' and stats up to the rounding of G's product.
 
     One call is one SALT partition: §3.1 takes the m = BG responses of "the current mini-batch" (Eq. 12).
 
@@ -545,9 +560,15 @@ def salt_advantages(
     a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape, k_rule, rho)  # Eq. 12
     spec = VARIANTS[variant]
     m = a.numel()
-    scale = diagnostics.unit_scale(features)
-    F = features.detach() / scale if scale != 1.0 else features.detach()
-    K, K_geom, noise, gram_stats = _gram(F, gram, sketch_shape)  # Eq. 4 / 13
+    if isinstance(features, InnerProducts):  # K = G/m of F / scale: scale² a power of two <= max |G|
+        scale = math.ldexp(1.0, (math.frexp(diagnostics.unit_scale(features.matrix))[1] - 1) // 2)
+        G = features.matrix.detach().to(device="cpu", dtype=torch.float64) / (scale * scale * m)
+        K = (G + G.T) / 2
+        K_geom, noise, gram_stats = K, None, {}
+    else:
+        scale = diagnostics.unit_scale(features)
+        F = features.detach() / scale if scale != 1.0 else features.detach()
+        K, K_geom, noise, gram_stats = _gram(F, gram, sketch_shape)  # Eq. 4 / 13
     start = time.perf_counter()
     pr = _participation_ratio(K, noise)  # Eq. 5
     alpha_t = _alpha_t(spec, a, K, pr, alpha, entropy)  # Eq. 17

@@ -15,6 +15,7 @@ from openrlhf_geo.features import DEFAULT_DIM
 from openrlhf_geo.salt import (
     LANCZOS_MAX_FRACTION,
     VARIANTS,
+    InnerProducts,
     SaltConfig,
     Variant,
     _top_eigenspace,
@@ -486,6 +487,37 @@ def test_salt_is_invariant_to_feature_scale_down_to_the_float64_extremes(data, l
     for key in ("alpha", "pr", "n_eff_in", "n_eff_out", "D_a", "D_g", "U_perp_gain"):
         assert stats_scaled[key] == pytest.approx(stats[key], rel=1e-9, abs=1e-12), key
     assert stats_scaled["U_perp"] == pytest.approx(c * stats["U_perp"], rel=1e-9, abs=1e-12 * c)
+
+
+@settings(max_examples=30)
+@given(data=batches(), log2_c=st.integers(-400, 400), variant=st.sampled_from(list(VARIANTS)))
+def test_inner_products_give_what_the_features_give(data, log2_c, variant):
+    """InnerProducts(F Fᵀ) in place of F: the same K = G/m, so the same a', k_t, α_t and stats in F's units (U_⊥),
+    at any scale of F (G's scale² is split into a power of two F never had to reach)."""
+    a, F = data
+    assume(relative_gaps(F)[0] > 1e-4)
+    F = F * 2.0**log2_c
+    a = torch.tensor(a)
+    out, stats, geometry = salt_advantages(a, torch.tensor(F), variant, return_basis=True, **kwargs_for(variant))
+    given_g = InnerProducts(torch.tensor(F @ F.T))
+    out_g, stats_g, geometry_g = salt_advantages(a, given_g, variant, return_basis=True, **kwargs_for(variant))
+    torch.testing.assert_close(out_g, out, rtol=1e-7, atol=1e-9 * float(a.norm()))
+    assert stats_g["k"] == stats["k"]
+    for key in STAT_KEYS - {"solve_ms"}:
+        assert stats_g[key] == pytest.approx(stats[key], rel=1e-7, abs=1e-9 * max(abs(stats[key]), 1e-300)), key
+    torch.testing.assert_close(geometry_g.gram, geometry.gram, rtol=1e-9, atol=0)
+
+
+def test_inner_products_that_cannot_stand_for_features_raise_naming_them():
+    a, F = torch.tensor(grpo([1, 0, 0, 1, 1, 0, 1, 1])), torch.randn(8, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="InnerProducts need gram='raw'"):
+        salt_advantages(a, InnerProducts(F @ F.T), gram="shrink")
+    with pytest.raises(ValueError, match=r"one row per advantage.*InnerProducts \(8, 5\)"):
+        salt_advantages(a, InnerProducts(F))
+    with pytest.raises(ValueError, match=r"features must have shape \(m, m\)"):
+        salt_advantages(a, InnerProducts(torch.ones(8, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="features contains NaN"):
+        salt_advantages(a, InnerProducts(torch.full((8, 8), math.nan, dtype=torch.float64)))
 
 
 @pytest.mark.parametrize("c", [1e-30, 1e-20, 1e20, 1e30])
