@@ -255,6 +255,18 @@ def test_the_cpu_copy_runs_deepspeeds_sleep_and_packed_samples_without_cuda(tmp_
     assert 'args.ds.attn_implementation = "flash_attention_2"' in (gpu / "openrlhf/cli/train_ppo_ray.py").read_text()
 
 
+def test_the_cpu_copy_runs_upstreams_sft_on_packed_samples_without_flash_attention(tmp_path):
+    """recipe_hh_geoalign's SFT (train_hh_sft.sh's --ds.packing_samples): the CPU copy's train_sft keeps the given
+    attention implementation (upstream's flash_attention_2 needs flash-attn's CUDA kernels); the GPU fork keeps
+    upstream's."""
+    from openrlhf_geo.fork import install
+
+    forced = 'args.ds.attn_implementation = "flash_attention_2"'
+    cpu = install.materialize(cache_dir=tmp_path, device="cpu")
+    assert forced not in (cpu / "openrlhf/cli/train_sft.py").read_text()
+    assert forced in (install.materialize(cache_dir=tmp_path) / "openrlhf/cli/train_sft.py").read_text()
+
+
 MATRIX_HEADER = "| feature | upstream flag | SALT | GeoAlign | evidence |"
 KINDS = ("needs CUDA: ", "refused at parse: ", "not run")
 
