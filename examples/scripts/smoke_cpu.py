@@ -218,6 +218,14 @@ CONDITIONS = {
         "flags": ["--advantage_estimator", "salt", "--actor.policy_loss_type", "gspo", *GEOALIGN, *FLIPS],
         "finite": [*SALT, *GEO, *NOISE],
     },
+    # LoRA (upstream's peft adapters on every linear layer but the LM head, which stays frozen): SALT's Eq. 19
+    # features from the adapted forward's logits and LM-head input, GeoAlign under flips; the adapters are saved
+    # (weight_change merges them), the sync sends merged weights under the base model's names
+    "lora_salt_geoalign": {
+        "flags": ["--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--advantage_estimator", "salt", *GEOALIGN,
+                  *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE],
+    },
     # the random stand-in reward model's scores differ little within a group (sd ~2e-3): a step may have no strict
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
     "hh_sft_rm_geoalign": {"flags": HH, "finite": ["geo/pairs", *NOISE], "hh": True},
@@ -456,9 +464,20 @@ def read_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def weight_change(before: Path, after: Path) -> float:
-    """max |w_after - w_before| over the policy's parameters (HF safetensors folders)."""
+    """max |w_after - w_before| over the policy's parameters (HF safetensors folders). A LoRA run saves only its
+    adapters (PEFT's adapter_model.safetensors): its weights are the base model's merged with them, W + scale·B·A,
+    so the change is max |scale·B·A| over the adapted layers."""
     from safetensors.torch import load_file
 
+    if (after / "adapter_model.safetensors").is_file():
+        config = json.loads((after / "adapter_config.json").read_text())
+        scale = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+        adapters = load_file(after / "adapter_model.safetensors")
+        return max(
+            float((scale * adapters[k.replace(".lora_A.", ".lora_B.")].float() @ a.float()).abs().max())
+            for k, a in adapters.items()
+            if ".lora_A." in k
+        )
     a, b = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
     return max(float((b[k].float() - a[k].float()).abs().max()) for k in a)
 
@@ -608,7 +627,7 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
         infinite = [s for s, v in values.items() if math.isinf(v)]
         if infinite:
             problems.append(f"{tag} is infinite at steps {infinite}")
-    if (run / "final" / "model.safetensors").is_file():
+    if any((run / "final" / f"{kind}.safetensors").is_file() for kind in ("model", "adapter_model")):
         result["weight_change"] = weight_change(model, run / "final")
         if not result["weight_change"] > 0:
             problems.append("the policy's weights did not change")

@@ -7,6 +7,7 @@ One flag's path through the fork, by the upstream file whose diff makes the call
     utils/agent.py            bounded_reward_func: a .py reward_func's calls bounded by --reward.timeout_s
     trainer/ray/ppo_actor.py  actor_spec(args) -> GeometrySpec: what the experience forward also returns
                               policy_loss(args, PolicyLoss) -> the actor's loss (--baseline.policy_loss)
+                              VllmWeights: what the weight sync sends vLLM (a LoRA actor's layers merged)
     models/actor.py           lm_head_input(), response_geometry(): features and hidden states of that same forward
                               (with SALT features, also the log-probs, from their exp pass over the logits)
     trainer/ppo_utils/experience_maker.py   (RemoteExperienceMaker, in the trainer process)
@@ -246,6 +247,58 @@ def response_geometry(
     return features.response_geometry(
         spec, logits, hidden, labels, producing, response, temperature, segment_ids, rows=batch, log_probs=True
     )
+
+
+# ── the weight sync to vLLM (trainer/ray/ppo_actor.py) ──
+
+
+class VllmWeights:
+    """What `broadcast_to_vllm` sends the engines: (name, tensor) pairs, `len()` of them (upstream marks the last
+    one), each held gathered while it is sent (`gather(param)`: upstream's ZeRO-3 / tensor-parallel gather).
+
+    Upstream's `params` as they are, except for a LoRA actor (`--ds.lora.rank`, a PEFT model). Upstream sent those
+    under PEFT's names (`base_model.model.<name>`, `<layer>.base_layer.weight`, the adapters' `lora_A` / `lora_B`),
+    which the engine's model, the base model without adapters, does not have (vLLM: "There is no module or parameter
+    named 'base_model'"). Here each adapted layer's weight goes with its adapters merged, W + scale·B·A (PEFT's
+    `get_delta_weight`, on a new tensor: the actor's own weights are not touched), under the base model's name, and
+    no adapter parameter is sent: the engine then samples from the policy the actor trains.
+    """
+
+    def __init__(self, model, params, gather):
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+
+        self.gather = gather
+        self.lora = isinstance(model, PeftModel)
+        self.adapted: dict[int, LoraLayer] = {}  # id(base weight) -> its adapted layer
+        adapters: set[int] = set()
+        for layer in model.modules() if self.lora else ():
+            if isinstance(layer, LoraLayer):
+                self.adapted[id(layer.get_base_layer().weight)] = layer
+                adapters.update(id(p) for key in layer.adapter_layer_names for p in getattr(layer, key).parameters())
+        self.params = [(name, p) for name, p in params if id(p) not in adapters]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @torch.no_grad()
+    def __iter__(self):
+        for name, param in self.params:
+            if self.lora:  # PeftModel -> LoraModel -> the base model; a LoRA layer holds the base one
+                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            layer = self.adapted.get(id(param))
+            if layer is None:
+                with self.gather(param):
+                    yield name, param
+                continue
+            active = [a for a in layer.active_adapters if a in layer.lora_A]
+            with ExitStack() as gathered:
+                for part in (param, *(p for a in active for p in (layer.lora_A[a].weight, layer.lora_B[a].weight))):
+                    gathered.enter_context(self.gather(part))
+                merged = param.data + sum(layer.get_delta_weight(a) for a in active)
+                if hasattr(param, "ds_shape"):  # upstream's sync reads a ZeRO-3 parameter's shape there
+                    merged.ds_shape = param.ds_shape
+                yield name, merged
 
 
 # ── the experience maker (trainer/ppo_utils/experience_maker.py), in the trainer process ──
