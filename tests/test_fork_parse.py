@@ -4,7 +4,7 @@ the materialized fork; CPU, test-only import shims), stopped where `train()` sta
 Covers: `--help` listing upstream's and the fork's flags, with each config flag's dataclass default shown alike by
 both engines; `--advantage_estimator salt` parsing to its base estimator plus SALT; every fork and baseline flag
 reaching the nested args; invalid flag combinations, and save folders that cannot be written, refused at parse time
-(exit 2, the reason on stderr); the warning that async training separates SALT partitions from optimizer steps.
+(exit 2, the reason on stderr); SALT's partitions as optimizer steps in upstream's asynchronous trainer too.
 Parsing that needs the tiny model, flags mapped to the actor's geometry spec, and the pipeline itself are in
 test_fork_pipeline.py.
 """
@@ -306,12 +306,14 @@ def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monke
     assert f"--ckpt.output_dir {tmp_path / 'out'}: cannot write there (Read-only file system" in err
 
 
-def test_async_training_warns_that_salt_partitions_leave_the_optimizer_steps(up, monkeypatch):
+def test_async_training_and_partial_rollouts_keep_salt_partitions_as_optimizer_steps(up, monkeypatch):
+    """Upstream's asynchronous trainer trains through the patched train_step and ppo_train (rank_batches), so
+    SALT's partitions stay optimizer steps there, with partial rollouts too: no warning, the same partitions."""
     from openrlhf_geo import GeoWarning
 
-    argv = ["--advantage_estimator", "salt", "--train.batch_size", "8", "--train.async_enable"]
-    with pytest.warns(GeoWarning, match=r"--train.async_enable: SALT's partitions \(--train.batch_size 8 rollouts\)"):
-        parse(up, monkeypatch, argv)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GeoWarning)
-        parse(up, monkeypatch, argv[:-1])  # synchronous: partitions are optimizer steps, nothing to warn about
+    argv = ["--advantage_estimator", "salt", "--train.batch_size", "8"]
+    for extra in ([], ["--train.async_enable"], ["--train.async_enable", "--train.partial_rollout_enable"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GeoWarning)
+            args = parse(up, monkeypatch, [*argv, *extra])
+        assert fork_hooks.aligned_partitions(args) == 2, extra  # prompts per partition = per optimizer step

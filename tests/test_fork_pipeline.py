@@ -859,17 +859,25 @@ def _rank_steps(up, monkeypatch, args, batch, world, epochs):
     return steps
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["shuffled", "dynamic-batch"])
+@pytest.mark.parametrize("mode", ["shuffled", "dynamic-batch", "async"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_each_optimizer_step_trains_on_exactly_one_salt_partition_on_every_rank(up, monkeypatch, world, dynamic):
+def test_each_optimizer_step_trains_on_exactly_one_salt_partition_on_every_rank(up, monkeypatch, world, mode):
     """SALT §3.1 computes everything on "the current mini-batch": with --train.batch_size = 2 prompts x G, optimizer
     step i on every data-parallel rank takes its share of SALT partition i, over two epochs, through the real
-    patched PPOTrainer distribution, replay buffer and ppo_train loop."""
+    patched PPOTrainer distribution, replay buffer and ppo_train loop; in upstream's asynchronous trainer too
+    (--train.async_enable), whose TrainingActor trains through the same train_step and ppo_train."""
     argv = ["--advantage_estimator", "salt", "--rollout.batch_size", "8", "--train.batch_size", "8",
             "--train.micro_batch_size", "1", "--actor.num_gpus_per_node", str(world), "--ref.num_gpus_per_node",
             str(world), "--train.max_tokens_per_gpu", "64"]  # fmt: skip
-    if dynamic:
+    if mode == "dynamic-batch":
         argv += ["--train.dynamic_batch_enable", "--vllm.num_engines", "1"]  # (it packs samples, which needs vLLM)
+    if mode == "async":
+        from openrlhf.trainer import ppo_trainer_async
+
+        argv += ["--train.async_enable"]
+        classes = ppo_trainer_async.TrainingActor.__ray_metadata__.modified_class.__mro__[1:]  # past Ray's wrapper
+        trains = next(vars(c)["train_step"] for c in classes if "train_step" in vars(c))
+        assert "rank_batches" in trains.__code__.co_names  # BasePPOTrainer's, as the ppo_trainer diff patched it
     args = parse(up, monkeypatch, argv)
     samples = rollouts(up, 8, seed=3)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()

@@ -15,7 +15,6 @@ from openrlhf_geo import GeoWarning, options, registry
 from openrlhf_geo.jsonl import iter_jsonl
 from openrlhf_geo.local import rundir
 from openrlhf_geo.registry import POLICY_LOSSES
-from openrlhf_geo.salt_stage import minibatch_partitions
 
 
 def add_args(parser) -> None:
@@ -84,18 +83,6 @@ def validate_args(args) -> None:
             f"--ds.ring_attn_size {args.ds.ring_attn_size} splits each response across ranks, but SALT (its "
             "--salt.diagnostics too) and GeoAlign read every response's features and last hidden state from one "
             "forward: use --ds.ring_attn_size 1"
-        )
-    # a warning, not a refusal: async training hands the rollouts to upstream's own trainer (aligned_partitions), and
-    # SALT's a' per partition stays the same, only no longer one optimizer step's rollouts (--salt.shuffle_minibatches)
-    if args.train.async_enable and minibatch_partitions(
-        args.geometry.salt, args.train.batch_size, args.rollout.n_samples_per_prompt
-    ):
-        warnings.warn(
-            f"--train.async_enable: SALT's partitions (--train.batch_size {args.train.batch_size} rollouts) no longer "
-            "align with optimizer steps (the async trainer takes upstream's mini-batches), so each partition's "
-            "geometry describes rollouts spread over several steps",
-            GeoWarning,
-            stacklevel=2,
         )
     baseline = args.geometry.baseline
     if baseline is not None and not POLICY_LOSSES[baseline.policy_loss].upstream:

@@ -512,8 +512,9 @@ class RecordingBatch(Recorder, GeometryBatch):
 def aligned_partitions(args) -> int:
     """`salt_stage.minibatch_partitions` for the fork's args: prompts per partition when every optimizer step must
     train on exactly one SALT partition, else 0. Also 0 where upstream's data path cannot keep partitions together:
-    a critic (it shares the experience distribution), async training (another trainer)."""
-    if _section(args, "geometry") is None or args.train.async_enable or args.critic.model_name_or_path:
+    a critic (it shares the experience distribution). Upstream's asynchronous trainer (--train.async_enable) trains
+    through the same patched `train_step` and the actors' `ppo_train`, so its partitions are optimizer steps too."""
+    if _section(args, "geometry") is None or args.critic.model_name_or_path:
         return 0
     return minibatch_partitions(args.geometry.salt, args.train.batch_size, args.rollout.n_samples_per_prompt)
 
