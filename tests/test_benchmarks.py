@@ -336,3 +336,54 @@ def test_salt_reference_refuses_a_folder_without_the_code(tmp_path):
     spec.loader.exec_module(module)
     with pytest.raises(SystemExit, match="advantage_decomposition.py not found: --salt-repo must be a checkout"):
         module.main(["--salt-repo", str(tmp_path)])
+
+
+SCALE = ROOT / "benchmarks" / "salt_scale.py"
+
+
+def load_scale(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends the repository and benchmarks/
+    spec = importlib.util.spec_from_file_location("salt_scale", SCALE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_salt_scale_tiny_run_measures_what_fits_and_projects_the_rest(tmp_path, monkeypatch, capsys):
+    """benchmarks/salt_scale.py at a tiny size, cases in this process: every field of its JSON, the case over
+    --max-gib projected by the fit, the papers' rows from SALT Table 11. Nothing here times anything."""
+    scale = load_scale(monkeypatch)
+    out, dim = tmp_path / "scale.json", 1024
+    budget = scale.predicted_peak(32, 2, dim) - 1  # every case but m = 32, P = 2 fits
+    argv = ["--sizes", "16", "32", "--partitions", "1", "2", "--dim", str(dim), "--reps", "1", "--inline"]
+    scale.main([*argv, "--max-gib", str(budget / scale.GIB), "--out", str(out)])
+    assert "[7] measured" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["measured"]) == {"16x1", "16x2", "32x1"} and set(result["gram_only"]) == {"16", "32"}
+    for cell in result["measured"].values():
+        assert cell["k"] and min(cell["total"]) >= min(cell["gram"]) + min(cell["solve"]) >= 0
+    fit = result["fit"]
+    for key, cell in result["grid"].items():
+        m, p = map(int, key.split("x"))
+        assert cell["bytes"] == m * p * dim * 4 and cell["measured"] == (key != "32x2")
+    projected = p * (fit["gram_per_m2D"] * 32 * 32 * dim + fit["solve_per_m3"] * 32**3 + fit["rest_per_mD"] * 32 * dim)
+    assert result["grid"]["32x2"]["seconds"] == pytest.approx(projected)
+    papers = result["papers"]
+    assert len(papers) == 2 * len(scale.PAPER_SETTINGS) and {row["gpus"] for row in papers} == {8, 64}
+    first = papers[0]  # SALT Table 4 (64 x 8 rollouts, mini-batch 32 x 8), Table 11's GRPO 07:21 over 234 steps
+    assert (first["rollouts"], first["m"], first["partitions"]) == (512, 256, 2)
+    assert first["step_s"] == pytest.approx(441 * 60 / 234) and papers[1]["step_s"] == pytest.approx(
+        first["step_s"] / 8
+    )
+    for row in papers:
+        assert row["driver_share"] == pytest.approx(row["driver_s"] / row["step_s"])
+        assert row["bytes"] == row["rollouts"] * dim * 4
+    assert set(result["driver_from_gram"]) == {"16", "32"}
+
+
+def test_salt_scale_child_reports_its_case_and_peak(monkeypatch, capsys):
+    """The per-case process's entry point (what the parent runs with --child): one JSON line with the peak RSS."""
+    scale = load_scale(monkeypatch)
+    scale.main(["--child", "16", "2", "0", "--dim", "1024", "--threads", "1"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("RESULT "))
+    assert len(result["k"]) == 2 and result["peak_bytes"] >= 0 and result["total"] >= result["gram"]
