@@ -387,3 +387,88 @@ def test_salt_scale_child_reports_its_case_and_peak(monkeypatch, capsys):
     scale.main(["--child", "16", "2", "0", "--dim", "1024", "--threads", "1"])
     result = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("RESULT "))
     assert len(result["k"]) == 2 and result["peak_bytes"] >= 0 and result["total"] >= result["gram"]
+
+
+def load_cost_script(monkeypatch, name):
+    """benchmarks/<name>.py as a module, with glibc's allocation settings left alone (its memory pass changes them
+    for the rest of the process)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends benchmarks/
+    for loaded in ("salt_reference_advantage_decomposition", "salt_reference_proxy"):
+        monkeypatch.setitem(sys.modules, loaded, None)  # removed again afterwards
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "exact_rss_peaks", lambda: None)
+    return module
+
+
+def salt_cost_rows(module, repo, capsys):
+    """Qwen's shape shrunk to V = 500, d = 16: every case of m = 4 and 8 measured, its table rows returned."""
+    module.SHAPES["qwen"] = (500, 16)
+    argv = ["--salt-repo", str(repo), "--shapes", "qwen", "--sizes", "4", "8", "--micro", "4", "--tokens", "4"]
+    assert module.main([*argv, "--reps", "1", "--threads", "1", "--budget-gib", "1"]) == 0
+    return table_rows(capsys.readouterr().out, "qwen")
+
+
+def test_salt_peer_cost_measures_both_sides_at_each_scope_on_a_stand_in_checkout(tmp_path, monkeypatch, capsys):
+    gradient = tmp_path / "SALT" / "verl" / "verl" / "trainer" / "gradient"
+    gradient.mkdir(parents=True)
+    (gradient / "advantage_decomposition.py").write_text(STAND_IN_DECOMPOSITION)
+    (gradient / "proxy.py").write_text(STAND_IN_PROXY)
+    module = load_cost_script(monkeypatch, "salt_peer_cost")
+    rows = salt_cost_rows(module, tmp_path / "SALT", capsys)
+    cases = [(m, case) for m, case, *_ in rows]
+    ours, micro, mini = "ours, one mini-batch", "theirs, one micro-batch", "theirs, one mini-batch"
+    assert cases == [("4", ours), ("4", micro), ("8", ours), ("8", micro), ("8", mini)]
+    for m, case, seconds, per_response, peak, k, ratio, share in rows:
+        best = float(seconds.split()[0])  # printed to 3 decimals, the time per response from the unrounded
+        assert best > 0 and float(per_response) == pytest.approx(1000 * best / int(m), abs=0.5 / int(m) + 0.006)
+        assert 1 <= int(k) <= int(m) and float(peak.split()[0]) >= 0
+        assert (ratio == "" and share == "") if case == ours else float(ratio.split("x")[0]) > 0
+
+
+def test_salt_peer_cost_says_what_does_not_fit_and_what_it_would_need(tmp_path, monkeypatch, capsys):
+    module = load_cost_script(monkeypatch, "salt_peer_cost")
+    need = module.predicted_theirs(8, 8, 4, 500, 16)
+    assert need == 2 * 8 * 500 * 16 * 4 + 4 * 8 * 4 * 500 * 4  # the stacked rows twice, four micro-batch logits
+    assert 446 < module.predicted_theirs(256, 16, 32, 151936, 1536) / module.GIB < 447  # Qwen's shape at m = 256
+    module.SHAPES["qwen"] = (500, 16)
+    gradient = tmp_path / "SALT" / "verl" / "verl" / "trainer" / "gradient"
+    gradient.mkdir(parents=True)
+    (gradient / "advantage_decomposition.py").write_text(STAND_IN_DECOMPOSITION)
+    (gradient / "proxy.py").write_text(STAND_IN_PROXY)
+    budget = (
+        module.predicted_ours(8, 4, 4, 500) + 1
+    ) / module.GIB  # ours fits at m = 8, theirs in one micro-batch not
+    assert module.predicted_theirs(8, 8, 4, 500, 16) <= budget * module.GIB  # (the tiny shape: theirs is smaller)
+    argv = ["--salt-repo", str(tmp_path / "SALT"), "--shapes", "qwen", "--sizes", "8", "--micro", "4", "--tokens", "4"]
+    assert module.main([*argv, "--reps", "1", "--threads", "1", "--budget-gib", "1e-9"]) == 0
+    rows = table_rows(capsys.readouterr().out, "qwen")
+    assert [row[2].split(":")[0] for row in rows] == ["does not fit"] * 3
+    assert rows[1][2] == f"does not fit: needs ~{module.fmt_gib(need)} GiB > 1e-09"
+
+
+@pytest.mark.skipif(not os.environ.get("OPENRLHF_GEO_SALT_REPO"), reason="set OPENRLHF_GEO_SALT_REPO to a checkout "
+                    "of Chang-pw/SALT at 94ac08e")  # fmt: skip
+def test_salt_peer_cost_runs_the_released_code(monkeypatch, capsys):
+    module = load_cost_script(monkeypatch, "salt_peer_cost")
+    rows = salt_cost_rows(module, os.environ["OPENRLHF_GEO_SALT_REPO"], capsys)
+    assert len(rows) == 5 and all(float(row[2].split()[0]) > 0 for row in rows)
+
+
+@pytest.mark.skipif(not os.environ.get("OPENRLHF_GEO_GEOALIGN_REPO"), reason="set OPENRLHF_GEO_GEOALIGN_REPO to a "
+                    "checkout of SYSUzhouting/Trinity-RFT at 9cecab1")  # fmt: skip
+def test_geoalign_reference_runs_their_filter_and_curate_on_one_batch(monkeypatch, capsys):
+    before = set(sys.modules)
+    try:
+        module = load_cost_script(monkeypatch, "geoalign_reference")
+        argv = ["--batches", "synthetic", "--prompts", "16", "--group", "8", "--dim", "64", "--reps", "1"]
+        assert module.main([*argv, "--threads", "1"]) == 0
+    finally:
+        for name in set(sys.modules) - before:  # the Trinity and sklearn stand-ins, their filter
+            del sys.modules[name]
+    rows = table_rows(capsys.readouterr().out, "side by side")
+    assert [row[:2] for row in rows] == [["synthetic 16x8, d=64", "theirs"], ["synthetic 16x8, d=64", "ours"]]
+    theirs, ours = rows
+    assert float(theirs[3]) <= float(theirs[2].split()[0]) and "replaced" in theirs[5] and "flagged" in ours[5]
+    assert float(theirs[6].split("x")[0]) > 0
