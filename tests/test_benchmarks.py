@@ -341,18 +341,21 @@ def test_salt_reference_refuses_a_folder_without_the_code(tmp_path):
 SCALE = ROOT / "benchmarks" / "salt_scale.py"
 
 
-def load_scale(monkeypatch):
+@pytest.fixture
+def scale(monkeypatch):
+    """benchmarks/salt_scale.py as a module; its main() sets torch's thread count, restored after the test."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends the repository and benchmarks/
     spec = importlib.util.spec_from_file_location("salt_scale", SCALE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
 
 
-def test_salt_scale_tiny_run_measures_what_fits_and_projects_the_rest(tmp_path, monkeypatch, capsys):
+def test_salt_scale_tiny_run_measures_what_fits_and_projects_the_rest(scale, tmp_path, capsys):
     """benchmarks/salt_scale.py at a tiny size, cases in this process: every field of its JSON, the case over
     --max-gib projected by the fit, the papers' rows from SALT Table 11. Nothing here times anything."""
-    scale = load_scale(monkeypatch)
     out, dim = tmp_path / "scale.json", 1024
     budget = scale.predicted_peak(32, 2, dim) - 1  # every case but m = 32, P = 2 fits
     argv = ["--sizes", "16", "32", "--partitions", "1", "2", "--dim", str(dim), "--reps", "1", "--inline"]
@@ -381,9 +384,8 @@ def test_salt_scale_tiny_run_measures_what_fits_and_projects_the_rest(tmp_path, 
     assert set(result["driver_from_gram"]) == {"16", "32"}
 
 
-def test_salt_scale_child_reports_its_case_and_peak(monkeypatch, capsys):
+def test_salt_scale_child_reports_its_case_and_peak(scale, capsys):
     """The per-case process's entry point (what the parent runs with --child): one JSON line with the peak RSS."""
-    scale = load_scale(monkeypatch)
     scale.main(["--child", "16", "2", "0", "--dim", "1024", "--threads", "1"])
     result = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("RESULT "))
     assert len(result["k"]) == 2 and result["peak_bytes"] >= 0 and result["total"] >= result["gram"]
