@@ -204,6 +204,60 @@ def test_packed_and_padded_forwards_agree_on_sketch_features(up, tiny_path):
         torch.testing.assert_close(pack.geometry[key], pad.geometry[key], atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def tiny_vlm_path(tmp_path_factory):
+    """A tiny Qwen2-VL (what upstream's --data.image_key path loads: a config with vision_config), random weights.
+    Token ids 1-3 are its <|vision_start|>, <|image_pad|>, <|vision_end|>."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=64,
+            rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]},  # head_dim 16: M-RoPE's t, h, w halves
+        ),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=1, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        vision_start_token_id=1, image_token_id=2, vision_end_token_id=3, video_token_id=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    return str(path)
+
+
+def test_a_vlm_forward_gives_upstream_log_probs_and_geometry_of_the_image_it_was_given(up, tiny_vlm_path):
+    """--data.image_key: Actor.forward passes the processor's pixel inputs to the model inside the lm_head hook, so
+    SALT's features and GeoAlign's hidden states come from the forward that saw the image."""
+    actor = load_actor(up, tiny_vlm_path)
+    assert actor.is_vlm
+    seq, attn, action = toy_batch(5, left_pad=True)
+    seq[seq <= 4] = 5  # no stray image or video tokens; each prompt starts with one image (2x2 patches: 1 token)
+    seq[0, 2:5] = seq[1, 0:3] = seq[2, 1:4] = torch.tensor([1, 2, 3])
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(3 * 4, 3 * 2 * 14 * 14, generator=g)  # 4 patches of 2 frames x 14 x 14 x RGB per image
+    grid = torch.tensor([[1, 2, 2]] * 3)
+
+    def forward(pixel_values, **kwargs):  # mm_inputs as upstream's merge_mm_train_inputs hands them to the actor
+        with torch.no_grad():
+            return actor(seq, action, attn, pixel_values=pixel_values, image_grid_thw=grid, **kwargs)
+
+    spec = fork_hooks.GeometrySpec(features="exact", hidden=True)
+    plain = forward(pixels)
+    lp, out = forward(pixels, return_output=True, geometry=spec)
+    torch.testing.assert_close(lp, plain, atol=2e-6, rtol=1e-6)  # upstream's log-probs, from the features' pass
+    with torch.no_grad():  # the model's own forward with the image, independent of Actor.forward
+        ref = actor.model(seq, attention_mask=attn, pixel_values=pixels, image_grid_thw=grid,
+                          mm_token_type_ids=(seq == 2).int(), output_hidden_states=True)  # fmt: skip
+    width = action.shape[1]
+    for b in range(len(seq)):
+        last = seq.shape[1] - width + int(action[b].nonzero()[-1])  # the response's last token
+        torch.testing.assert_close(out.geometry["hidden"][b], ref.hidden_states[-1][b, last], atol=1e-5, rtol=1e-5)
+    _, other = forward(-pixels, return_output=True, geometry=spec)  # another image, the same tokens
+    for key in ("features", "hidden"):
+        assert not torch.allclose(other.geometry[key], out.geometry[key], atol=1e-3), key
+
+
 def policy_forward(up):
     """PolicyModelActor.forward as patched (a plain function; the Ray actor wrapper is bypassed)."""
     return up.ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.forward
