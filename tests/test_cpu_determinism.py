@@ -67,6 +67,7 @@ def differences(a, b):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two demos side by side, both cores for about 3 min on an idle 2-core VM
 @pytest.mark.skipif(not kernels.NEEDS <= kernels.cpu_flags(), reason="the pinned kernels need a CPU with AVX2 and FMA")
 def test_the_demo_gives_the_same_per_seed_results_under_other_cpu_kernels(tmp_path):
     # side by side, one core each (the demo computes on one thread)

@@ -104,6 +104,7 @@ def test_the_sdist_and_the_wheel_ship_the_license_and_the_notice(tmp_path):
     )
 
 
+@pytest.mark.full  # torch and the locked dependencies into a fresh venv, then the quick demo: about 2.5 min idle
 def test_the_built_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path):
     dist = tmp_path / "dist"
     run(["bash", str(ROOT / "scripts" / "build.sh"), str(dist)], cwd=tmp_path)
