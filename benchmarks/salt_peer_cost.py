@@ -135,12 +135,17 @@ def qwen_batch(m: int, tokens: int, seed: int) -> dict:
     }
 
 
+LIBC = ctypes.CDLL("libc.so.6")
+TRIM = []  # set by exact_rss_peaks: every Meter then starts from a trimmed heap
+
+
 def exact_rss_peaks():
-    """glibc: serve every allocation of 64 KiB or more by mmap and return it on free (no dynamic threshold), so the
-    peak RSS above a baseline counts this step's tensors rather than heap memory freed by an earlier one."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
+    """glibc: serve every allocation of 64 KiB or more by mmap and return it on free (no dynamic threshold), and
+    give the heap's free pages back before each measurement (malloc_trim), so the peak RSS above a baseline counts
+    this step's memory rather than pages an earlier step left resident."""
+    LIBC.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    LIBC.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
+    TRIM.append(True)
 
 
 class Meter:
@@ -162,6 +167,8 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
+            if TRIM:
+                LIBC.malloc_trim(0)
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self.base = self._status("VmRSS:")
         self.start = time.perf_counter()
