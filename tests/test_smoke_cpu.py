@@ -53,8 +53,8 @@ CONDITIONS = SCRIPT.CONDITIONS
 # `salt` (SALT's default variant, the KL loss, 2 partitions per step) is left to the full set: the README's test
 # command runs the same with 2 ranks in tests/test_smoke_multirank.py
 CORE = ["salt_geoalign_flip"]
-# the multi-rank conditions run in tests/test_smoke_multirank.py
-FULL = [name for name, spec in CONDITIONS.items() if "ranks" not in spec]
+# the multi-rank conditions run in tests/test_smoke_multirank.py (those of one rank, here)
+FULL = [name for name, spec in CONDITIONS.items() if spec.get("ranks", 1) == 1]
 RUN = FULL if os.environ.get("OPENRLHF_GEO_SMOKE") == "full" else CORE
 
 
@@ -77,7 +77,7 @@ def test_every_condition_ran_and_passed(smoke):
         assert result["steps"] == 2, (name, result["steps"])  # two rollout steps per episode
         assert result["weight_change"] > 0
         synced = {int(s): g for s, g in result["sync_gap"].items() if int(s) > result["first_step"]}
-        if spec.get("sync", True):
+        if spec.get("sync", True) and not spec.get("stale"):
             assert synced and max(synced.values()) < 0.1, (name, result["sync_gap"])
 
 
@@ -118,12 +118,23 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
     "name",
     ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
      "dapo_geoalign_flip", "gspo_salt_geoalign", "recipe_engine", "recipe_math_salt", "recipe_math_geoalign",
-     "recipe_math_dapo_salt"],
+     "recipe_math_dapo_salt", "async_salt_geoalign", "partial_rollout_salt_geoalign"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
     out, _, _ = smoke
     assert_steps_replay(name, _dumps(out, name))
+
+
+@pytest.mark.parametrize("name", ["async_salt_geoalign", "partial_rollout_salt_geoalign"])
+def test_the_async_trainer_trains_each_salt_partition_in_one_optimizer_step(smoke, name):
+    """Upstream's asynchronous trainer (and its partial rollouts): each rollout step's 2 SALT partitions are its 2
+    optimizer steps, one each (smoke_cpu.check_ranks at one rank), as in the synchronous trainer."""
+    _ran(name)
+    _, summary, _ = smoke
+    ranks = summary[name]["ranks"]
+    assert ranks["optimizer_steps_per_rollout_step"] == 2
+    assert all(sorted(order) == [0, 1] for order in ranks["partition_order"].values()), ranks["partition_order"]
 
 
 def _sync_problems(run, spec, gaps):
@@ -132,6 +143,13 @@ def _sync_problems(run, spec, gaps):
         torch.save({"logprob_gap": torch.tensor([gap / 2, gap])}, run / "dump" / f"step{step:04d}.pt")
     result = SCRIPT.check_run("x", spec, run, 0, [], run, run)
     return [p for p in result["problems"] if "weight sync" in p]
+
+
+def test_a_stale_runs_sync_check_compares_the_first_step_only(tmp_path):
+    stale = CONDITIONS["async_salt_geoalign"]
+    assert not _sync_problems(tmp_path / "a", stale, {1: 0.01, 2: 0.9})  # step 2 sampled one update behind
+    assert _sync_problems(tmp_path / "b", stale, {1: 0.9, 2: 0.01})  # the same weights, different log-probs
+    assert _sync_problems(tmp_path / "c", CONDITIONS["salt"], {1: 0.01, 2: 0.9})
 
 
 def test_the_real_lm_sync_check_is_relative_to_the_gap_with_the_same_weights(tmp_path):

@@ -29,7 +29,9 @@ weights identical after every step; each engine's log-probs equal to the actor's
 the same on two Ray nodes started with `ray start` (127.0.0.1), as `ray job submit` jobs through lib/common.sh's
 `submit_train`: the second node's workers import the fork's copy shipped by py_modules (and are refused without it),
 a job checkpointed every step, its resume stopped mid-step by the Jobs API's stop (what `ray job stop` calls), and
-the resume to the end.
+the resume to the end. Upstream's asynchronous trainer (`async_salt_geoalign`, `partial_rollout_salt_geoalign`) gets
+`check_ranks` at one rank: its optimizer steps are SALT partitions too; its later rollouts come from a policy one
+update behind the actor, so vLLM's log-probs are compared with the actor's at the first step only (`stale`).
 
 The recipe conditions (`recipe_*`) run the flag sets of examples/scripts' recipes, scaled down only in size and on
 the smoke's task (SIZE_FLAGS, TASK_FLAGS): lib/common.sh's engine (colocated, DeepSpeed's sleep, ZeRO-3, packed
@@ -168,6 +170,8 @@ ENGINE_DROPPED = {
 #   cluster: on two Ray nodes, as `ray job submit` jobs (run_cluster_condition)
 #   recipe: the examples/scripts recipe (or lib/common.sh function) whose flag set it runs, scaled down in size
 #   dropped: flag -> why a CPU cannot honour it (left out of the run; the summary lists them)
+#   stale: the rollouts after the first step come from a policy behind the actor (asynchronous training): vLLM's
+#          log-probs are compared with the actor's at the first step only, the others recorded (sync_gap)
 CONDITIONS = {
     "grpo_diagnostics": {"flags": ["--advantage_estimator", "group_norm", "--salt.diagnostics"], "finite": SALT},
     # SALT Table 4's KL loss (a reference-model actor too) and its two optimizer steps per rollout step: each one
@@ -225,6 +229,23 @@ CONDITIONS = {
         "flags": ["--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--advantage_estimator", "salt", *GEOALIGN,
                   *FLIPS],
         "finite": [*SALT, *GEO, *NOISE],
+    },
+    # upstream's asynchronous trainer: a generator actor samples the next rollout batch while the trainer trains on
+    # this one, so from step 2 on the rollouts come from the policy one update behind ("stale": vLLM's log-probs are
+    # compared with the actor's at step 1 only). Each rollout step is 2 SALT partitions of 4 prompts; check_ranks (at
+    # one rank) checks that each optimizer step trained on exactly one of them, as in the synchronous trainer
+    "async_salt_geoalign": {
+        "flags": ["--advantage_estimator", "salt", "--train.async_enable", "--train.batch_size", "16", *GEOALIGN,
+                  *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE], "ranks": 1, "stale": True,
+    },
+    # ... with partial rollouts: no lock around generation, vLLM paused (requests kept) for each weight sync, so a
+    # response may be sampled under two policies; SALT's features and GeoAlign's hidden states still come from the
+    # actor's forward at the weights the step trains
+    "partial_rollout_salt_geoalign": {
+        "flags": ["--advantage_estimator", "salt", "--train.async_enable", "--train.partial_rollout_enable",
+                  "--train.batch_size", "16", *GEOALIGN, *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE], "ranks": 1, "stale": True,
     },
     # the random stand-in reward model's scores differ little within a group (sd ~2e-3): a step may have no strict
     # pair, so GeoAlign's GDI is not required every step here; the swap noise still gives every step a signal
@@ -513,7 +534,7 @@ def labelled_prompts(prompts: Path, run: Path) -> Path:
     return path
 
 
-def check_ranks(dump: Path, ranks: int, engines: int) -> tuple[list[str], dict]:
+def check_ranks(dump: Path, ranks: int, engines: int, stale=False) -> tuple[list[str], dict]:
     """The multi-rank checks on the records of one run with prompts labelled by id (OPENRLHF_GEO_DUMP_DIR: the
     experience maker's step<N>.pt, each policy rank's rank<r>.jsonl, the engines' rewards.jsonl):
     - at every rollout step, optimizer step i trained on exactly one SALT partition across the ranks (the ranks'
@@ -522,7 +543,8 @@ def check_ranks(dump: Path, ranks: int, engines: int) -> tuple[list[str], dict]:
     - after every optimizer step, every rank holds the same weights and DeepSpeed counted exactly one step;
     - every vLLM engine generated rollouts at every step, with log-probs of the sampled tokens equal to the actor's
       (max gap of its rollouts <= SYNC_TOLERANCE): after each weight sync, and at a fresh run's first step, where
-      both load the initial weights (a resumed run syncs the checkpoint's weights before its first rollout).
+      both load the initial weights (a resumed run syncs the checkpoint's weights before its first rollout); with
+      `stale` (asynchronous training: later rollouts come from a policy behind the actor) at the first step only.
     -> (problems, numbers for the summary)."""
     from collections import Counter
 
@@ -582,7 +604,7 @@ def check_ranks(dump: Path, ranks: int, engines: int) -> tuple[list[str], dict]:
         idle = sorted(scored - set(gaps[t]))
         if idle:
             problems.append(f"rollout step {t}: engines {idle} generated none of its rollouts")
-        bad = {pid: g for pid, g in gaps[t].items() if not g <= SYNC_TOLERANCE}
+        bad = {pid: g for pid, g in gaps[t].items() if not g <= SYNC_TOLERANCE and not (stale and t > min(dumps))}
         if bad:
             problems.append(f"rollout step {t}: engines' log-probs differ from the actor's: {bad}")
     numbers = {
@@ -643,12 +665,14 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
         # SYNC_TOLERANCE with the same weights (the first step, before any sync); a sync must not widen that gap
         tolerance = spec["sync_baseline"] * result["sync_gap"][min(result["sync_gap"])]
         result["sync_tolerance"] = tolerance
-    bad_sync = {s: g for s, g in synced.items() if not g <= tolerance}
+    # stale: the rollouts after the first step come from a policy behind the actor; the first step is compared
+    compared = {s: g for s, g in result["sync_gap"].items() if s not in synced} if spec.get("stale") else synced
+    bad_sync = {s: g for s, g in compared.items() if not g <= tolerance}
     if bad_sync:
         problems.append(f"vLLM's log-probs differ from the actor's after a weight sync: {bad_sync}")
     if "ranks" in spec and code == 0:
-        engines = int(flag_value(spec["flags"], "--vllm.num_engines"))
-        more, result["ranks"] = check_ranks(run / "dump", spec["ranks"], engines)
+        engines = int(flag_value([*COMMON, *spec["flags"]], "--vllm.num_engines"))
+        more, result["ranks"] = check_ranks(run / "dump", spec["ranks"], engines, spec.get("stale", False))
         problems += more
     result["last_step"] = {t: v[max(v)] for t, v in scalars.items() if v and t.startswith("train/")}
     return {"ok": not problems, "problems": problems, **result}
