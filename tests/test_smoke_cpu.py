@@ -137,6 +137,27 @@ def test_the_async_trainer_trains_each_salt_partition_in_one_optimizer_step(smok
     assert all(sorted(order) == [0, 1] for order in ranks["partition_order"].values()), ranks["partition_order"]
 
 
+def test_the_multi_turn_agents_rollouts_have_both_turns_and_each_step_replays(smoke):
+    _ran("agent_salt_geoalign")
+    out, summary, _ = smoke
+    assert summary["agent_salt_geoalign"]["action_spans"] == [{"min": 2, "max": 2}] * 2  # smoke_cpu.check_turns
+    assert_steps_replay("agent_salt_geoalign", _dumps(out, "agent_salt_geoalign"))
+
+
+def test_the_turns_check_fails_on_a_rollout_of_one_span_or_no_record(tmp_path):
+    spec = CONDITIONS["agent_salt_geoalign"]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    assert SCRIPT.check_turns(spec, dump, {})  # nothing recorded
+    for step, spans in ((1, [2, 2, 2]), (2, [2, 1, 2])):
+        torch.save({"spans": torch.tensor(spans)}, dump / f"step{step:04d}.pt")
+    result = {}
+    assert SCRIPT.check_turns(spec, dump, result)
+    assert result["action_spans"] == [{"min": 2, "max": 2}, {"min": 1, "max": 2}]
+    torch.save({"spans": torch.tensor([2, 2, 2])}, dump / "step0002.pt")
+    assert SCRIPT.check_turns(spec, dump, result) == [] and SCRIPT.check_turns(CONDITIONS["salt"], dump, {}) == []
+
+
 def _sync_problems(run, spec, gaps):
     (run / "dump").mkdir(parents=True, exist_ok=True)
     for step, gap in gaps.items():

@@ -217,6 +217,15 @@ CONDITIONS = {
                   *GEOALIGN, "--geoalign.alpha", "0.5", *FLIPS],
         "finite": [*SALT, *GEO, *NOISE, "geo/zero_variance_groups_after"],
     },
+    # upstream's multi-turn agent (examples/agents/two_turns.py): two turns per rollout with the environment's tokens
+    # between and after them, the reward on the last; SALT's features sum over both turns' tokens, GeoAlign reads the
+    # last action token's hidden state; check_run counts each rollout's action spans in the dumps ("turns")
+    "agent_salt_geoalign": {
+        "flags": ["--train.agent_func_path", str(REPO / "examples/agents/two_turns.py"), "--advantage_estimator",
+                  "salt", *GEOALIGN, *FLIPS],
+        "finite": [*SALT, *GEO, *NOISE],
+        "turns": 2,
+    },
     # GSPO's sequence-level ratio on SALT's advantages (one value per sequence, as GSPO's own), GeoAlign under flips
     "gspo_salt_geoalign": {
         "flags": ["--advantage_estimator", "salt", "--actor.policy_loss_type", "gspo", *GEOALIGN, *FLIPS],
@@ -515,6 +524,20 @@ def sync_gaps(dump: Path) -> dict[int, float]:
     return gaps
 
 
+def check_turns(spec, dump: Path, result: dict) -> list[str]:
+    """With spec's "turns" (a multi-turn agent's): every rollout of every dumped step has that many action spans
+    (maximal runs of action tokens, the model's turns); their per step min and max go to result["action_spans"]."""
+    if "turns" not in spec:
+        return []
+    import torch
+
+    spans = [torch.load(p, weights_only=False)["spans"].tolist() for p in sorted(dump.glob("step*.pt"))]
+    result["action_spans"] = [{"min": min(n), "max": max(n)} for n in spans]
+    if not spans or any(n != [spec["turns"]] * len(n) for n in spans):
+        return [f"rollouts without {spec['turns']} action spans each: {result['action_spans']} (in {dump})"]
+    return []
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -670,6 +693,7 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
     bad_sync = {s: g for s, g in compared.items() if not g <= tolerance}
     if bad_sync:
         problems.append(f"vLLM's log-probs differ from the actor's after a weight sync: {bad_sync}")
+    problems += check_turns(spec, run / "dump", result)
     if "ranks" in spec and code == 0:
         engines = int(flag_value([*COMMON, *spec["flags"]], "--vllm.num_engines"))
         more, result["ranks"] = check_ranks(run / "dump", spec["ranks"], engines, spec.get("stale", False))
