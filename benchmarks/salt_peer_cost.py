@@ -21,11 +21,12 @@ Scopes, for each m:
                             all m (the fork's scope with their code; as their distributed_gram would gather)
   ours, one mini-batch      the fork's scope: features per micro-batch of --micro, one Gram over all m
 Peak memory: above the baseline; on CPU the process's peak RSS (VmHWM, reset through /proc/self/clear_refs) in one
-more, untimed, pass after the timed repeats with glibc set to mmap every allocation of 64 KiB or more (freed heap
-memory is then not reused unseen; it would slow the timed passes with page faults), on
-CUDA torch.cuda.max_memory_allocated. A case whose predicted peak passes --budget-gib is not run and is printed with
-its prediction: theirs holds 2 x m x V x d floats at its peak (the stacked rows, then decompose's signed updates),
-plus 4 copies of a micro-batch's logits; ours m x D floats plus the pass's chunk buffers.
+more, untimed, pass after the timed repeats, with glibc set to mmap every allocation of 64 KiB or more and the heap
+trimmed before each measurement (so memory is not reused unseen; this would slow the timed passes with page
+faults); on CUDA torch.cuda.max_memory_allocated. A case whose predicted peak passes --budget-gib is not run and is
+printed with its prediction: theirs holds 2 x m x V x d floats at its peak (the rows and their stack, then the
+stack and decompose's signed updates) plus, bounded, 4 copies of a micro-batch's logits; ours m x D floats and the
+pass's tiles, bounded by 2 x m x D plus 4 copies of a micro-batch's logits.
 
 Shapes: smollm2 = the real LM (SmolLM2-135M-Instruct, `openrlhf-geo model smollm2`; V = 49152, d = 576, tied
 W): its sampled responses to the lab's word problems, their real post-norm hidden states (the lm_head input);
