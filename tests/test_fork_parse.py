@@ -9,6 +9,7 @@ Parsing that needs the tiny model, flags mapped to the actor's geometry spec, an
 test_fork_pipeline.py.
 """
 
+import importlib.util
 import re
 import warnings
 from types import SimpleNamespace as NS
@@ -304,6 +305,40 @@ def test_a_save_folder_that_cannot_be_written_is_refused_at_parse_time(up, monke
         parse(up, monkeypatch, [*GRPO, "--ckpt.output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert f"--ckpt.output_dir {tmp_path / 'out'}: cannot write there (Read-only file system" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision here: it loads")
+def test_a_vision_language_actor_whose_processor_cannot_load_is_refused_naming_image_key(
+    up, monkeypatch, capsys, tmp_path
+):
+    """A Qwen2-VL's processor carries a video processor that needs torchvision, which the CPU engines leave out:
+    upstream's driver, trainer and vLLM engines would each raise transformers' ImportError after Ray started."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig
+
+    vlm = tmp_path / "qwen2-vl"
+    Qwen2VLConfig().save_pretrained(vlm)  # the config is what marks a VLM (upstream's is_vlm_model); no weights read
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                         "<|video_pad|>", "Q"])}  # fmt: skip
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="Q"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(vlm)
+    (vlm / "processor_config.json").write_text(
+        '{"processor_class": "Qwen2VLProcessor", '
+        '"image_processor": {"image_processor_type": "Qwen2VLImageProcessor"}, '
+        '"video_processor": {"video_processor_type": "Qwen2VLVideoProcessor"}}'
+    )
+    argv = ["--advantage_estimator", "salt", "--geoalign.enable", "--actor.model_name_or_path", str(vlm)]
+    with pytest.raises(SystemExit) as caught:
+        parse(up, monkeypatch, [*argv, "--data.max_images_per_prompt", "1"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"{PROG}: error: --data.image_key: --actor.model_name_or_path {vlm} is a vision-language model whose "
+        "processor cannot load here (ImportError: Qwen2VLVideoProcessor requires the Torchvision library but it was "
+        "not found in your environment); upstream needs it for the images\n"
+    )
+    (vlm / "config.json").write_text((vlm / "config.json").read_text().replace('"vision_config"', '"text_only"'))
+    assert parse(up, monkeypatch, argv).actor.model_name_or_path == str(vlm)  # a text model: its tokenizer only
 
 
 def test_async_training_and_partial_rollouts_keep_salt_partitions_as_optimizer_steps(up, monkeypatch):

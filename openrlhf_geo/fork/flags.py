@@ -4,6 +4,7 @@
 ValueError naming the flag, shown as one line. `resume_flags` is what a checkpoint stores and a resume compares."""
 
 import errno
+import json
 import os
 import tempfile
 import warnings
@@ -59,6 +60,7 @@ def validate_args(args) -> None:
         for part in value.split(",") if value else ():  # upstream takes several reward models, comma-separated
             options.check_local_path(flag, part)
     check_datasets(args)
+    check_processor(args.actor.model_name_or_path)
     # a folder the policy actor cannot write fails only at the first checkpoint or the final save, hours in: probe it
     # here (a file created and removed in the folder, or in its nearest existing parent; root ignores permission
     # bits, so os.access cannot tell). The driver's view: on several nodes the folder must be the same shared one.
@@ -135,6 +137,32 @@ def check_datasets(args) -> None:
                     GeoWarning,
                     stacklevel=2,
                 )
+
+
+def check_processor(model) -> None:
+    """A local vision-language actor (its config has `vision_config`, upstream's `is_vlm_model`) is loaded with its
+    AutoProcessor by the driver, the trainer and every vLLM engine, to put --data.image_key's images into the prompts:
+    one that cannot load here is refused naming the cause, instead of an ImportError from Ray actors. The Qwen-VL
+    processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) carry a video processor that needs torchvision, which the CPU
+    engines leave out (requirements/engines-cpu.txt). Hub ids are upstream's to load."""
+    if not model or not Path(model, "config.json").is_file():
+        return
+    try:
+        config = json.loads(Path(model, "config.json").read_text())
+    except (OSError, ValueError):  # unreadable: upstream's load names it
+        return
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return
+    from transformers import AutoProcessor
+
+    try:
+        AutoProcessor.from_pretrained(model, trust_remote_code=True)
+    except Exception as e:  # an ImportError without torchvision; a registry torchvision's RuntimeError on CPU torch
+        cause = " ".join(str(e).split()).split(". ")[0]  # transformers' message: its first sentence, on one line
+        raise ValueError(
+            f"--data.image_key: --actor.model_name_or_path {model} is a vision-language model whose processor "
+            f"cannot load here ({type(e).__name__}: {cause}); upstream needs it for the images"
+        ) from None
 
 
 def writes_checkpoints(args) -> bool:
