@@ -118,7 +118,7 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
     "name",
     ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
      "dapo_geoalign_flip", "gspo_salt_geoalign", "recipe_engine", "recipe_math_salt", "recipe_math_geoalign",
-     "recipe_math_dapo_salt", "async_salt_geoalign", "partial_rollout_salt_geoalign"],
+     "recipe_math_dapo_salt", "async_salt_geoalign", "partial_rollout_salt_geoalign", "lora_salt_geoalign"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
@@ -357,7 +357,7 @@ def test_the_compatibility_matrix_names_only_conditions_and_tests_that_exist_and
         ("condition `recipe_engine` (", "condition `recipe_engin` (", "no condition recipe_engin"),
         ("condition `recipe_math_salt`", "condition `salt`", "recipe condition recipe_math_salt is not in the matrix"),
         ("agree_on_sketch_features`", "agree_on_sketches`", "no test tests/test_fork_pipeline.py::test_packed_and"),
-        ("| not run |", "| works |", "its evidence is no condition"),
+        ("| condition `gspo_salt_geoalign` (", "| works (", "its evidence is no condition"),
         ("nearest run: 2 engines of TP 1 in condition `multirank`", "", "needs CUDA names no nearest run"),
     ],
 )
