@@ -145,7 +145,8 @@ def reweight(
     such slots of the batch (logged on every slot).
     """
     a, source = advantages.detach().cpu().double(), batch.source
-    slot_features, token_counts = features().detach().cpu()[source], lengths().detach().cpu().double()
+    # rollout order, indexed per partition below: no (N, D) copy in slot order
+    rollout_features, token_counts = features().detach().cpu(), lengths().detach().cpu().double()
     size = a.numel()
     metrics: dict[str, torch.Tensor] = {}  # <key> -> (N,) per slot (logged as salt/<key>)
     text: dict[str, str] = {}
@@ -170,9 +171,17 @@ def reweight(
         part = part[~empty[part]]
         if part.numel() == 0:  # every slot of the partition dropped or without an action token
             continue
+        rows = source[part]
+        first_row = int(rows[0])
+        part_features = rollout_features[first_row : first_row + rows.numel()]
+        # consecutive rows (no curation, no slot left out) are used in place, not copied (m·D floats), where they are
+        # laid out as a fresh copy would be: MKL's matmul can round differently at another alignment
+        in_place = part_features.is_contiguous() and part_features.data_ptr() % 64 == 0
+        if not (in_place and torch.equal(rows, torch.arange(first_row, first_row + rows.numel()))):
+            part_features = rollout_features[rows]
         out, stats, (basis, is_top, gram) = salt_advantages(
             a[part],
-            slot_features[part],
+            part_features,
             salt.variant,
             salt.alpha,
             state.generator,
@@ -187,7 +196,7 @@ def reweight(
             stats = {key: stats[key] for key in DIAGNOSTIC_KEYS}
             stats.update(n_eff_out=stats["n_eff_in"], D_a=0.0, D_g=0.0, U_perp_gain=1.0)
             stats["U_perp"] = diagnostics.residual_strength(a[part], gram, basis, is_top)
-        stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, token_counts[source][part]))
+        stats.update(diagnostics.salt_weight_stats(a[part], applied, gram, basis, is_top, token_counts[rows]))
         # SALT App. D.1 (Eq. 37) weights each response by "the scalar coefficient used by the objective" and calls it
         # "the normalized advantage" Â: for a SALT run these differ (a vs a'). The plain keys use a, comparable with
         # the backbone's rows of Table 10; the coefficient-weighted ones are logged for a' too.

@@ -364,6 +364,27 @@ def forward_batch(maker, samples):
     return experiences, geometry
 
 
+def test_geometry_writes_each_micro_batch_into_prompt_order_as_concatenating_and_scattering_did():
+    """`GeometryBatch._geometry` writes each micro-batch's rows straight into prompt order (no concatenated (N, D)
+    copy): the same dtype and bits as the concatenation scattered by `indices`, with torch.cat's type promotion."""
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(10, generator=g)
+    experiences = []
+    for k, rows in enumerate(order.split(3)):
+        side = {
+            "features": torch.randn(len(rows), 5, generator=g, dtype=torch.float64 if k == 1 else torch.float32),
+            "entropy": torch.rand(len(rows), generator=g),
+        }
+        experiences.append(NS(index=rows.tolist(), **{fork_hooks.SIDE_ATTR: side}))
+    batch = fork_hooks.GeometryBatch.__new__(fork_hooks.GeometryBatch)  # only what `_geometry` reads
+    batch.experiences, batch.indices = experiences, order
+    for key in ("features", "entropy"):
+        rows = torch.cat([getattr(e, fork_hooks.SIDE_ATTR)[key] for e in experiences])
+        expected = torch.empty_like(rows).index_copy_(0, order, rows)
+        got = batch._geometry(key)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
 def row_advantages(experiences, size):
     """(N,) prompt order: each row's advantage, checked constant over its action tokens (kl = 0, gamma = 1)."""
     out = torch.full((size,), math.nan)

@@ -2,12 +2,15 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openrlhf_geo import salt_stage
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
 from openrlhf_geo.salt import SaltConfig, salt_advantages
+from openrlhf_geo.stages import Batch
 
 G = 4  # rollouts per prompt
 
@@ -88,3 +91,55 @@ def test_salt_diagnostics_leave_them_out_too():
     assert torch.equal(out, a)
     assert metrics["salt/m"][[0, 1, 3]].tolist() == [3.0] * 3 and math.isnan(float(metrics["salt/m"][2]))
     assert metrics["salt/zero_action_rollouts"].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 16), (torch.float32, 10), (torch.float64, 13)])
+def test_a_partitions_rows_read_in_place_give_the_bits_of_a_gathered_copy(dtype, dim, monkeypatch):
+    """`reweight` indexes the (N, D) features per partition and passes consecutive rows at a 64-byte boundary as a
+    view (no copy of m·D floats). a' and every metric equal, bit for bit, those from a copy of each partition's rows
+    (the features given non-contiguous: every partition gathered) and from slots that hold the rollouts in another
+    order. max |F| in [1, 2): `salt_advantages` then forms the Gram on the very rows it is given, where MKL's
+    rounding depends on their alignment: each prompt's first rollout has no action token, so a partition's rows
+    start one row in, off a 64-byte boundary for rows of 40 or 104 bytes (a view there changed the Gram's bits)."""
+    n, per = 6 * G, 1
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(n, dim, generator=g, dtype=dtype)
+    features *= 1.5 / features.abs().amax(1, keepdim=True)  # every partition: max |F| = 1.5
+    a, group_ids = torch.randn(n, generator=g, dtype=torch.float64), torch.arange(n) // G
+    lengths = torch.where(torch.arange(n) % G == 0, 0, 3)
+    features[lengths == 0] = 0.0  # the engines' zero rows
+    perm = torch.randperm(n, generator=g)
+    permuted = torch.empty_like(features)
+    permuted[perm] = features  # slot i holds rollout perm[i]: the same features per slot
+    in_place = []
+
+    def recording(a, rows, *args, **kwargs):
+        in_place.append(rows.untyped_storage().data_ptr() == features.untyped_storage().data_ptr())
+        return salt_advantages(a, rows, *args, **kwargs)
+
+    monkeypatch.setattr(salt_stage, "salt_advantages", recording)
+
+    def reweight(rollout_features, source):
+        in_place.clear()
+        out, metrics = salt_stage.reweight(
+            SaltConfig(features="exact"),
+            salt_stage.SaltState(torch.Generator().manual_seed(0)),
+            Batch(group_ids, None, source, torch.ones(n, dtype=torch.bool), 1),
+            a,
+            features=lambda: rollout_features,
+            entropy=lambda: None,
+            lengths=lambda: lengths[source.argsort()],  # per rollout
+            partition_prompts=lambda: per,
+        )
+        metrics.pop("solve_ms")  # wall time
+        return out, metrics, list(in_place)
+
+    out, metrics, viewed = reweight(features, torch.arange(n))
+    row_bytes = dim * features.element_size()
+    assert viewed == [(first + 1) * row_bytes % 64 == 0 for first in range(0, n, per * G)]
+    for other, source in ((features.T.contiguous().T, torch.arange(n)), (permuted, perm)):
+        other_out, other_metrics, viewed = reweight(other, source)
+        assert not any(viewed)
+        assert torch.equal(other_out, out) and other_metrics.keys() == metrics.keys()
+        for key, values in metrics.items():
+            torch.testing.assert_close(other_metrics[key], values, rtol=0, atol=0, equal_nan=True, msg=key)

@@ -28,6 +28,7 @@ fork and the local engine produce identical advantages and metrics on the same r
 import asyncio
 import errno
 import fnmatch
+import functools
 import inspect
 import json
 import os
@@ -422,8 +423,16 @@ class GeometryBatch:
         return out
 
     def _geometry(self, key):
-        """(N, ...) prompt order: the actor forward's per-response `key` of every micro-batch."""
-        return self._prompt_order(torch.cat([getattr(exp, SIDE_ATTR)[key] for exp in self.experiences]))
+        """(N, ...) prompt order: the actor forward's per-response `key` of every micro-batch, each written straight
+        into its rows (no concatenated copy: the features are N·D floats)."""
+        parts = [getattr(exp, SIDE_ATTR)[key] for exp in self.experiences]
+        out = parts[0].new_empty(
+            (len(self.indices), *parts[0].shape[1:]),
+            dtype=functools.reduce(torch.promote_types, (part.dtype for part in parts)),
+        )
+        for exp, part in zip(self.experiences, parts):
+            out[torch.as_tensor(exp.index)] = part.to(out.dtype)
+        return out
 
     def curate(self, rewards, indices):
         """The registered curation (GeoAlign, PF-PPO) between rewards and group statistics: rewards (N,) prompt order
