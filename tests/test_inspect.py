@@ -236,3 +236,16 @@ def test_inspect_on_the_real_lm(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["salt"]["prompts"] == 8 and summary["setup"]["model"] == "smollm2"
     assert summary["salt"]["verdict"] == real_lm_geometry.regime(summary["salt"]["n_eff"])
+
+
+def test_ctrl_c_is_one_line_naming_the_phases_a_rerun_resumes_from(tmp_path, monkeypatch, capsys):
+    def interrupted(args, out, log=print):
+        (out / inspection.ROLLOUTS).write_bytes(b"saved")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inspection, "collect", interrupted)
+    assert inspection.main(_argv(tmp_path, None)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openrlhf-geo inspect: interrupted; the same command with --out {tmp_path / 'out'} resumes from "
+                   "its saved rollouts.pt"]  # fmt: skip
+    assert (tmp_path / "out" / inspection.ROLLOUTS).read_bytes() == b"saved"

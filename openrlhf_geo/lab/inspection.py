@@ -663,7 +663,9 @@ def main(argv=None) -> int:
         print(f"openrlhf-geo inspect: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"openrlhf-geo inspect: interrupted; the same command resumes from what {args.out} holds",
+        saved = [name for name in (ROLLOUTS, REWARDS, GEOMETRY) if (Path(args.out) / name).exists()]
+        where = f"from its saved {', '.join(saved)}" if saved else "from the start (no phase had finished)"
+        print(f"openrlhf-geo inspect: interrupted; the same command with --out {args.out} resumes {where}",
               file=sys.stderr)  # fmt: skip
         return 130
 
