@@ -154,3 +154,15 @@ def test_the_smokes_weight_change_of_a_lora_run_is_that_of_its_merged_weights(up
     change = max(float((merged[k] - base[k]).detach().abs().max()) for k in base)
     assert change > 0
     torch.testing.assert_close(SCRIPT.weight_change(tiny_path, tmp_path / "final"), change, atol=0, rtol=1e-5)
+
+
+def test_the_sync_sends_the_merged_layer_of_each_adapter_upstream_selects(up, tiny_path):
+    """Upstream's vision-language actor syncs only its trainable parameters, with LoRA the adapters: each stands for
+    its layer's merged weight, sent once (upstream sent the adapters themselves)."""
+    actor = lora_actor(up, tiny_path)
+    trainable = [(name, p) for name, p in actor.model.named_parameters() if p.requires_grad]
+    sent = list(fork_hooks.VllmWeights(actor.model, trainable, Gathers()))
+    expected = dict(merged_reference(actor))
+    assert [name for name, _ in sent] == [name for name in expected if name.endswith("proj.weight")]
+    for name, tensor in sent:
+        torch.testing.assert_close(tensor, expected[name], msg=name)

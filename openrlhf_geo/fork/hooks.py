@@ -272,12 +272,23 @@ class VllmWeights:
         self.gather = gather
         self.lora = isinstance(model, PeftModel)
         self.adapted: dict[int, LoraLayer] = {}  # id(base weight) -> its adapted layer
-        adapters: set[int] = set()
-        for layer in model.modules() if self.lora else ():
+        owner = {}  # id(adapter parameter) -> (name, base weight) of its layer
+        for prefix, layer in model.named_modules() if self.lora else ():
             if isinstance(layer, LoraLayer):
-                self.adapted[id(layer.get_base_layer().weight)] = layer
-                adapters.update(id(p) for key in layer.adapter_layer_names for p in getattr(layer, key).parameters())
-        self.params = [(name, p) for name, p in params if id(p) not in adapters]
+                weight = layer.get_base_layer().weight
+                self.adapted[id(weight)] = layer
+                for key in layer.adapter_layer_names:
+                    owner.update(
+                        {id(p): (f"{prefix}.base_layer.weight", weight) for p in getattr(layer, key).parameters()}
+                    )
+        # an adapter stands for its layer's merged weight, sent once (upstream's vision-language selection keeps only
+        # the trainable parameters: with LoRA, the adapters)
+        self.params, sent = [], set()
+        for name, param in params:
+            name, param = owner.get(id(param), (name, param))
+            if id(param) not in sent:
+                sent.add(id(param))
+                self.params.append((name, param))
 
     def __len__(self) -> int:
         return len(self.params)
