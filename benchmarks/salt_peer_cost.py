@@ -24,8 +24,8 @@ Peak memory: above the baseline; on CPU the process's peak RSS (VmHWM, reset thr
 more, untimed, pass after the timed repeats, with glibc set to mmap every allocation of 64 KiB or more and the heap
 trimmed before each measurement (so memory is not reused unseen; this would slow the timed passes with page
 faults); on CUDA torch.cuda.max_memory_allocated. A case whose predicted peak passes --budget-gib is not run and is
-printed with its prediction: theirs holds 2 x m x V x d floats at its peak (the rows and their stack, then the
-stack and decompose's signed updates) plus, bounded, 4 copies of a micro-batch's logits; ours m x D floats and the
+printed with its prediction: theirs holds (2m + 1) x V x d floats at its peak (the rows and their stack, then the
+stack, decompose's signed updates and their sum) plus, bounded, 4 copies of a micro-batch's logits; ours m x D floats and the
 pass's tiles, bounded by 2 x m x D plus 4 copies of a micro-batch's logits.
 
 Shapes: smollm2 = the real LM (SmolLM2-135M-Instruct, `openrlhf-geo model smollm2`; V = 49152, d = 576, tied
@@ -243,7 +243,7 @@ def run_ours(batch, advantages, sizes, chunk, device):
 
 
 def predicted_theirs(m, chunk, tokens, V, d):
-    return 2 * m * V * d * 4 + 4 * min(chunk, m) * tokens * V * 4
+    return (2 * m + 1) * V * d * 4 + 4 * min(chunk, m) * tokens * V * 4
 
 
 def predicted_ours(m, chunk, tokens, V):

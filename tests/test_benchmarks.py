@@ -432,8 +432,8 @@ def test_salt_peer_cost_measures_both_sides_at_each_scope_on_a_stand_in_checkout
 def test_salt_peer_cost_says_what_does_not_fit_and_what_it_would_need(tmp_path, monkeypatch, capsys):
     module = load_cost_script(monkeypatch, "salt_peer_cost")
     need = module.predicted_theirs(8, 8, 4, 500, 16)
-    assert need == 2 * 8 * 500 * 16 * 4 + 4 * 8 * 4 * 500 * 4  # the stacked rows twice, four micro-batch logits
-    assert 446 < module.predicted_theirs(256, 16, 32, 151936, 1536) / module.GIB < 447  # Qwen's shape at m = 256
+    assert need == (2 * 8 + 1) * 500 * 16 * 4 + 4 * 8 * 4 * 500 * 4  # rows, their stack and a sum; 4 x the logits
+    assert 447 < module.predicted_theirs(256, 16, 32, 151936, 1536) / module.GIB < 448  # Qwen's shape at m = 256
     module.SHAPES["qwen"] = (500, 16)
     gradient = tmp_path / "SALT" / "verl" / "verl" / "trainer" / "gradient"
     gradient.mkdir(parents=True)
