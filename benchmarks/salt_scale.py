@@ -96,12 +96,12 @@ PAPER_SETTINGS = [
 
 
 def predicted_peak(m, partitions, dim, gram_only=False):
-    """Bytes the case will hold at its peak: the fork's path keeps ~3 copies of the N·D features at once (the actors'
-    micro-batches, the prompt-ordered copy, the slots' copy) plus two of a partition (its rows, F / scale)."""
+    """Bytes the case will hold at its peak: the fork's path keeps 2 copies of the N·D features at once (the actors'
+    micro-batches, the prompt-ordered copy) plus one of a partition (F / scale; its rows are read in place)."""
     n = m * partitions
     if gram_only:
         return m * dim * 4 + 3 * m * m * 8
-    return 3 * n * dim * 4 + 2 * m * dim * 4 + 8 * m * m * 8
+    return 2 * n * dim * 4 + m * dim * 4 + 8 * m * m * 8
 
 
 def make_features(m, dim, kind, gen):
