@@ -1,7 +1,8 @@
 """The fork's parse time, called by the cli/train_ppo_ray.py diff before Ray starts: its flags on upstream's parser
 (`add_args`) and their checks (`validate_args`): flag combinations, local paths and .jsonl datasets
-(`check_datasets`), writable output folders, outputs of an earlier run (`check_outputs`). Each refusal is a
-ValueError naming the flag, shown as one line. `resume_flags` is what a checkpoint stores and a resume compares."""
+(`check_datasets`), a vision-language actor's processor (`check_processor`), writable output folders, outputs of an
+earlier run (`check_outputs`). Each refusal is a ValueError naming the flag, shown as one line. `resume_flags` is what
+a checkpoint stores and a resume compares."""
 
 import errno
 import json
