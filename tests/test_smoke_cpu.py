@@ -118,7 +118,9 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
     "name",
     ["grpo_diagnostics", "salt", "geoalign_flip", "salt_geoalign_flip", "resume", "pf_ppo_br", "dapo_salt",
      "dapo_geoalign_flip", "gspo_salt_geoalign", "recipe_engine", "recipe_math_salt", "recipe_math_geoalign",
-     "recipe_math_dapo_salt", "async_salt_geoalign", "partial_rollout_salt_geoalign", "lora_salt_geoalign"],
+     "recipe_math_dapo_salt", "recipe_math_clip_cov", "recipe_math_kl_cov", "recipe_math_entropy_bonus",
+     "recipe_math_pf_ppo_bw", "recipe_math_seed_grpo", "recipe_hh_geoalign", "async_salt_geoalign",
+     "partial_rollout_salt_geoalign"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
@@ -207,10 +209,25 @@ def test_the_real_lm_condition_runs_with_its_flags_reward_threads_and_limit(tmp_
     assert seen["cmd"][seen["cmd"].index("--reward.remote_url") + 1] == str(tmp_path / "assets" / "reward_func.py")
 
 
+def test_the_hh_sft_runs_this_interpreters_deepspeed_on_the_fork_with_the_conditions_sft_flags(tmp_path, monkeypatch):
+    """`python smoke_cpu.py` without the venv's bin on PATH: the SFT's launcher is the one beside the interpreter
+    (a bare `deepspeed` was not found, and the HH conditions failed before their SFT)."""
+    seen = {}
+    fork = subprocess.CompletedProcess([], 0, stdout="/fork-copy\n")
+    monkeypatch.setattr(SCRIPT.subprocess, "run", lambda *args, **kwargs: fork)
+    monkeypatch.setattr(SCRIPT, "run_group", lambda cmd, log, env, cwd: seen.update(cmd=cmd, env=env) or (0, []))
+    spec = CONDITIONS["recipe_hh_geoalign"]
+    SCRIPT.sft(tmp_path / "assets", tmp_path, {"PATH": "/usr/bin"}, spec["sft"])
+    assert seen["cmd"][0] == str(Path(sys.executable).parent / "deepspeed")
+    assert seen["cmd"][-len(spec["sft"]) :] == spec["sft"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == "/fork-copy"
+
+
 def recipe_flags(recipe, tmp_path):
     """The flags a condition's "recipe" stands for, as bash expands them: lib/common.sh's engine_args (ZeRO-3, the
     math recipes' vLLM memory share), or the train-ppo-ray flags a script submits ("train_math_grpo.sh SALT=1": its
-    `ray` a stub that records its argv, the data it looks for in place, EVAL=0)."""
+    `ray` a stub that records its argv, the data it looks for in place, EVAL=0), or train_sft's flags
+    (train_hh_sft.sh: its `deepspeed` a stub alike)."""
     scripts = REPO / "examples/scripts"
     if recipe == "engine_args":
         line = (
@@ -220,25 +237,32 @@ def recipe_flags(recipe, tmp_path):
         return done.stdout.split("\0")[:-1]
     script, *switches = recipe.split()
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin/ray").write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$HOME/argv"\n')
-    (tmp_path / "bin/ray").chmod(0o755)
+    for stub in ("ray", "deepspeed"):
+        (tmp_path / "bin" / stub).write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$HOME/argv"\n')
+        (tmp_path / "bin" / stub).chmod(0o755)
     data = tmp_path / "openrlhf-geo/data"
     for name in ("math_train", "dapo_math_17k", "aime24", "aime25", "Qwen3-1.7B_no-thinking/dapo_math_17k",
-                 "Qwen3-1.7B_no-thinking/geoalign_eval", "hh/hh_rl", "hh/hh_test"):  # fmt: skip
+                 "Qwen3-1.7B_no-thinking/geoalign_eval", "hh/hh_sft", "hh/hh_rl", "hh/hh_test"):  # fmt: skip
         (data / f"{name}.jsonl").parent.mkdir(parents=True, exist_ok=True)
         (data / f"{name}.jsonl").write_text("{}\n")
     env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "EVAL": "0"}
     env.update(switch.split("=") for switch in switches)
     subprocess.run(["bash", scripts / script], env=env, capture_output=True, check=True)
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
-    return argv[argv.index("train-ppo-ray") + 1 :]
+    entry = "openrlhf.cli.train_sft" if "openrlhf.cli.train_sft" in argv else "train-ppo-ray"
+    return argv[argv.index(entry) + 1 :]
 
 
-def recipe_problems(recipe, spec):
-    """How a condition's run differs from a recipe's flags beyond its size (SCRIPT.SIZE_FLAGS) and the flags it names
-    as dropped: a recipe flag missing or with another value, a dropped one still on."""
-    ran = [*SCRIPT.COMMON, *spec["flags"]]
-    dropped = {key.split()[0]: key for key in spec.get("dropped", {})}
+def recipe_problems(recipe, spec, sft=False):
+    """How a condition's run (its SFT's with sft) differs from a recipe's flags beyond its size (SCRIPT.SIZE_FLAGS) and
+    task and the flags it names as dropped: a recipe flag missing or with another value, a dropped one still on."""
+    if sft:
+        ran, dropped_flags = spec["sft"], spec.get("sft_dropped", {})
+        size, task = SCRIPT.SFT_SIZE_FLAGS, SCRIPT.SFT_TASK_FLAGS
+    else:
+        ran, dropped_flags = [*SCRIPT.COMMON, *spec["flags"]], spec.get("dropped", {})
+        size, task = SCRIPT.SIZE_FLAGS, SCRIPT.TASK_FLAGS
+    dropped = {key.split()[0]: key for key in dropped_flags}
     problems = []
     for i, flag in enumerate(recipe):
         if not flag.startswith("--"):
@@ -247,11 +271,11 @@ def recipe_problems(recipe, spec):
         if flag in dropped:
             if (flag in ran) if value is None else SCRIPT.flag_value(ran, flag) == value:
                 problems.append(f"{dropped[flag]} is named as dropped but runs")
-        elif flag in SCRIPT.TASK_FLAGS:
-            continue  # the smoke's task (train_command)
+        elif flag in task:
+            continue  # the smoke's task (train_command, sft)
         elif flag not in ran:
             problems.append(f"{flag} of the recipe does not run")
-        elif value is not None and flag not in SCRIPT.SIZE_FLAGS and SCRIPT.flag_value(ran, flag) != value:
+        elif value is not None and flag not in size and SCRIPT.flag_value(ran, flag) != value:
             problems.append(f"{flag} runs with {SCRIPT.flag_value(ran, flag)}, the recipe's is {value}")
     return problems
 
@@ -267,6 +291,25 @@ def test_a_recipe_condition_runs_its_recipe_but_for_size_task_and_what_it_names_
     assert recipe_problems(recipe, spec) == []
     for key, why in spec["dropped"].items():
         assert why.startswith("needs CUDA: ") and key.split()[0] in recipe
+
+
+SFT_RECIPES = [name for name, spec in CONDITIONS.items() if "sft_recipe" in spec]
+
+
+@pytest.mark.parametrize("name", SFT_RECIPES)
+def test_an_sft_recipe_condition_runs_its_sft_recipe_but_for_size_task_and_what_it_names_dropped(name, tmp_path):
+    spec = CONDITIONS[name]
+    recipe = recipe_flags(spec["sft_recipe"], tmp_path)
+    assert "--ds.packing_samples" in recipe and "--model.gradient_checkpointing_enable" in recipe
+    assert spec["hh"] and recipe_problems(recipe, spec, sft=True) == []
+    for key, why in spec["sft_dropped"].items():
+        assert why.startswith("needs CUDA: ") and key.split()[0] in recipe
+    packed = {**spec, "sft": [f for f in spec["sft"] if f != "--ds.packing_samples"]}
+    assert recipe_problems(recipe, packed, sft=True) == ["--ds.packing_samples of the recipe does not run"]
+    flash = {**spec, "sft": [*spec["sft"], "--ds.attn_implementation", "flash_attention_2"]}
+    assert recipe_problems(recipe, flash, sft=True) == [
+        "--ds.attn_implementation flash_attention_2 is named as dropped but runs"
+    ]
 
 
 def test_the_recipe_check_catches_a_flag_left_out_and_a_dropped_one_left_on(tmp_path):

@@ -35,8 +35,9 @@ update behind the actor, so vLLM's log-probs are compared with the actor's at th
 
 The recipe conditions (`recipe_*`) run the flag sets of examples/scripts' recipes, scaled down only in size and on
 the smoke's task (SIZE_FLAGS, TASK_FLAGS): lib/common.sh's engine (colocated, DeepSpeed's sleep, ZeRO-3, packed
-samples, gradient checkpointing) and the math recipes of SALT and GeoAlign; each names the flags a CPU cannot honour
-and why (`dropped`).
+samples, gradient checkpointing), the math recipes of SALT and GeoAlign and of their baselines (Clip-Cov, KL-Cov, the
+entropy bonus; PF-PPO, Seed-GRPO), and HH-RLHF's SFT then RL; each names the flags a CPU cannot honour and why
+(`dropped`, `sft_dropped`).
 """
 
 import argparse
@@ -104,12 +105,14 @@ TASK_FLAGS = (
     "--rollout.max_new_tokens", "--reward.remote_url", "--eval.dataset", "--ckpt.output_dir", "--ckpt.path",
     "--logger.tensorboard_dir",
 )  # fmt: skip
-# The math recipes as their scripts submit them (lib/common.sh's salt_math_run, geoalign_math_run): the engine at
-# ZeRO-2 (the 1.5B / 1.7B models' stage) with token-budgeted micro-batches, evaluation during training (every step
-# here), checkpoints with HF weights (every step here). "{assets}" is the smoke's assets folder.
+# The recipes as their scripts submit them (lib/common.sh's salt_math_run, geoalign_math_run; train_hh_rl.sh): the
+# engine at ZeRO-2 (the 1.5B / 1.7B models' stage), the math recipes' with token-budgeted micro-batches, evaluation
+# during training (every step here), checkpoints with HF weights (log_args; every step here). "{assets}" is the
+# smoke's assets folder.
+ENGINE_ZERO2 = ["--train.colocate_all", "--ds.enable_sleep", "--ds.zero_stage", "2",
+                "--actor.gradient_checkpointing_enable", "--ds.packing_samples"]  # fmt: skip
 MATH_ENGINE = [
-    "--train.colocate_all", "--ds.enable_sleep", "--ds.zero_stage", "2", "--actor.gradient_checkpointing_enable",
-    "--ds.packing_samples",
+    *ENGINE_ZERO2,
     "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16384", "--rollout.max_tokens_per_gpu", "32768",
 ]  # fmt: skip
 MATH_CKPT = ["--ckpt.save_hf", "--ckpt.save_steps", "1", "--ckpt.max_num", "3", "--ckpt.load_enable",
@@ -134,9 +137,25 @@ RECIPE_MATH_DAPO_SALT = [
     "--actor.entropy_coef", "0", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1",
     *SALT_ESTIMATOR, *MATH_CKPT,
 ]  # fmt: skip
-# train_math_geoalign.sh GEOALIGN=1 NOISE_RATE=0.1: GeoAlign's recipe (geoalign_math_recipe) under flipped rewards,
-# 2 optimizer steps per rollout step as there; the online projector trains 5 steps here
-RECIPE_MATH_GEOALIGN = [
+# The GRPO of SALT's baselines (salt_math_recipe's GRPO_BASELINE_ARGS): GRPO's advantages, SALT's geometry logged
+SALT_GRPO_BASELINE = [*MATH_ENGINE, *SALT_TABLE4, "--actor.loss_agg_mode", "seq-mean-token-mean",
+                      "--algo.advantage.estimator", "group_norm", "--salt.diagnostics"]  # fmt: skip
+# train_math_clip_cov.sh, train_math_kl_cov.sh: SALT Table 4's Clip-Cov and KL-Cov blocks (at least one token per
+# micro-batch is covariance-clipped or penalised, so the 512 tokens of a step exercise the branch)
+RECIPE_MATH_CLIP_COV = [
+    *SALT_GRPO_BASELINE, "--actor.eps_clip_low_high", "1", "1", "--actor.entropy_coef", "0",
+    "--baseline.policy_loss", "clip_cov", "--baseline.clip_cov_ratio", "2e-4", "--baseline.clip_cov_lb", "1.0",
+    "--baseline.clip_cov_ub", "5.0", *MATH_CKPT,
+]  # fmt: skip
+RECIPE_MATH_KL_COV = [
+    *SALT_GRPO_BASELINE, "--actor.eps_clip_low_high", "0.2", "0.2", "--actor.entropy_coef", "0",
+    "--baseline.policy_loss", "kl_cov", "--baseline.kl_cov_ratio", "2e-3", "--baseline.kl_cov_coef", "1", *MATH_CKPT,
+]  # fmt: skip
+# train_math_entropy_bonus.sh: GRPO plus the entropy bonus (upstream's --actor.entropy_coef)
+RECIPE_MATH_ENTROPY_BONUS = [*SALT_GRPO_BASELINE, "--actor.eps_clip", "0.2", "--actor.entropy_coef", "0.001",
+                             *MATH_CKPT]  # fmt: skip
+# GeoAlign's math recipe (geoalign_math_recipe, grpo_args), 2 optimizer steps per rollout step as there
+GEOALIGN_MATH = [
     *MATH_ENGINE, "--eval.dataset", "{assets}/prompts.jsonl", "--eval.steps", "1", "--eval.temperature", "1.0",
     "--eval.n_samples_per_prompt", "1",
     "--train.batch_size", "16", "--train.micro_batch_size", "1", "--train.num_episodes", "1",
@@ -144,8 +163,37 @@ RECIPE_MATH_GEOALIGN = [
     "--actor.adam.lr", "1e-6", "--actor.lr_scheduler", "constant_with_warmup", "--actor.lr_warmup_ratio", "0.03",
     "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean",
     "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "1e-3",
-    "--algo.advantage.estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "math",
-    "--geoalign.alpha", "0.05", "--reward.noise.type", "flip", "--reward.noise.rate", "0.1",
+    "--algo.advantage.estimator", "group_norm",
+]  # fmt: skip
+# train_math_geoalign.sh GEOALIGN=1 NOISE_RATE=0.1: GeoAlign under flipped rewards; the online projector trains 5
+# steps here
+RECIPE_MATH_GEOALIGN = [
+    *GEOALIGN_MATH, "--geoalign.enable", "--geoalign.preset", "math", "--geoalign.alpha", "0.05",
+    "--reward.noise.type", "flip", "--reward.noise.rate", "0.1", "--reward.noise.seed", "42", *MATH_CKPT,
+    "--geoalign.projector.steps", "5",
+]  # fmt: skip
+# train_math_pf_ppo.sh PF_PPO_MODE=bw NOISE_RATE=0.1: best-vs-worst PF-PPO under flipped rewards (best-vs-random runs
+# in condition pf_ppo_br), its best and worst rollouts refilling the 4 slots of a prompt
+RECIPE_MATH_PF_PPO_BW = [
+    *GEOALIGN_MATH, "--baseline.curation", "pf_ppo_bw", "--baseline.pf_ppo_keep_count", "--reward.noise.type", "flip",
+    "--reward.noise.rate", "0.1", "--reward.noise.seed", "42", *MATH_CKPT,
+]  # fmt: skip
+# train_math_seed_grpo.sh: Seed-GRPO's semantic-entropy scaling (the tiny model writes no \boxed{} answer: each
+# response is its own cluster, so every prompt's advantages are scaled by 1 - alpha)
+RECIPE_MATH_SEED_GRPO = [*GEOALIGN_MATH, "--baseline.seed_grpo_alpha", "0.5", *MATH_CKPT]
+# train_hh_rl.sh GEOALIGN=1 NOISE_RATE=0.1 RM_URL=...: GeoAlign's HH-RLHF recipe from the SFT model, rewards swapped
+# to the group's extremes, the reward model over HTTP (serve-rm on the stand-in ArmoRM); 2 optimizer steps per
+# rollout step as there; the online projector trains 5 steps here
+RECIPE_HH_GEOALIGN = [
+    *ENGINE_ZERO2, "--eval.dataset", "{assets}/hh_prompts.jsonl", "--eval.steps", "1", "--eval.temperature", "1.0",
+    "--eval.n_samples_per_prompt", "1",
+    "--train.batch_size", "16", "--rollout.micro_batch_size", "16", "--train.micro_batch_size", "4",
+    "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", "42", "--rollout.temperature", "1.0",
+    "--actor.adam.lr", "5e-7", "--actor.lr_scheduler", "constant_with_warmup", "--actor.lr_warmup_ratio", "0.03",
+    "--actor.eps_clip", "0.2", "--actor.loss_agg_mode", "seq-mean-token-mean",
+    "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "0.01",
+    "--algo.advantage.estimator", "group_norm", "--geoalign.enable", "--geoalign.preset", "rlhf",
+    "--geoalign.alpha", "0.12", "--reward.noise.type", "swap", "--reward.noise.rate", "0.1",
     "--reward.noise.seed", "42", *MATH_CKPT, "--geoalign.projector.steps", "5",
 ]  # fmt: skip
 # lib/common.sh's engine_args, the engine of every recipe in examples/scripts: actor, reference and vLLM colocated
@@ -160,12 +208,36 @@ ENGINE_DROPPED = {
     "--vllm.sync_backend nccl": "needs CUDA: colocated (--train.colocate_all), upstream syncs the weights by CUDA IPC "
     "(reduce_tensor of a CUDA tensor, get_physical_gpu_id); the gloo broadcast of COMMON runs instead",
 }
+# Upstream's SFT (`deepspeed --module openrlhf.cli.train_sft`, one CPU rank) before the HH conditions' RL, on the
+# smoke's HH pairs (sft() passes the model, data and folders: SFT_TASK_FLAGS). SFT: a few steps at a learning rate
+# that moves the tiny model onto the pairs' phrasings.
+SFT = [
+    "--data.input_template", "{}", "--data.max_len", "64", "--train.batch_size", "16", "--train.micro_batch_size", "8",
+    "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ds.zero_stage", "2", "--ds.param_dtype", "bf16",
+    "--ds.attn_implementation", "eager", "--ckpt.save_steps", "-1",
+]  # fmt: skip
+# train_hh_sft.sh's flags: its batch of 128 is 16 here (8 optimizer steps over the 128 pairs); packed samples with
+# eager attention (the CPU overlay keeps it, as for train-ppo-ray)
+RECIPE_HH_SFT = [
+    "--model.gradient_checkpointing_enable", "--data.input_template", "{}", "--data.max_len", "2048",
+    "--train.batch_size", "16", "--train.micro_batch_size", "4", "--train.max_epochs", "1", "--adam.lr", "1e-5",
+    "--ds.zero_stage", "2", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager", "--ds.packing_samples",
+    "--ckpt.save_steps", "-1", "--logger.logging_steps", "1",
+]  # fmt: skip
+SFT_SIZE_FLAGS = ("--train.batch_size",)
+SFT_TASK_FLAGS = ("--model.model_name_or_path", "--data.dataset", "--data.input_key", "--data.output_key",
+                  "--ckpt.output_dir", "--ckpt.path", "--logger.tensorboard_dir")  # fmt: skip
+SFT_DROPPED = {
+    "--ds.attn_implementation flash_attention_2": "needs CUDA: flash-attn's kernels; eager attention keeps packed "
+    "samples apart by their position ids",
+}
 
 # name -> flags, metrics every step must log finite, and how the run is set up:
 #   after: a run whose checkpoint this one resumes (same --ckpt.path, --ckpt.load_enable, one more episode)
 #   fails: the run must fail with this text in its last stderr line (a one-line error)
 #   cause: ... and its log must hold this text (what an actor raised)
 #   hh:    SFT first (its model is the actor), prompts in HH format, reward from serve-rm
+#   sft:   the SFT's flags (default SFT); sft_recipe, sft_dropped: as recipe and dropped, for train_hh_sft.sh
 #   ranks: data-parallel policy ranks: prompts labelled with ids, the multi-rank checks (check_ranks)
 #   cluster: on two Ray nodes, as `ray job submit` jobs (run_cluster_condition)
 #   recipe: the examples/scripts recipe (or lib/common.sh function) whose flag set it runs, scaled down in size
@@ -275,6 +347,25 @@ CONDITIONS = {
                              "recipe": "train_math_geoalign.sh GEOALIGN=1 NOISE_RATE=0.1", "dropped": ENGINE_DROPPED},
     "recipe_math_dapo_salt": {"flags": RECIPE_MATH_DAPO_SALT, "finite": SALT, "recipe": "train_math_dapo.sh SALT=1",
                               "dropped": ENGINE_DROPPED},
+    # Clip-Cov and KL-Cov replace the surrogate that applies vLLM's IS correction: no vLLM log-probs (no sync check)
+    "recipe_math_clip_cov": {"flags": RECIPE_MATH_CLIP_COV, "finite": [*SALT, "kl", "ppo_clip_ratio"],
+                             "sync": False, "recipe": "train_math_clip_cov.sh", "dropped": ENGINE_DROPPED},
+    "recipe_math_kl_cov": {"flags": RECIPE_MATH_KL_COV, "finite": [*SALT, "kl", "ppo_clip_ratio"],
+                           "sync": False, "recipe": "train_math_kl_cov.sh", "dropped": ENGINE_DROPPED},
+    "recipe_math_entropy_bonus": {"flags": RECIPE_MATH_ENTROPY_BONUS, "finite": [*SALT, "kl", "entropy_loss"],
+                                  "recipe": "train_math_entropy_bonus.sh", "dropped": ENGINE_DROPPED},
+    "recipe_math_pf_ppo_bw": {"flags": RECIPE_MATH_PF_PPO_BW,
+                              "finite": [*NOISE, "kl", "baseline/pf_ppo/filtered_frac"],
+                              "recipe": "train_math_pf_ppo.sh PF_PPO_MODE=bw NOISE_RATE=0.1",
+                              "dropped": ENGINE_DROPPED},
+    "recipe_math_seed_grpo": {"flags": RECIPE_MATH_SEED_GRPO, "finite": ["kl", "baseline/seed_grpo/scale_mean"],
+                              "recipe": "train_math_seed_grpo.sh", "dropped": ENGINE_DROPPED},
+    # SFT with train_hh_sft.sh's flags, then RL with train_hh_rl.sh's; the stand-in reward model's scores differ
+    # little within a group (hh_sft_rm_geoalign), so GeoAlign's GDI is not required every step
+    "recipe_hh_geoalign": {"flags": RECIPE_HH_GEOALIGN, "finite": ["geo/pairs", *NOISE, "kl"], "hh": True,
+                           "recipe": "train_hh_rl.sh GEOALIGN=1 NOISE_RATE=0.1 RM_URL=http://127.0.0.1:5000/get_reward",
+                           "dropped": ENGINE_DROPPED, "sft": RECIPE_HH_SFT, "sft_recipe": "train_hh_sft.sh",
+                           "sft_dropped": SFT_DROPPED},
     # what vLLM's CPU build does with an engine of tensor parallelism 2: upstream starts it on vLLM's Ray executor,
     # which the CPU platform refuses (it has no Ray device key); the nearest run is multirank's 2 engines of TP 1
     "vllm_tp2": {"flags": ["--advantage_estimator", "salt", "--vllm.tensor_parallel_size", "2"],
@@ -702,21 +793,21 @@ def check_run(name, spec, run: Path, code, left, assets: Path, model: Path) -> d
     return {"ok": not problems, "problems": problems, **result}
 
 
-def sft(assets: Path, run: Path, env) -> tuple[int, list[str]]:
-    """Upstream's SFT (DeepSpeed's launcher, one CPU rank) on the patched copy, a few steps on HH-format pairs."""
+def sft(assets: Path, run: Path, env, flags) -> tuple[int, list[str]]:
+    """Upstream's SFT (DeepSpeed's launcher, one CPU rank) on the patched copy, with `flags`, on HH-format pairs."""
     root = subprocess.run(
         [sys.executable, "-m", "openrlhf_geo.cli", "fork", "path", "--device", "cpu"],
         env=env, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     sft_env = dict(env, PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
     command = [
-        "deepspeed", "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        # this interpreter's launcher: `python smoke_cpu.py` without the venv's bin on PATH
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()),
         "--module", "openrlhf.cli.train_sft",
         "--model.model_name_or_path", str(assets / "model"), "--data.dataset", str(assets / "hh_sft.jsonl"),
-        "--data.input_key", "prompt", "--data.output_key", "chosen", "--data.input_template", "{}",
-        "--data.max_len", "64", "--train.batch_size", "16", "--train.micro_batch_size", "8",
-        "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ds.zero_stage", "2", "--ds.param_dtype", "bf16",
-        "--ds.attn_implementation", "eager", "--ckpt.output_dir", str(run / "sft"), "--ckpt.save_steps", "-1",
+        "--data.input_key", "prompt", "--data.output_key", "chosen", "--ckpt.output_dir", str(run / "sft"),
+        "--ckpt.path", str(run / "sft_ckpt"), "--logger.tensorboard_dir", str(run / "sft_tensorboard"), *flags,
     ]  # fmt: skip
     return run_group(command, run / "sft.log", sft_env, run)
 
@@ -778,9 +869,11 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
         reward = str(REPO / "openrlhf_geo/rewards/math_verify.py")
     try:
         if spec.get("hh"):
-            code, left = sft(assets, run, env)
+            sft_start = time.time()
+            code, left = sft(assets, run, env, spec.get("sft", SFT))
+            sft_s = round(time.time() - sft_start, 1)
             if code != 0:
-                return {"ok": False, "problems": [f"SFT failed, exit {code} (see {run / 'sft.log'})"]}
+                return {"ok": False, "problems": [f"SFT failed, exit {code} (see {run / 'sft.log'})"], "sft_s": sft_s}
             model, prompts = run / "sft", assets / "hh_prompts.jsonl"
             server, reward = serve_rm(assets, run, env)
         # a rerun of the smoke in its OUT_DIR replaces its runs (the fork refuses a used output folder otherwise)
@@ -800,8 +893,11 @@ def run_condition(name, spec, out: Path, assets: Path, model_name="tiny") -> dic
             server.wait()
             left += stop_session(server.pid)
     result = check_run(name, spec, run, code, left, assets, model)
-    if "dropped" in spec:
-        result["dropped"] = spec["dropped"]
+    for key in ("dropped", "sft_dropped"):
+        if key in spec:
+            result[key] = spec[key]
+    if spec.get("hh"):
+        result["sft_s"] = sft_s
     result["wall_s"] = round(time.time() - start, 1)
     return result
 

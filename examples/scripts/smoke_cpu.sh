@@ -9,8 +9,9 @@
 #             PF-PPO; DAPO dynamic filtering + SALT, and + GeoAlign; GSPO; HH: upstream SFT, then GeoAlign with swap
 #             noise and an ArmoRM-style reward model served by `openrlhf-geo serve-rm`; several ranks and engines;
 #             two Ray nodes; the recipes' own flag sets (colocated ZeRO-3, DeepSpeed's sleep, packed samples,
-#             gradient checkpointing; SALT's, GeoAlign's and DAPO's math recipes); vLLM TP 2 refused. It checks the
-#             wiring, not learning.
+#             gradient checkpointing; SALT's, GeoAlign's and DAPO's math recipes, the baselines' (Clip-Cov, KL-Cov,
+#             entropy bonus, PF-PPO, Seed-GRPO), HH-RLHF's SFT then RL); vLLM TP 2 refused. It checks the wiring,
+#             not learning.
 #             --model smollm2: GRPO's loss with SALT's advantages and GeoAlign under flipped rewards on the real
 #             pretrained LM (SmolLM2-135M-Instruct, a 4-bit quantization of the release) and the word-problem task.
 # Hardware    any CPU machine (2 cores, 8 GB are enough); needs `bash scripts/setup_cpu.sh engines` (or test; for
