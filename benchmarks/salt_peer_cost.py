@@ -25,8 +25,8 @@ more, untimed, pass after the timed repeats, with glibc set to mmap every alloca
 trimmed before each measurement (so memory is not reused unseen; this would slow the timed passes with page
 faults); on CUDA torch.cuda.max_memory_allocated. A case whose predicted peak passes --budget-gib is not run and is
 printed with its prediction: theirs holds (2m + 1) x V x d floats at its peak (the rows and their stack, then the
-stack, decompose's signed updates and their sum) plus, bounded, 4 copies of a micro-batch's logits; ours m x D floats and the
-pass's tiles, bounded by 2 x m x D plus 4 copies of a micro-batch's logits.
+stack, decompose's signed updates and their sum) plus, bounded, 4 copies of a micro-batch's logits; ours m x D floats
+and the pass's tiles, bounded by 2 x m x D plus 4 copies of a micro-batch's logits.
 
 Shapes: smollm2 = the real LM (SmolLM2-135M-Instruct, `openrlhf-geo model smollm2`; V = 49152, d = 576, tied
 W): its sampled responses to the lab's word problems, their real post-norm hidden states (the lm_head input);

@@ -120,7 +120,7 @@ def test_the_resumed_run_starts_from_the_checkpoints_pipeline_state(smoke):
      "dapo_geoalign_flip", "gspo_salt_geoalign", "recipe_engine", "recipe_math_salt", "recipe_math_geoalign",
      "recipe_math_dapo_salt", "recipe_math_clip_cov", "recipe_math_kl_cov", "recipe_math_entropy_bonus",
      "recipe_math_pf_ppo_bw", "recipe_math_seed_grpo", "recipe_hh_geoalign", "async_salt_geoalign",
-     "partial_rollout_salt_geoalign"],
+     "partial_rollout_salt_geoalign", "lora_salt_geoalign"],
 )  # fmt: skip
 def test_each_real_step_is_what_the_pipeline_computes_from_the_same_inputs(smoke, name):
     _ran(name)
