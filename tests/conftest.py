@@ -73,3 +73,25 @@ def up(tmp_path_factory):
         FixedKLController=FixedKLController,
     )
     fork_shims.uninstall()  # other test modules may probe importlib for vllm / flash_attn
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """A tiny Qwen2 with its own LM head (vocabulary fork_helpers.V), saved once per test module."""
+    from fork_helpers import V
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)

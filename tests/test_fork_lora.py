@@ -6,14 +6,12 @@ from contextlib import contextmanager
 from types import SimpleNamespace as NS
 
 import pytest
-import test_fork_pipeline
 import torch
-from test_fork_pipeline import hf_reference, toy_batch
+from fork_helpers import hf_reference, toy_batch
 
 from openrlhf_geo.fork import hooks as fork_hooks
 
 pytestmark = pytest.mark.fork
-tiny_path = test_fork_pipeline.tiny_path  # the fixture: a tiny Qwen2 with its own LM head
 
 
 def lora_actor(up, tiny_path, target_modules="all-linear", seed=0):

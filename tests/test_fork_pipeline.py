@@ -19,7 +19,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from fork_helpers import BASE_ARGV, parse
+from fork_helpers import BASE_ARGV, V, hf_reference, parse, toy_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,27 +29,6 @@ from openrlhf_geo.salt import salt_advantages
 from openrlhf_geo.stages import CurationPlan
 
 pytestmark = pytest.mark.fork
-V = 48  # tiny vocabulary
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
 
 
 def load_actor(up, tiny_path, packing=False, temperature=1.0):
@@ -101,36 +80,6 @@ def test_ray_init_ships_the_fork_to_workers(up, monkeypatch):
 
 
 # ── the experience forward (models/actor.py, trainer/ray/ppo_actor.py) ──
-
-
-def toy_batch(seed, left_pad=False):
-    """(sequences, attention_mask, action_mask) like 0.11.2 micro-batches: right padding, action_mask (B, S-1);
-    `left_pad`: left-padded prompts with an action_mask covering only the last A < S-1 columns."""
-    g = torch.Generator().manual_seed(seed)
-    if left_pad:
-        attn = torch.tensor(
-            [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]]
-        )
-        action = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])  # last A=5 action columns
-    else:
-        lengths, prompts = [10, 7, 8], [4, 3, 5]
-        attn = torch.zeros(3, 10, dtype=torch.long)
-        action = torch.zeros(3, 9, dtype=torch.long)
-        for b, (n, p) in enumerate(zip(lengths, prompts)):
-            attn[b, :n] = 1
-            action[b, p - 1 : n - 1] = 1
-    seq = torch.randint(1, V, attn.shape, generator=g) * attn
-    return seq, attn, action.bool()
-
-
-def hf_reference(actor, seq, attn, action, temperature):
-    """Independent of Actor.forward: HF forward with hidden states -> per-token log-probs, logits, final hidden."""
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = actor.model(seq, attention_mask=attn, position_ids=position_ids, output_hidden_states=True)
-    logits = out.logits.float() / temperature
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, seq[:, 1:, None])[..., 0]
-    width = action.shape[1]
-    return logp[:, -width:] * action, logits, out.hidden_states[-1]
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
