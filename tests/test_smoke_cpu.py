@@ -1,9 +1,10 @@
 """The fork end to end on CPU: real Ray actors, a vLLM CPU engine, DeepSpeed (CPU accelerator), weight sync, resume.
 
-Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the two conditions of the
-methods' core path (SALT with Table 4's KL loss; SALT + GeoAlign + noise checkpointed at step 2: about 4 min on an idle
-2-core VM; tests/test_fork_faults.py resumes those flags' checkpoint); OPENRLHF_GEO_SMOKE=full runs them all, the
-recipes' flag sets included (about 35 min), as `bash examples/scripts/smoke_cpu.sh` does. Checked:
+Runs examples/scripts/smoke_cpu.py once and checks what the real runs left. By default the condition of the methods'
+core path (SALT + GeoAlign + noise checkpointed at step 2: about 2 min on an idle 2-core VM;
+tests/test_fork_faults.py resumes those flags' checkpoint; tests/test_smoke_multirank.py runs SALT with Table 4's KL
+loss on 2 ranks); OPENRLHF_GEO_SMOKE=full runs them all, the recipes' flag sets included (about 1.5 h summed), as
+`bash examples/scripts/smoke_cpu.sh` does. Checked:
 the script's own checks (exit codes, finite metrics at every step, weights changed, vLLM's log-probs equal the
 actor's after each weight sync, no process left behind), then, here, that each step's geometry dumped from inside
 the real experience maker is what `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features,

@@ -16,7 +16,7 @@
 #             pretrained LM (SmolLM2-135M-Instruct, a 4-bit quantization of the release) and the word-problem task.
 # Hardware    any CPU machine (2 cores, 8 GB are enough); needs `bash scripts/setup_cpu.sh engines` (or test; for
 #             --model smollm2 also real-lm).
-# Wall time   about 35 min on an idle 2-core VM, summed from each condition's time (docs/usage.md); --model smollm2
+# Wall time   about 1.5 h on a 2-core VM, summed from each condition's time (docs/usage.md); --model smollm2
 #             40 min (README, "Check the fork on any machine"). 2-3x slower on some VMs.
 # Model       a tiny Qwen2 and an ArmoRM stand-in built from configs (no download), or the converted SmolLM2.
 # Usage       bash examples/scripts/smoke_cpu.sh [OUT_DIR] [--model tiny|smollm2] [--conditions a,b,...]
