@@ -354,9 +354,8 @@ def permuted_advantage_null(data, setup) -> list[dict]:
         factor = geo.gram_factor(data["geometry"][cap]["gram"][idx][:, idx])
         rng = np.random.default_rng(geo.draw_seed(T, cap, G, r, stream=PERMUTED_STREAM))
         draws = []
-        for _ in range(PERMUTED_DRAWS):
-            within = np.argsort(rng.random((len(rows) // G, G)), axis=1) + G * np.arange(len(rows) // G)[:, None]
-            a_p = a[torch.as_tensor(within.ravel())]
+        for index in geo.within_group_permutations(rng, PERMUTED_DRAWS, len(rows), G):
+            a_p = a[torch.as_tensor(index)]
             draws.append(geo.salt_metrics(a_p, *salt_advantages(a_p, factor)))
         out.append({m: float(np.mean([d[m] for d in draws])) for m in ("D_a", "norm_ratio")})
     return out

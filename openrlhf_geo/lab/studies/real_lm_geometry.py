@@ -95,6 +95,12 @@ def draw_seed(T, cap, G, batch, stream=0) -> int:
     return int(np.random.SeedSequence(key).generate_state(1)[0])
 
 
+def within_group_permutations(rng, draws, m, G) -> np.ndarray:
+    """(draws, m) row indices: a uniform permutation of each group of G consecutive rows, one per draw."""
+    within = np.argsort(rng.random((draws, m // G, G)), axis=2)
+    return (within + G * np.arange(m // G)[None, :, None]).reshape(draws, m)
+
+
 def n_eff_permutation_null(a, gram, samples_per_prompt, seed, draws=N_EFF_PERMUTATIONS) -> dict:
     """Amendment item 6: n_eff (Eq. 6 on the Gram) of a with its values permuted within each group, `draws` times
     (numpy generator seeded `seed`): each group's zero sum and values kept, their link to the features broken ->
@@ -103,10 +109,7 @@ def n_eff_permutation_null(a, gram, samples_per_prompt, seed, draws=N_EFF_PERMUT
     a = np.asarray(a, dtype=np.float64)
     K = np.asarray(gram, dtype=np.float64)
     m, G = len(a), samples_per_prompt
-    rng = np.random.default_rng(seed)
-    within = np.argsort(rng.random((draws, m // G, G)), axis=2)  # a uniform permutation of each group, each draw
-    index = (within + G * np.arange(m // G)[None, :, None]).reshape(draws, m)
-    A = a[index]
+    A = a[within_group_permutations(np.random.default_rng(seed), draws, m, G)]
     values = np.einsum("di,ij,dj->d", A, K, A) / (A**2 * np.diag(K)).sum(1)
     lo, hi = np.percentile(values, (2.5, 97.5))
     n_eff = float(a @ K @ a / (a**2 * np.diag(K)).sum())
