@@ -152,12 +152,7 @@ def batches(args):
             hidden, rewards, ids, _ = planted(args.prompts, args.group, args.dim, 0.1, seed=0)
             out[f"synthetic {args.prompts}x{args.group}, d={args.dim}"] = (hidden.float(), rewards, ids, args.group)
         else:
-            if args.rollouts is not None and args.rollouts.is_file():
-                rollouts = torch.load(args.rollouts)
-            else:
-                rollouts = smollm2_rollouts(args.real_prompts, args.real_group, 32)
-                if args.rollouts is not None:
-                    torch.save(rollouts, args.rollouts)
+            rollouts = smollm2_rollouts(args.real_prompts, args.real_group, 32, cache=args.rollouts)
             ids = rollouts["group_ids"]
             group = int((ids == ids[0]).sum())
             rewards = torch.randint(0, 2, (len(ids),), generator=torch.Generator().manual_seed(0)).double()

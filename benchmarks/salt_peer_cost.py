@@ -62,10 +62,13 @@ OURS = "ours, one mini-batch"
 SHAPES = {"smollm2": (49152, 576), "qwen": (151936, 1536)}
 
 
-def smollm2_rollouts(n_prompts: int, samples: int, max_new_tokens: int, seed: int = 0) -> dict:
+def smollm2_rollouts(n_prompts: int, samples: int, max_new_tokens: int, seed: int = 0, cache=None) -> dict:
     """The real LM's sampled responses to the lab's word problems, with their post-norm hidden states at the
     positions whose logits gave each response token: {"tokens" (m, T), "mask" (m, T), "hidden" (m, T, d),
-    "last_hidden" (m, d) (the last response token's, GeoAlign's input), "weight" (V, d), "group_ids" (m,)}."""
+    "last_hidden" (m, d) (the last response token's, GeoAlign's input), "weight" (V, d), "group_ids" (m,)}.
+    `cache` (--rollouts): a file holding them is read instead of sampling; else they are written there."""
+    if cache is not None and cache.is_file():
+        return torch.load(cache)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from openrlhf_geo import real_lm
@@ -110,8 +113,11 @@ def smollm2_rollouts(n_prompts: int, samples: int, max_new_tokens: int, seed: in
     last = hidden[torch.arange(len(hidden)), lengths - 1]
     group_ids = torch.arange(n_prompts).repeat_interleave(samples)
     weight = model.get_output_embeddings().weight.detach().clone()
-    return {"tokens": tokens, "mask": mask, "hidden": hidden, "last_hidden": last, "weight": weight,
-            "group_ids": group_ids}  # fmt: skip
+    rollouts = {"tokens": tokens, "mask": mask, "hidden": hidden, "last_hidden": last, "weight": weight,
+                "group_ids": group_ids}  # fmt: skip
+    if cache is not None:
+        torch.save(rollouts, cache)
+    return rollouts
 
 
 def grpo_advantages(group_ids: torch.Tensor, seed: int) -> torch.Tensor:
@@ -258,12 +264,7 @@ def shape_batch(shape, args, device):
     """(batch on device, advantages (m_max,), what the data is) for one shape."""
     m_max = max(args.sizes)
     if shape == "smollm2":
-        if args.rollouts is not None and args.rollouts.is_file():
-            batch = torch.load(args.rollouts)
-        else:
-            batch = smollm2_rollouts(-(-m_max // args.group), args.group, args.tokens)
-            if args.rollouts is not None:
-                torch.save(batch, args.rollouts)
+        batch = smollm2_rollouts(-(-m_max // args.group), args.group, args.tokens, cache=args.rollouts)
         group_ids = batch["group_ids"]
         source = "SmolLM2-135M-Instruct's sampled responses and hidden states"
     else:
