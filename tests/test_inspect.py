@@ -4,6 +4,8 @@ one-line refusals, and the real-LM studies' numbers through it (one implementati
 import json
 import math
 import os
+import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +130,135 @@ def test_a_reward_that_fails_is_one_line_naming_its_file(tmp_path, capsys):
                  "--rollout.n_samples_per_prompt", "2")  # fmt: skip
     err = _error(capsys, argv)
     assert f"--reward.func {reward}: reward_func raised RuntimeError: boom" in err
+
+
+class _RewardServer:
+    """An HTTP reward model on 127.0.0.1 (upstream's --reward.remote_url protocol) that records each request's JSON
+    body and answers reply(body) -> (status, bytes); the default scores a response by its length in characters."""
+
+    def __init__(self, reply=None):
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        self.requests = []
+        self.reply = reply or self.length_reward
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "content_type": self.headers["Content-Type"], **body})
+                status, data = server.reply(body)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data.encode() if isinstance(data, str) else data)
+
+            def log_message(self, *args):  # keep pytest's output clean
+                pass
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def length_reward(body):
+        responses = [query[len(prompt) :] for query, prompt in zip(body["query"], body["prompts"])]
+        return 200, json.dumps({"rewards": [float(len(r)) for r in responses]})
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def reward_server():
+    server = _RewardServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_a_remote_reward_model_scores_the_rollouts_inspect_saves(tmp_path, reward_server):
+    """--reward.remote_url: one POST of upstream's {"query", "prompts", "labels"} (query = prompt + response, each
+    prompt and label repeated G times), and rewards.pt holds the server's rewards in the rollouts' order."""
+    args = _args(tmp_path, "--reward.remote_url", reward_server.url, "--rollout.max_new_tokens", "8",
+                 "--rollout.n_samples_per_prompt", "2")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir()
+    data = inspection.collect(args, out, log=lambda *a: None)
+    (request,) = reward_server.requests
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
+    assert request["path"] == "/get_reward" and request["content_type"] == "application/json"
+    assert request["prompts"] == [row["prompt"] for row in rows for _ in range(2)]
+    assert request["labels"] == [row["answer"] for row in rows for _ in range(2)]
+    tokenizer = inspection.load_model(str(DEMO_MODEL), "cpu")[1]
+    responses = tokenizer.batch_decode(data["response_ids"], skip_special_tokens=True)
+    assert request["query"] == [p + r for p, r in zip(request["prompts"], responses)]
+    saved = torch.load(out / inspection.REWARDS, weights_only=False)["payload"]
+    expected = torch.tensor([float(len(r)) for r in responses])
+    assert len(set(expected.tolist())) > 1  # the check below tells the rollouts apart
+    torch.testing.assert_close(saved, expected, rtol=0, atol=0)
+    torch.testing.assert_close(data["rewards"][8], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("status", "reply", "message"),
+    [
+        (200, "not json", 'the reply is not {"rewards": [numbers]} (JSONDecodeError'),
+        (200, json.dumps({"scores": [1.0, 0.0]}), 'the reply is not {"rewards": [numbers]} (KeyError'),
+        (200, json.dumps({"rewards": ["high", "low"]}), 'the reply is not {"rewards": [numbers]}'),
+        (200, json.dumps({"rewards": [1.0, 0.0, 1.0]}), "3 rewards for 2 responses"),
+        (
+            500,
+            json.dumps({"error": "scoring failed:\n  CUDA out of memory"}),
+            "HTTP 500 Internal Server Error: scoring failed: CUDA out of memory",
+        ),
+        (413, "more than 4096 queries", "HTTP 413 Request Entity Too Large: more than 4096 queries"),
+    ],
+)
+def test_a_remote_reward_models_bad_reply_is_one_line_naming_the_flag(reward_server, status, reply, message):
+    reward_server.reply = lambda body: (status, reply)
+    with pytest.raises(inspection.InspectError) as caught:
+        inspection.remote_reward(reward_server.url)(["1+1=", "2+2="], ["2", "4"], ["2", "4"])
+    text = str(caught.value)
+    assert text.startswith(f"--reward.remote_url {reward_server.url}: ") and "\n" not in text
+    assert message in text, text
+
+
+def test_an_unreachable_reward_model_is_one_line_naming_the_flag(tmp_path, capsys):
+    """Through the command: the rollouts are sampled, then scoring fails with exit 2 and one line."""
+    with socket.socket() as bound:  # bound, never listening: a connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}/get_reward"
+        argv = _argv(tmp_path, None, "--reward.remote_url", url, "--rollout.max_new_tokens", "2",
+                     "--rollout.n_samples_per_prompt", "2")  # fmt: skip
+        err = _error(capsys, argv)
+    assert err.startswith(f"openrlhf-geo inspect: error: --reward.remote_url {url}: ") and "refused" in err, err
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:notaport/get_reward", "Port"),
+        ("http://127.0.0.1:99999/get_reward", "Port"),
+        ("http://[::1/get_reward", "IPv6"),
+        ("http:///get_reward", "an http(s) URL with a host"),
+        ("reward.py", "(a .py reward: --reward.func)"),
+    ],
+)
+def test_a_malformed_reward_url_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch, url, message):
+    """Before the fix a bad port or host passed the flag check and failed only after sampling, without the flag."""
+
+    def no_model(*a, **k):
+        raise AssertionError("loaded the model")
+
+    monkeypatch.setattr(inspection, "load_model", no_model)
+    err = _error(capsys, _argv(tmp_path, None, "--reward.remote_url", url))
+    assert err.startswith(f"openrlhf-geo inspect: error: --reward.remote_url {url}: ") and message in err, err
 
 
 def test_too_few_prompts_for_a_ci_is_one_line(tmp_path, capsys):

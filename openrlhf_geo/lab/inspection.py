@@ -22,6 +22,7 @@ The analysis is the real-LM studies' own, at a fixed protocol (no threshold is c
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ import shlex
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +120,15 @@ def check(args):
                            f"{MIN_PROMPTS})")  # fmt: skip
     if args.input_template is not None and args.input_template.count("{}") != 1:
         raise InspectError(f"--data.input_template must hold one {{}} for the prompt (got {args.input_template!r})")
-    if args.remote_url is not None and not args.remote_url.startswith(("http://", "https://")):
-        raise InspectError(f"--reward.remote_url {args.remote_url}: an http(s) URL (a .py reward: --reward.func)")
+    if args.remote_url is not None:  # here, not after sampling: a bad port or host would only fail at scoring
+        try:
+            url = urllib.parse.urlsplit(args.remote_url)
+            url.port  # noqa: B018 - raises for a port that is not a number in 0-65535
+        except ValueError as error:
+            raise InspectError(f"--reward.remote_url {args.remote_url}: {error}") from None
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise InspectError(f"--reward.remote_url {args.remote_url}: an http(s) URL with a host (a .py reward: "
+                               "--reward.func)")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InspectError("--device cuda: no CUDA device is visible here (--device cpu)")
     if not Path(args.prompts).is_file():
@@ -201,13 +210,21 @@ def remote_reward(url):
     def reward_fn(prompts, responses, labels):
         body = json.dumps({"query": [p + r for p, r in zip(prompts, responses)], "prompts": list(prompts),
                            "labels": list(labels)}).encode()  # fmt: skip
-        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
         try:
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=REMOTE_TIMEOUT_S) as reply:
-                rewards = json.loads(reply.read())["rewards"]
-            out = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-        except (urllib.error.URLError, OSError) as error:
+                text = reply.read()
+        except urllib.error.HTTPError as error:  # the server answered with an error status: its own words too
+            said = error.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # not JSON, or no "error" in it
+                said = json.loads(said)["error"]
+            said = " ".join(str(said).split())[:200]
+            raise InspectError(f"--reward.remote_url {url}: HTTP {error.code} {error.reason}"
+                               + (f": {said}" if said else "")) from None  # fmt: skip
+        except (urllib.error.URLError, OSError, ValueError) as error:  # unreachable, timed out, a malformed URL
             raise InspectError(f"--reward.remote_url {url}: {getattr(error, 'reason', error)}") from None
+        try:
+            out = torch.as_tensor(json.loads(text)["rewards"], dtype=torch.float32).flatten()
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             raise InspectError(f"--reward.remote_url {url}: the reply is not {{\"rewards\": [numbers]}} "
                                f"({type(error).__name__}: {error})") from None  # fmt: skip
