@@ -315,7 +315,34 @@ def test_inspect_reproduces_real_lm_geometrys_condition_on_the_same_collection()
                         ("norm_ratio_random", "random_norm_ratio"), ("n_eff_permuted", "n_eff_perm_mean"),
                         ("n_eff_in", "n_eff_group")):  # fmt: skip
         assert mine[key] == row[theirs], key
-    assert mine["gap_vs_random"]["norm_ratio"] == row["gap_vs_random"]["norm_ratio"]
+    assert mine["gap_vs_random"]["norm_ratio"] == row["gap_vs_random_centred"]["norm_ratio"]
+
+
+def _prompt_block_collection(seed, prompts=128, samples=4, cap=8):
+    """A collection in real_lm.collect's layout without a model: each rollout's features a component shared by its
+    prompt plus its own (a real LM's Gram has such prompt blocks), Bernoulli(0.4) rewards."""
+    rng = np.random.default_rng(seed)
+    n = prompts * samples
+    F = np.repeat(rng.standard_normal((prompts, 48)), samples, 0) + 0.7 * rng.standard_normal((n, 48))
+    return {"collection": {"prompts": prompts, "samples": samples, "temperature": 1.0, "caps": [cap]},
+            "rewards": {cap: torch.as_tensor((rng.uniform(size=n) < 0.4).astype(np.float32))},
+            "geometry": {cap: {"gram": torch.as_tensor(F @ F.T), "lengths": torch.full((n,), cap)}},
+            "response_ids": [[5] * (cap - 1) + [2]] * n, "eos": 2, "questions": [""] * prompts}  # fmt: skip
+
+
+def test_the_gap_to_a_random_subspace_has_a_ci_that_contains_it():
+    """SALT − random subspace (real-lm-geometry's item 3) with its CI over prompts: a resampled batch holds copies of
+    the prompts drawn twice, which lower PR and so k_t and move every replicate (‖a'‖/‖a‖ here by about +0.08), so the
+    percentile interval inspect reported excluded its own point; the reported interval is now recentred on it."""
+    data = _prompt_block_collection(0)
+    c = inspection.analyse_salt(data, inspection.Protocol(salt_prompts=16, replicates=200, gap_replicates=40))
+    gaps = c["condition"]["gap_vs_random"]
+    assert set(gaps) == {"D_a", "norm_ratio"}
+    for metric, row in gaps.items():
+        assert row["low"] <= row["mean"] <= row["high"], (metric, row)
+    row = gaps["norm_ratio"]
+    assert row["shift"] > 0.05 and not row["low"] + row["shift"] <= row["mean"] <= row["high"] + row["shift"]
+    assert gaps == {m: c["study"]["table"]["T=1.0 cap=8 G=4"]["gap_vs_random_centred"][m] for m in gaps}
 
 
 COMMITTED = Path(__file__).parents[1] / "docs" / "studies" / "results"

@@ -231,6 +231,19 @@ def test_the_gap_replicates_take_one_subspace_draw_per_replicate():
     assert np.isnan(tied["D_a"]).all()  # no batch with signal: no replicate value
 
 
+def test_the_centred_interval_is_the_percentile_one_moved_by_the_replicates_mean_shift():
+    replicates = np.array([0.3, 0.5, np.nan, 0.4, 0.9, 0.2, 0.6])
+    plain, centred = study.percentile_ci(0.1, replicates), study.percentile_ci(0.1, replicates, centred=True)
+    finite = replicates[np.isfinite(replicates)]
+    assert centred["shift"] == pytest.approx(finite.mean() - 0.1, rel=1e-12)
+    assert not plain["low"] <= 0.1 <= plain["high"] and centred["low"] <= 0.1 <= centred["high"]
+    for bound in ("low", "high"):
+        assert centred[bound] == pytest.approx(plain[bound] - centred["shift"], rel=1e-12)
+    assert (centred["mean"], centred["n"]) == (plain["mean"], plain["n"]) == (0.1, 6)
+    alone = study.percentile_ci(0.1, [0.3, np.nan], centred=True)
+    assert all(math.isnan(alone[k]) for k in ("low", "high", "shift")) and alone["n"] == 1
+
+
 # ---------------------------------------------------------------- item 4: the indicator families
 
 
@@ -371,6 +384,10 @@ def test_the_summary_and_report_carry_the_amendment_beside_the_first_analysis():
     assert row["n_eff_prompts"]["mean"] == pytest.approx(row["n_eff"]["mean"], rel=1e-6)
     assert set(row["gap_vs_random"]) == set(study.NULL_METRICS) and "gap_vs_random" not in summary["table"][
         "T=0.6 cap=16 G=4"]  # fmt: skip
+    assert set(row["gap_vs_random_centred"]) == set(study.NULL_METRICS)
+    for metric, ci in row["gap_vs_random_centred"].items():
+        assert ci["mean"] == row["gap_vs_random"][metric]["mean"]
+        assert ci["low"] == pytest.approx(row["gap_vs_random"][metric]["low"] - ci["shift"], rel=1e-12, abs=1e-15)
     assert set(summary["families"]) == {"T=0.6 G=4", "T=0.6 G=8", "T=1.0 G=4", "T=1.0 G=8"}
     # the prompt family's null regroups the rollouts, so it has a reading like the others
     assert not summary["families"]["T=0.6 G=4"]["prompt"]["verdict"].startswith("no permutation null")
@@ -378,7 +395,7 @@ def test_the_summary_and_report_carry_the_amendment_beside_the_first_analysis():
     assert {"random_D_a", "matched_D_a", "name_share", "name_share_perm_max", "item_chance"} <= set(batch)
     report = study.render(summary)
     for text in ("first analysis (batch percentile)", "CI over prompts", "matched-rand-subspace", "set by the family",
-                 "| 0.6 | 32 | 4 |"):  # fmt: skip
+                 "| 0.6 | 32 | 4 |", "The same replicates recentred on the point"):  # fmt: skip
         assert text in report
 
 

@@ -12,9 +12,10 @@ The analysis is the real-LM studies' own, at a fixed protocol (no threshold is c
   SALT Table 4: 32 x 8): GRPO advantages (group_norm), n_eff(a) (Eq. 6) with the corrected CI over prompts (the
   study's amendment item 2, copies apart) beside n_eff of a permuted within groups (item 6); PR (Eq. 5); k_t by
   Eq. 14 and by the released code's rule (`salt.K_RULES`); D_a (Eq. 59) and ‖a'‖/‖a‖ of SALT's a' (Eq. 18) beside
-  a random subspace of the same k_t (item 3, with the gap's CI over prompts) and beside a permuted within groups;
-  App. D.1's n_eff,in (Eq. 49 over the groups with signal). The verdict is the study's rule: in SALT's regime when
-  the CI of n_eff(a) lies below 1, outside when above, else not decided, with the prompts that would decide it.
+  a random subspace of the same k_t (item 3, with the gap's CI over prompts, recentred) and beside a permuted within
+  groups; App. D.1's n_eff,in (Eq. 49 over the groups with signal). The verdict is the study's rule: in SALT's
+  regime when the CI of n_eff(a) lies below 1, outside when above, else not decided, with the prompts that would
+  decide it.
 - GeoAlign (`real_lm_geoalign`'s amendment): batches of up to 16 prompts; the projector's orientation accuracy and
   the cos > 0.8 share on held-out prompts by cross-fitting (§4.2-4.3, Eq. 4-6) beside two nulls (hidden states
   permuted within each prompt, Gaussian rows); GDI's AUROC (Eq. 7) on planted 5 % / 10 % flips (§5.3) beside GDI on
@@ -418,7 +419,8 @@ def analyse_salt(data, protocol=Protocol(), progress=None) -> dict:
         "D_a_permuted": geo.interval([p["D_a"] for p in permuted]),
         "norm_ratio": row["norm_ratio"], "norm_ratio_random": row["random_norm_ratio"],
         "norm_ratio_permuted": geo.interval([p["norm_ratio"] for p in permuted]),
-        "gap_vs_random": {m: row["gap_vs_random"][m] for m in ("D_a", "norm_ratio")} if "gap_vs_random" in row else {},
+        "gap_vs_random": {m: row["gap_vs_random_centred"][m] for m in ("D_a", "norm_ratio")}
+        if "gap_vs_random_centred" in row else {},
         "accuracy": row["accuracy"], "mixed": row["mixed"], "length": row["length"], "truncated": row["truncated"],
         "verdict": verdict, "prompts_to_decide": prompts_to_decide(ci, collection["prompts"]),
     }  # fmt: skip
@@ -537,7 +539,7 @@ def render(summary) -> str:
         f"| ‖a'‖/‖a‖ (Eq. 18) | {_ci(s['norm_ratio'])} | random subspace: {_ci(s['norm_ratio_random'])}; a "
         f"permuted: {_ci(s['norm_ratio_permuted'])} |",
         *(
-            f"| SALT − random subspace, {name} (CI over prompts) | {_ci(row)} | 0 |"
+            f"| SALT − random subspace, {name} (CI over prompts, recentred on the gap) | {_ci(row)} | 0 |"
             for name, row in s["gap_vs_random"].items()
         ),  # fmt: skip
         "",

@@ -12,8 +12,9 @@ D.1's within-group statistics. Each number: the mean over the 4 batches with a 9
 The protocol's amendment (docs/studies/real-lm-geometry.md, "Amendment") adds: item 2, the rule's CI over prompts
 (`prompt_weights`, `weighted_n_eff`; the batch-percentile CI stays as "first analysis"); item 3, SALT's a' beside
 `matched-rand-subspace` and a plain random subspace of its k_t (`null_subspaces`), and the gap SALT − random
-subspace with a CI over prompts (`subspace_gap_replicates`); item 4, the share of the top-k_t eigenvectors in the
-span of prompt / name / item indicators against chance and permuted labels (`family_shares`, `family_verdict`).
+subspace with a CI over prompts (`subspace_gap_replicates`; recentred on the gap after the rerun); item 4, the share
+of the top-k_t eigenvectors in the span of prompt / name / item indicators against chance and permuted labels
+(`family_shares`, `family_verdict`).
 """
 
 import json
@@ -56,7 +57,8 @@ NULL_DRAWS = 20  # item 3: draws of each random-subspace null per batch
 PERMUTATIONS = 200  # item 4: permuted-label draws per batch and family
 NULLS = {"matched": "matched-rand-subspace", "random": "rand-proj"}  # item 3's nulls as salt.VARIANTS
 NULL_METRICS = ("norm_ratio", "D_a", "D_g", "n_eff_salt", "U_perp_gain", "sign_flip")
-PROMPT_CIS = ("n_eff_prompts", "n_eff_prompts_apart", "gap_vs_random")  # prompt_cis' entries of a condition
+# prompt_cis' entries of a condition
+PROMPT_CIS = ("n_eff_prompts", "n_eff_prompts_apart", "gap_vs_random", "gap_vs_random_centred")
 PLOT = "geometry_by_cap.png"
 FAMILIES = ("prompt", "name", "item")  # item 4's indicator families
 NULL_LABELS = {"norm_ratio": "‖a'‖/‖a‖", "D_a": "D_a", "D_g": "D_g", "n_eff_salt": "n_eff(a')",
@@ -447,13 +449,19 @@ def replicate_means(values) -> np.ndarray:
     return np.divide(total, counts, out=np.full(len(values), math.nan), where=counts > 0)
 
 
-def percentile_ci(point, replicates) -> dict:
+def percentile_ci(point, replicates, centred=False) -> dict:
     """{"mean" (the point estimate), "low", "high", "n"}: the 95 % percentile interval of the finite replicates
-    (amendment items 2-3); NaN bounds with fewer than two."""
+    (amendment items 2-3); NaN bounds with fewer than two. centred: the interval moved by the replicates' mean shift
+    from the point ("shift": their mean minus the point), for resamples whose centre moves for a reason that is not
+    the estimator's (item 3's gap: `subspace_gap_replicates`)."""
     v = np.asarray(replicates, dtype=np.float64)
     v = v[np.isfinite(v)]
     low, high = np.percentile(v, [2.5, 97.5]) if v.size >= 2 else (math.nan, math.nan)
-    return {"mean": float(point), "low": float(low), "high": float(high), "n": int(v.size)}
+    if not centred:
+        return {"mean": float(point), "low": float(low), "high": float(high), "n": int(v.size)}
+    shift = float(v.mean()) - float(point) if v.size >= 2 else math.nan
+    return {"mean": float(point), "low": float(low - shift), "high": float(high - shift), "n": int(v.size),
+            "shift": shift}  # fmt: skip
 
 
 def family_verdict(shares, perm_max, perm_min) -> str:
@@ -480,8 +488,9 @@ def _conditions(records) -> dict:
 
 def prompt_cis(records, setup, resampled) -> dict:
     """Items 2-3's CIs over prompts from `resample`'s replicates (all collections) -> {"table": {condition:
-    {"n_eff_prompts", "n_eff_prompts_apart"[, "gap_vs_random"]}}, "by_cap": {n_eff at a cap minus at the longest}}:
-    the part of the summary that resamples the collection's Grams (a result directory holds only the records)."""
+    {"n_eff_prompts", "n_eff_prompts_apart"[, "gap_vs_random", "gap_vs_random_centred"]}}, "by_cap": {n_eff at a
+    cap minus at the longest}}: the part of the summary that resamples the collection's Grams (a result directory
+    holds only the records)."""
     table = {}
     for (T, cap, G), rows in _conditions(records).items():
         boot = resampled[(T, cap, G)]
@@ -492,10 +501,13 @@ def prompt_cis(records, setup, resampled) -> dict:
         entry["n_eff_prompts_apart"] = percentile_ci(finite_mean(boot["n_eff_point"]),
                                                      replicate_means(boot["n_eff_apart"]))  # fmt: skip
         if "gap" in boot:  # item 3: SALT − plain random subspace, CI over prompts
-            entry["gap_vs_random"] = {
-                m: percentile_ci(finite_mean([r[m] - r[f"random_{m}"] for r in rows]), boot["gap"][m])
-                for m in NULL_METRICS
-            }
+            points = {m: finite_mean([r[m] - r[f"random_{m}"] for r in rows]) for m in NULL_METRICS}
+            entry["gap_vs_random"] = {m: percentile_ci(points[m], boot["gap"][m]) for m in NULL_METRICS}
+            # added after the rerun: the registered interval excludes its own point in most conditions, since a
+            # resampled batch's copies of a prompt lower PR and so k_t (SALT's and the random subspace's), which
+            # moves every replicate; the same replicates recentred on the point
+            entry["gap_vs_random_centred"] = {m: percentile_ci(points[m], boot["gap"][m], centred=True)
+                                              for m in NULL_METRICS}  # fmt: skip
         table[f"T={T} cap={cap} G={G}"] = entry
     # n_eff at each cap minus at the longest cap with item 2's CI (the same prompt draws at every cap: paired)
     longest = max(setup["caps"])
@@ -532,8 +544,9 @@ def summarize(records, setup, cis) -> dict:
         entry["n_eff_prompts_apart"] = ci["n_eff_prompts_apart"]
         entry["regime_apart"] = regime(entry["n_eff_prompts_apart"])
         entry["per_batch_n_eff"] = [r["n_eff"] for r in rows]
-        if "gap_vs_random" in ci:
-            entry["gap_vs_random"] = ci["gap_vs_random"]
+        for name in ("gap_vs_random", "gap_vs_random_centred"):
+            if name in ci:
+                entry[name] = ci[name]
         table[key] = {"T": T, "cap": cap, "G": G, **entry}
     # n_eff at each cap minus at the longest cap, paired by batch (the same rollouts, cut)
     longest = max(setup["caps"])
@@ -691,6 +704,23 @@ def render_amendment(summary) -> list[str]:
     for row in summary["table"].values():
         if "gap_vs_random" in row:
             cells = [_ci(row["gap_vs_random"][m]) for m in NULL_METRICS]
+            lines.append(f"| {row['T']} | {row['G']} | " + " | ".join(cells) + " |")
+    centred = [row for row in summary["table"].values() if "gap_vs_random_centred" in row]
+    if centred:  # absent from a result summarized before it was added (its CIs over prompts are kept)
+        lines += [
+            "",
+            "Added after the rerun: the interval above can exclude its own point, since a resampled batch holds "
+            "copies of the prompts drawn more than once, which lower PR and so k_t on SALT's side and the random "
+            "subspace's, and move every replicate. The same replicates recentred on the point (their mean shift, "
+            "in parentheses, removed); each replicate's one subspace draw against the point's mean of "
+            f"{setup['null_draws']} makes it wider than the point's own spread:",
+            "",
+            "| T | G | " + " | ".join(NULL_LABELS[m] for m in NULL_METRICS) + " |",
+            "|---|---|" + "---|" * len(NULL_METRICS),
+        ]
+        for row in centred:
+            cells = [f"{_ci(row['gap_vs_random_centred'][m])} ({_f(row['gap_vs_random_centred'][m]['shift'])})"
+                     for m in NULL_METRICS]  # fmt: skip
             lines.append(f"| {row['T']} | {row['G']} | " + " | ".join(cells) + " |")
     lines += [
         "",
