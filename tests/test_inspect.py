@@ -229,6 +229,14 @@ def test_a_remote_reward_models_bad_reply_is_one_line_naming_the_flag(reward_ser
     assert message in text, text
 
 
+def test_a_remote_reward_that_is_not_finite_is_one_line_naming_the_flag(reward_server):
+    reward_server.reply = lambda body: (200, json.dumps({"rewards": [1.0, float("nan")]}))
+    args = inspection.build_parser().parse_args(["--model", "m", "--prompts", "p", "--out", "o",
+                                                 "--reward.remote_url", reward_server.url])  # fmt: skip
+    with pytest.raises(inspection.InspectError, match="^--reward.remote_url .*: a reward is not finite$"):
+        inspection.score(args, inspection.make_reward(args), ["1+1=", "2+2="], ["2", "4"], ["2", "4"])
+
+
 def test_an_unreachable_reward_model_is_one_line_naming_the_flag(tmp_path, capsys):
     """Through the command: the rollouts are sampled, then scoring fails with exit 2 and one line."""
     with socket.socket() as bound:  # bound, never listening: a connection to it is refused
