@@ -85,13 +85,28 @@ def test_segments_tile_the_caps_and_cap_mask_keeps_the_first_tokens():
     assert mask.sum(1).tolist() == [3, 5, 0] and mask[1, :5].all() and not mask[1, 5:].any()
 
 
-def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama):
-    """Prompt KV cache shared by a prompt's samples and each token sketched once per segment == one padded forward
-    per rollout cut at the cap, through `features.response_geometry` as the engines call it."""
+def _shared_prefix_rollouts():
+    """Prompts with a common prefix (one of them one token longer than it, two identical), an empty response."""
+    prompt_ids, response_ids = _rollouts(seed=1)
+    common = [5, 9, 14, 3, 27, 8]
+    prompt_ids = [common + prompt_ids[0], common + [40], common + prompt_ids[0]]
+    response_ids[5] = []
+    return prompt_ids, response_ids
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama, shared_prefix, monkeypatch):
+    """The prompts' common prefix run once, a prompt's samples packed into one sequence with the prompt (no padding;
+    at most PACKED_TOKENS response tokens a forward) and each token sketched once per segment == one forward per
+    rollout cut at the cap, through `features.response_geometry` as the engines call it. An empty response (none
+    is sampled with max_new_tokens >= 1) has a zero feature and the hidden state of an EOS after its prompt."""
     from openrlhf_geo.features import GeometrySpec, lm_head_input, response_geometry
     from openrlhf_geo.salt import SaltConfig
 
-    prompt_ids, response_ids = _rollouts()
+    prompt_ids, response_ids = _shared_prefix_rollouts() if shared_prefix else _rollouts()
+    if shared_prefix:
+        monkeypatch.setattr(real_lm, "PACKED_TOKENS", 10)  # some micro-batches end at the token budget
+        assert real_lm._shared_prefix(prompt_ids) == 6
     caps, temperature = (4, 8, 13), 0.7
     fast = real_lm.forward_geometry(tiny_llama, prompt_ids, response_ids, 4, caps, temperature, micro_batch=3)
     config = SaltConfig()
@@ -100,6 +115,15 @@ def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama
         feats, hidden = [], []
         for i, response in enumerate(response_ids):
             prompt, y = prompt_ids[i // 4], response[:cap]
+            if not y:
+                width = min(
+                    config.dim, tiny_llama.config.vocab_size * tiny_llama.config.hidden_size
+                )  # V·d <= D: exact
+                feats.append(torch.zeros(width, dtype=torch.float64))
+                with torch.no_grad():
+                    out = tiny_llama(input_ids=torch.tensor([prompt + [2]]), output_hidden_states=True)
+                hidden.append(out.hidden_states[-1][0, -1])
+                continue
             seq = torch.tensor([prompt + y])
             with torch.no_grad(), lm_head_input(tiny_llama) as captured:
                 logits = tiny_llama(input_ids=seq).logits
@@ -114,6 +138,28 @@ def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama
         torch.testing.assert_close(fast[cap]["gram"], F @ F.T, rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(fast[cap]["hidden"], torch.stack(hidden), rtol=1e-4, atol=1e-5)
         assert fast[cap]["lengths"].tolist() == [min(len(r), cap) for r in response_ids]
+
+
+def test_forward_geometry_runs_the_lm_head_once_per_response_token_and_the_body_once_per_token(tiny_llama):
+    """No padding and no prompt logits are computed: the body sees the common prefix once, then each prompt's rest
+    and its samples' tokens; the LM head only the positions that produce a response token (and the prefix's last)."""
+    prompt_ids, response_ids = _shared_prefix_rollouts()
+    response_ids[5] = [7]
+    seen = {"body": 0, "head": 0}
+
+    def count(part):
+        return lambda module, args, out: seen.__setitem__(part, seen[part] + args[0].shape[:2].numel())
+
+    hooks = [tiny_llama.model.embed_tokens.register_forward_hook(count("body")),
+             tiny_llama.lm_head.register_forward_hook(count("head"))]  # fmt: skip
+    try:
+        real_lm.forward_geometry(tiny_llama, prompt_ids, response_ids, 4, (13,), 0.7)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = sum(map(len, response_ids))
+    assert seen["head"] == tokens + 1
+    assert seen["body"] == 6 + sum(len(p) - 6 for p in prompt_ids) + tokens
 
 
 def test_collection_key_changes_with_every_setting():

