@@ -1,11 +1,15 @@
 """SALT's driver path at users' sizes: per optimizer step, the features' bytes, the Gram, the solve, the peak memory.
 
-In the fork each policy rank computes the features (D = DEFAULT_DIM float32 per response) in its experience forward
-and they travel with the log-probs to the trainer actor (the driver); there `GeometryBatch._geometry` puts the
-micro-batches in prompt order and `salt_stage.reweight` runs one `salt_advantages` call per partition of m rollouts
-(the optimizer mini-batch, SALT §3.1), serially: the Gram F Fᵀ/m (m²·D) and the solve (PR, top-k_t eigenvectors,
-α_t, a'). Ray starts the trainer actor, which asks for no CPUs, with OMP_NUM_THREADS=1 (Ray's default for such an
-actor): one thread is what the driver's torch gets unless the job sets the variable, hence `--threads 1`.
+Each policy rank computes the features (D = DEFAULT_DIM float32 per response) in its experience forward. The fork's
+first path, measured in [1]-[5] (still the path under --salt.gram shrink): they travel with the log-probs to the
+trainer actor (the driver); there `GeometryBatch._geometry` puts the micro-batches in prompt order and
+`salt_stage.reweight` runs one `salt_advantages` call per partition of m rollouts (the optimizer mini-batch, SALT
+§3.1), serially: the Gram F Fᵀ/m (m²·D) and the solve (PR, top-k_t eigenvectors, α_t, a'). The fork's path now
+(--salt.gram raw, the default), [6]-[7]: the features stay in the object store of the rank that computed them
+(`fork.hooks.keep_features`), the ranks form each partition's Gram and its eigendecomposition (`RankGrams`,
+`rank_gram`) and the driver receives 2·m² floats per partition and runs the rest of the solve (`salt.InnerProducts`).
+Ray starts the trainer actor, which asks for no CPUs, with OMP_NUM_THREADS=1 (Ray's default for such an actor): one
+thread is what the driver's torch gets unless the job sets the variable, hence `--threads 1`.
 
 [1] Measured, each case in its own process (peak RSS is per process): the fork's driver path on P partitions of m
     rollouts, N = P·m: features arrive as micro-batches of --micro rows (as the actors return them), in shuffled
@@ -33,9 +37,12 @@ actor): one thread is what the driver's torch gets unless the job sets the varia
     deserialized tensor); on 8 nodes, 7/8 of them come from other nodes through the driver node's front-end NIC,
     which Ray's object manager uses (TCP, not the GPUs' InfiniBand): NIC_GBITS. This machine's memcpy rate is
     measured and printed.
-[6] The alternative the issue names: the Gram formed on the ranks' GPUs (the rows of each partition all-gathered
-    over NVLink / InfiniBand, each rank a row block, the driver receiving m²·4 bytes per partition and running the
-    solve only). Projected: no GPU was measured here (GPU_GEMM_TFLOPS, NVLINK_GBPS, IB_GBPS assumed).
+[6] The Gram formed on the ranks (the fork's path now, `fork.hooks.RankGrams`): partition p of P goes to rank
+    p·R // P (round robin when P > R), which fetches its rows' features from the object stores (one node: shared
+    memory, MEMCPY_GBPS; 8 nodes: the 7/8 held elsewhere through the node's NIC_GBITS NIC, shared by the node's
+    partitions), forms G and eigh(G) on its GPU and returns them; the driver receives 2·m²·8 bytes per partition and
+    runs [7]. Rank side projected (no GPU here: GPU_GEMM_TFLOPS, GPU_EIGH_S_PER_M3 assumed); driver side measured.
+    Two columns: the driver's work (what the 1 % goal is about) and the step's critical path (ranks + driver).
 
 Usage: python benchmarks/salt_scale.py [--sizes 256 512 1024 2048 4096] [--partitions 1 2 4 8 16] [--threads 1]
        [--max-gib 4] [--reps 2] [--features diffuse|powerlaw] [--dim D] [--out result.json]
@@ -67,8 +74,7 @@ GIB = 2**30
 MEMCPY_GBPS = 5.0  # one node: Ray's shared-memory object store, put + deserialize, GB/s (this machine's is printed)
 NIC_GBITS = 100.0  # the driver node's front-end NIC, Gb/s (a typical 8-GPU node: 25-200 Gb/s Ethernet)
 GPU_GEMM_TFLOPS = 25.0  # float32 GEMM on one rank's GPU, half an H100's 51 TFLOP/s without TF32
-NVLINK_GBPS = 100.0  # all-gather bandwidth per GPU within a node, GB/s (NVLink 4: 450 GB/s each way)
-IB_GBPS = 25.0  # per GPU across nodes, GB/s (one 200 Gb/s NIC per GPU)
+GPU_EIGH_S_PER_M3 = 5e-11  # torch.linalg.eigh float64 (cuSOLVER syevd) on one GPU: ~0.05 s at m = 1024, assumed
 
 # SALT Table 11 (App. G.2), GRPO rows, hours:minutes on one 8 x H20 server; steps from §4.1 / Table 4 (see [4])
 MATH_TRAIN_STEPS = (7500 // 64) * 2
@@ -339,20 +345,26 @@ def driver_from_gram(args):
     InnerProducts(G) per partition (K = G/m, the solve, the stats) -> {m: CPU seconds (min over --reps), k_t}."""
     from openrlhf_geo.salt import InnerProducts, salt_advantages
 
-    print("\n[7] measured: the driver's part with the Gram formed on the ranks (salt_advantages on InnerProducts(G),")
-    print(f"    G from {args.features} features of width 8m: the same spectrum class; CPU seconds per partition)")
+    print("\n[7] measured: the driver's part with the Gram formed on the ranks, salt_advantages on InnerProducts(G,")
+    print("    eigh(G)) (the fork's path) and on InnerProducts(G) (the eigensolve on the driver); G from features of")
+    print(f"    width 8m ({args.features}: the same spectrum class); CPU seconds per partition, min over --reps")
     gen, out = torch.Generator().manual_seed(2), {}
     for m in args.sizes:
         F = make_features(m, 8 * m, args.features, gen).double()
-        G = InnerProducts(F @ F.T * (8 * m / args.dim))
+        G = F @ F.T * (8 * m / args.dim)
         a = torch.randn(m, generator=gen, dtype=torch.float64)
-        times, k = [], 0
-        for _ in range(args.reps):
-            cpu = time.process_time()
-            k = int(salt_advantages(a, G, return_basis=True)[1]["k"])
-            times.append(time.process_time() - cpu)
-        out[m] = {"seconds": min(times), "k": k}
-        print(f"{m:>5}: {min(times):.3f} s, k_t {k}", flush=True)
+        cell = {}
+        for name, given in (("seconds", InnerProducts(G, torch.linalg.eigh(G))), ("with_eigh", InnerProducts(G))):
+            times = []
+            for _ in range(args.reps):
+                cpu = time.process_time()
+                cell["k"] = int(salt_advantages(a, given, return_basis=True)[1]["k"])
+                times.append(time.process_time() - cpu)
+            cell[name] = min(times)
+        out[m] = cell
+        print(
+            f"{m:>5}: {cell['seconds']:.3f} s (eigensolve on the driver: {cell['with_eigh']:.3f} s), k_t {cell['k']}"
+        )
     return out
 
 
@@ -421,13 +433,13 @@ def papers_table(args, measured, fit, from_gram):
     print(
         f"\n[4] the papers' settings: SALT's driver work per step as a share of the step (8 GPUs: the paper's "
         f"step; 64 GPUs: step/8)\n[5] features' transfer: 8 GPUs {node:.1f} GB/s shared memory; 64 GPUs 7/8 of "
-        f"them through a {NIC_GBITS:.0f} Gb/s NIC\n[6] Gram on the ranks (projected): {GPU_GEMM_TFLOPS:.0f} "
-        f"TFLOP/s per GPU, all-gather {NVLINK_GBPS:.0f} GB/s (8 GPUs) / {IB_GBPS:.0f} GB/s (64), driver: m²·4 "
-        "bytes and [7] per partition"
+        f"them through a {NIC_GBITS:.0f} Gb/s NIC\n[6] Gram on the ranks (the fork's path; rank side projected): "
+        f"{GPU_GEMM_TFLOPS:.0f} TFLOP/s and eigh {GPU_EIGH_S_PER_M3:.0e}·m³ s per GPU, features fetched at [5]'s "
+        "rates; driver: 2·m²·8 bytes and [7] per partition (driver s/%: its work; path s/%: ranks + driver)"
     )
     print(
         f"{'setting':<44} {'N':>5} {'m':>5} {'P':>2} {'step s':>7} {'GPUs':>4} {'driver s':>9} {'share':>7} "
-        f"{'bytes':>8} {'send s':>7} {'send %':>7} {'ranks s':>8} {'ranks %':>8}"
+        f"{'bytes':>8} {'send s':>7} {'send %':>7} {'ranks: driver s':>15} {'%':>6} {'path s':>7} {'%':>6}"
     )
     papers = []
     for name, n, m, step8, source in PAPER_SETTINGS:
@@ -440,10 +452,13 @@ def papers_table(args, measured, fit, from_gram):
         for gpus in (8, 64):
             step_s = step8 * 8 / gpus
             send = nbytes / (node * 1e9) if gpus == 8 else nbytes * 7 / 8 / (NIC_GBITS / 8 * 1e9)
-            # each partition's rows all-gathered among the ranks, each rank one row block; the driver: K and the solve
-            blocks = partitions * m * m * dim * 2 / min(gpus, n) / (GPU_GEMM_TFLOPS * 1e12)
-            gather = partitions * m * dim * 4 / ((NVLINK_GBPS if gpus == 8 else IB_GBPS) * 1e9)
-            ranks = blocks + gather + solve + partitions * m * m * 4 / (node * 1e9)
+            # a rank per partition (spread over the nodes): fetch its features, G and eigh(G) on the GPU; the driver
+            # receives G and its eigenvectors (float64) and runs the rest of the solve, [7]
+            per_rank, per_node = math.ceil(partitions / gpus), math.ceil(partitions / (gpus // 8))
+            fetch = per_node * m * dim * 4 / (node * 1e9 if gpus == 8 else NIC_GBITS / 8 * 1e9 * 8 / 7)
+            on_rank = per_rank * (m * m * dim * 2 / (GPU_GEMM_TFLOPS * 1e12) + GPU_EIGH_S_PER_M3 * m**3)
+            driver = solve + partitions * 2 * m * m * 8 / (node * 1e9)
+            ranks = fetch + on_rank + driver
             papers.append(
                 {
                     "setting": name,
@@ -459,6 +474,8 @@ def papers_table(args, measured, fit, from_gram):
                     "bytes": nbytes,
                     "send_s": send,
                     "send_share": send / step_s,
+                    "ranks_driver_s": driver,
+                    "ranks_driver_share": driver / step_s,
                     "ranks_s": ranks,
                     "ranks_share": ranks / step_s,
                 }
@@ -466,7 +483,7 @@ def papers_table(args, measured, fit, from_gram):
             print(
                 f"{name[:44]:<44} {n:>5} {m:>5} {partitions:>2} {step_s:>7.1f} {gpus:>4} {seconds:>8.3f}"
                 f"{'' if cell else '*'} {seconds / step_s:>7.2%} {_size(nbytes):>8} {send:>7.3f} "
-                f"{send / step_s:>7.2%} {ranks:>8.3f} {ranks / step_s:>8.2%}"
+                f"{send / step_s:>7.2%} {driver:>15.3f} {driver / step_s:>6.2%} {ranks:>7.3f} {ranks / step_s:>6.2%}"
             )
     worst = max(papers, key=lambda row: row["driver_share"])
     print(
@@ -519,8 +536,7 @@ def main(argv=None):
                 "memcpy_gbps": MEMCPY_GBPS,
                 "nic_gbits": NIC_GBITS,
                 "gpu_gemm_tflops": GPU_GEMM_TFLOPS,
-                "nvlink_gbps": NVLINK_GBPS,
-                "ib_gbps": IB_GBPS,
+                "gpu_eigh_s_per_m3": GPU_EIGH_S_PER_M3,
             },
         }
         args.out.write_text(json.dumps(result, indent=1))

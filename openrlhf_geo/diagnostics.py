@@ -224,7 +224,8 @@ def salt_weight_stats(advantages, new, gram, basis, is_top: bool, lengths) -> di
     advantages a (m,), new a' (m,) (the applied coefficients), gram K (m, m) of the features (‖φ_i‖² = m·K_ii),
     (basis, is_top) the top-k_t eigenbasis SALT used for P_k (see residual_strength; k = r if is_top else m − r),
     lengths T (m,) response tokens.
-      pk_rho_norm     Spearman correlation of diag(P_k) with ‖φ_i‖² (NaN when either is constant)
+      pk_rho_norm     Spearman correlation of diag(P_k) with ‖φ_i‖² (NaN when either is constant; values within 1e-9
+                      of the largest count as ties, so that rounding does not order a repeated rollout's copies)
       pk_rho_inv_len  Spearman correlation of diag(P_k) with 1/T_i (T clamped >= 1)
       topnorm_share   share of ‖a'‖² on the k rollouts with the largest ‖φ_i‖² (k/m when spread evenly; NaN for a' = 0)
       kept            ‖a'‖² / ‖a‖² (NaN for a = 0)
@@ -243,10 +244,14 @@ def salt_weight_stats(advantages, new, gram, basis, is_top: bool, lengths) -> di
     diag_p, k = (row_energy, B.shape[1]) if is_top else (1.0 - row_energy, m - B.shape[1])
     norms, inv_len = K.diagonal(), 1.0 / T.clamp(min=1)
 
+    def ties(v):  # values within 1e-9 of the largest are tied: a repeated rollout's differ only by rounding
+        step = 1e-9 * float(v.abs().max())
+        return torch.round(v / step) if step > 0 else v
+
     def rho(x, y):
         if float(x.max() - x.min()) <= 1e-12 * float(x.abs().max()) or float(y.max() - y.min()) == 0.0:
             return math.nan
-        return float(spearmanr(x.cpu().numpy(), y.cpu().numpy()).statistic)
+        return float(spearmanr(ties(x).cpu().numpy(), ties(y).cpu().numpy()).statistic)
 
     top = torch.argsort(norms, descending=True, stable=True)[:k]
     energy = float(b.square().sum())

@@ -286,17 +286,26 @@ def _subspace_dim(pr: float, m: int, k_rule: str = "paper", rho: float | None = 
     return min(max(nearest, 1), m)
 
 
-def _top_eigenspace(K: torch.Tensor, k: int, method: str | None = None) -> tuple[torch.Tensor, bool, float]:
+def _top_eigenspace(
+    K: torch.Tensor, k: int, method: str | None = None, eig: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, bool, float]:
     """SALT Eq. 13/15: the span of the top-k eigenvectors of K (m, m) as (basis (m, r), is_top, gap).
 
     P_k = B Bᵀ when is_top, else B spans the complement and P_k = I − B Bᵀ (k = m: r = 0, P_k = I).
     gap = (λ_k − λ_{k+1}) / λ_k with λ_{m+1} := 0: how well K determines P_k (ties at the boundary make it 0).
     method: "lanczos" (ARPACK, top k+1), "dense-top" (LAPACK, top k+1), "dense-bottom" (LAPACK, bottom m−k+1);
-    default: lanczos when k+1 <= m/8, else the dense solve of the smaller side.
+    default: lanczos when k+1 <= m/8, else the dense solve of the smaller side. eig: K's full eigendecomposition
+    (ascending, float64 CPU), already formed: the basis is read from it, on the side the dense solve would take.
     """
     m = K.shape[0]
     if k == m:
         return K.new_zeros(m, 0), False, 1.0
+    if eig is not None:
+        lam, vecs = eig
+        is_top = 2 * k <= m
+        basis = vecs[:, m - k :] if is_top else vecs[:, : m - k]
+        lam_k, lam_next = max(float(lam[m - k]), 0.0), max(float(lam[m - k - 1]), 0.0)
+        return basis, is_top, (lam_k - lam_next) / lam_k if lam_k > 0 else 0.0
     if method is None:
         method = "lanczos" if k + 1 <= LANCZOS_MAX_FRACTION * m else "dense-top" if 2 * k <= m else "dense-bottom"
     if method == "lanczos":
@@ -418,6 +427,14 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
     inner = isinstance(features, InnerProducts)
     if inner and gram != "raw":
         raise ValueError(f"features given as InnerProducts need gram='raw' (gram={gram!r} reads F's columns)")
+    if inner and features.eigh is not None:
+        lam, vecs = features.eigh
+        m = features.matrix.shape[0]
+        if tuple(lam.shape) != (m,) or tuple(vecs.shape) != (m, m) or not torch.isfinite(lam).all():
+            raise ValueError(
+                f"InnerProducts.eigh must be G's finite eigenvalues ({m},) and eigenvectors ({m}, {m}), got "
+                f"{tuple(lam.shape)} and {tuple(vecs.shape)}"
+            )
     features, label = (features.matrix, "(m, m)") if inner else (features, "(m, D)")
     for name, x, ndim, shape in (("advantages", advantages, 1, "(m,)"), ("features", features, 2, label)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -454,10 +471,12 @@ def _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_sh
 
 class InnerProducts(NamedTuple):
     """The features' inner products G = F Fᵀ (m, m), given to salt_advantages in place of F (m, D): all SALT needs
-    of F under gram="raw" (K = G/m), for callers that form G where the features are (each rank its rows' block) and
-    never gather F in one place."""
+    of F under gram="raw" (K = G/m), for callers that form G where the features are (the fork's policy ranks) and
+    never gather F in one place. eigh: G's eigenvalues (ascending) and eigenvectors (torch.linalg.eigh of G), formed
+    there too, so that the O(m³) eigensolve of Eq. 13/15 does not run where G is sent."""
 
     matrix: torch.Tensor
+    eigh: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SaltGeometry(NamedTuple):
@@ -560,11 +579,15 @@ def salt_advantages(
     a = _checked(advantages, features, variant, alpha, entropy, eps, gram, sketch_shape, k_rule, rho)  # Eq. 12
     spec = VARIANTS[variant]
     m = a.numel()
+    eig = None
     if isinstance(features, InnerProducts):  # K = G/m of F / scale: scale² a power of two <= max |G|
         scale = math.ldexp(1.0, (math.frexp(diagnostics.unit_scale(features.matrix))[1] - 1) // 2)
         G = features.matrix.detach().to(device="cpu", dtype=torch.float64) / (scale * scale * m)
         K = (G + G.T) / 2
         K_geom, noise, gram_stats = K, None, {}
+        if features.eigh is not None:  # K = G / (scale²·m): the same eigenvectors
+            lam, vecs = (x.detach().to(device="cpu", dtype=torch.float64) for x in features.eigh)
+            eig = (lam / (scale * scale * m), vecs)
     else:
         scale = diagnostics.unit_scale(features)
         F = features.detach() / scale if scale != 1.0 else features.detach()
@@ -579,7 +602,7 @@ def salt_advantages(
         new, main, explore = a.clone(), a, zero
     else:
         k = _subspace_dim(pr, m, k_rule, rho)  # Eq. 14 (or the code's rule)
-        basis, is_top, gap = _top_eigenspace(K_geom, k)  # Eq. 13/15
+        basis, is_top, gap = _top_eigenspace(K_geom, k, eig=eig)  # Eq. 13/15
         a_main, a_exp = _channels(spec, a, basis, is_top, k, generator)  # Eq. 16
         main = a_main if spec.main else zero
         explore = alpha_t * a_exp if spec.explore else zero

@@ -14,13 +14,14 @@ weighted when averaged over the batch). `salt/out_of_regime` flags steps far out
 import math
 import warnings
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from openrlhf_geo import GeoWarning, diagnostics
 from openrlhf_geo.groups import group_index
 from openrlhf_geo.registry import register_adjustment
-from openrlhf_geo.salt import SaltConfig, entropy_alpha, salt_advantages
+from openrlhf_geo.salt import InnerProducts, SaltConfig, entropy_alpha, salt_advantages
 from openrlhf_geo.stages import Batch, record, stream
 
 # What --salt.diagnostics logs of SALT's stats (the rest describe the a' that is not applied): the geometry of the
@@ -47,6 +48,14 @@ REGIME_WARN_EVERY = 50  # steps between two warnings (the metric salt/out_of_reg
 
 class SaltRegimeWarning(GeoWarning):
     """SALT's a' departs from a far more than in SALT Table 10 (see docs/salt_regime.md)."""
+
+
+class GramSource(Protocol):
+    """SALT's features where they are not in this process (the fork's policy ranks: `fork.hooks.RankGrams`), given
+    to `reweight` in place of F (N, D): asked once per batch for every partition's rows, it answers each with
+    salt.InnerProducts(G = F[rows] F[rows]ᵀ, eigh(G)), all SALT reads of F under --salt.gram raw."""
+
+    def grams(self, rows: list[torch.Tensor]) -> list[InnerProducts]: ...
 
 
 def salt_partition_prompts(salt: SaltConfig | None, train_batch_size: int, n_samples: int) -> int:
@@ -127,11 +136,12 @@ def reweight(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SALT on the slots' sequence advantages a (N,) -> (a' (N,), dropped slots 0; per-slot stats (N,) by key).
 
-    features() (N, D), entropy() (N,) (normalized token-entropy sums; None unless SaltConfig.needs_entropy) and
-    lengths() (N,) (response tokens) per ROLLOUT; slot i holds rollout batch.source[i]'s (the curation plan's);
-    entropy-alpha's H_t is over every rollout. Partitions of partition_prompts() consecutive prompts (0: the whole
-    batch; SALT §3.1's m = BG is the optimizer mini-batch, which the engines resolve) each get one `salt_advantages`
-    call, in float64. With SaltConfig.apply False, a' = a and the stats describe the geometry of a.
+    features() (N, D) or a GramSource (--salt.gram raw only), entropy() (N,) (normalized
+    token-entropy sums; None unless SaltConfig.needs_entropy) and lengths() (N,) (response tokens) per ROLLOUT; slot i
+    holds rollout batch.source[i]'s (the curation plan's); entropy-alpha's H_t is over every rollout. Partitions of
+    partition_prompts() consecutive prompts (0: the whole batch; SALT §3.1's m = BG is the optimizer mini-batch, which
+    the engines resolve) each get one `salt_advantages` call, in float64. With SaltConfig.apply False, a' = a and the
+    stats describe the geometry of a.
 
     A slot whose rollout has no action token (lengths() 0: an empty response, a prompt that filled the context
     window, an agent turn without an action span) is left out of its partition's call. Eq. 19's G_i averages over
@@ -146,7 +156,14 @@ def reweight(
     """
     a, source = advantages.detach().cpu().double(), batch.source
     # rollout order, indexed per partition below: no (N, D) copy in slot order
-    rollout_features, token_counts = features().detach().cpu(), lengths().detach().cpu().double()
+    rollout_features, token_counts = features(), lengths().detach().cpu().double()
+    if not isinstance(rollout_features, torch.Tensor):  # a GramSource
+        if salt.gram != "raw":
+            raise ValueError(
+                f"--salt.gram {salt.gram} reads the features' columns; their Grams alone stand only for raw"
+            )
+    else:
+        rollout_features = rollout_features.detach().cpu()
     size = a.numel()
     metrics: dict[str, torch.Tensor] = {}  # <key> -> (N,) per slot (logged as salt/<key>)
     text: dict[str, str] = {}
@@ -166,19 +183,21 @@ def reweight(
     n_prompts = n_prompts if kept.numel() else 0
     prompt = prompt[kept]
     per = partition_prompts() or max(n_prompts, 1)
-    for first in range(0, n_prompts, per):
-        part = kept[(prompt >= first) & (prompt < first + per)]
-        part = part[~empty[part]]
-        if part.numel() == 0:  # every slot of the partition dropped or without an action token
-            continue
+    parts = [kept[(prompt >= first) & (prompt < first + per)] for first in range(0, n_prompts, per)]
+    parts = [part for part in (part[~empty[part]] for part in parts) if part.numel()]  # else nothing to reweight
+    grams = None if isinstance(rollout_features, torch.Tensor) else rollout_features.grams([source[p] for p in parts])
+    for i, part in enumerate(parts):
         rows = source[part]
-        first_row = int(rows[0])
-        part_features = rollout_features[first_row : first_row + rows.numel()]
-        # consecutive rows (no curation, no slot left out) are used in place, not copied (m·D floats), where they are
-        # laid out as a fresh copy would be: MKL's matmul can round differently at another alignment
-        in_place = part_features.is_contiguous() and part_features.data_ptr() % 64 == 0
-        if not (in_place and torch.equal(rows, torch.arange(first_row, first_row + rows.numel()))):
-            part_features = rollout_features[rows]
+        if grams is not None:
+            part_features = grams[i]
+        else:
+            first_row = int(rows[0])
+            part_features = rollout_features[first_row : first_row + rows.numel()]
+            # consecutive rows (no curation, no slot left out) are used in place, not copied (m·D floats), where they
+            # are laid out as a fresh copy would be: MKL's matmul can round differently at another alignment
+            in_place = part_features.is_contiguous() and part_features.data_ptr() % 64 == 0
+            if not (in_place and torch.equal(rows, torch.arange(first_row, first_row + rows.numel()))):
+                part_features = rollout_features[rows]
         out, stats, (basis, is_top, gram) = salt_advantages(
             a[part],
             part_features,

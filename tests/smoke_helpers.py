@@ -50,21 +50,45 @@ def _group_norm(rewards, group_ids):
     return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).flatten()
 
 
+def _replay_start(dump):
+    """A recorded step replayed up to the advantage stage -> (pipeline, step, rewards after curation)."""
+    pipeline = GeometryPipeline(dump["config"])
+    pipeline.load_state_dict(dump["state"])
+    noisy, corrupted = pipeline.corrupt(dump["clean"], dump["group_ids"])
+    replay = pipeline.start(dump["group_ids"], corrupted, dump["actions"])
+    rewards = noisy
+    if "curate" in dump:
+        # upstream handed the curation the rewards the noise produced (no shaping configured)
+        torch.testing.assert_close(dump["curate"]["rewards"].double(), noisy.double())
+        rewards = replay.curate(dump["curate"]["rewards"], dump["curate"]["hidden"])
+        torch.testing.assert_close(rewards, dump["curate"]["out"])
+    return pipeline, replay, rewards
+
+
+def _assert_rank_grams(dump, inputs, recorded, where):
+    """Each Gram the policy ranks answered SALT with (`fork.replay.ServedGrams`) is F[rows] F[rows]ᵀ of the features
+    they kept, to float32 rounding, with its eigendecomposition, and SALT on those features, as the trainer formed
+    the Gram before, gives the same a'."""
+    served, F = recorded["inputs"]["features"], dump["features"].double()
+    assert served.answers, where
+    for rows, answer in zip(served.rows, served.answers):
+        expected = F[rows] @ F[rows].T
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(answer.matrix, expected, rtol=1e-5, atol=1e-6 * scale, msg=str(where))
+        lam, vecs = answer.eigh
+        torch.testing.assert_close(vecs @ torch.diag(lam) @ vecs.T, answer.matrix, rtol=0, atol=1e-9 * scale)
+    _, replay, _ = _replay_start(dump)
+    on_trainer = {**inputs, "features": lambda: dump["features"]}
+    out = replay.adjust("advantage", recorded["advantages"], verifier=lambda: None, **on_trainer)
+    torch.testing.assert_close(out, recorded["out"], rtol=1e-4, atol=1e-5, msg=str(where))
+
+
 def assert_steps_replay(name, dumps):
     """Each dumped step of run `name` ({step: dump} from inside the real experience maker) is what
     `openrlhf_geo.pipeline` computes from the same rewards, hidden states and features, from the step's state."""
     for step, dump in dumps.items():
-        pipeline = GeometryPipeline(dump["config"])
-        pipeline.load_state_dict(dump["state"])
+        pipeline, replay, rewards = _replay_start(dump)
         group_ids = dump["group_ids"]
-        noisy, corrupted = pipeline.corrupt(dump["clean"], group_ids)
-        replay = pipeline.start(group_ids, corrupted, dump["actions"])
-        rewards = noisy
-        if "curate" in dump:
-            # upstream handed the curation the rewards the noise produced (no shaping configured)
-            torch.testing.assert_close(dump["curate"]["rewards"].double(), noisy.double())
-            rewards = replay.curate(dump["curate"]["rewards"], dump["curate"]["hidden"])
-            torch.testing.assert_close(rewards, dump["curate"]["out"])
         # upstream's group statistics on the (curated) rewards are what SALT received
         torch.testing.assert_close(dump["salt_in"].double(), _group_norm(rewards, group_ids), rtol=1e-5, atol=1e-5)
         if "advantage" in dump:  # the advantage adjustments (SALT): the same a' from the same inputs
@@ -72,6 +96,8 @@ def assert_steps_replay(name, dumps):
             inputs = {name: (lambda value=value: value) for name, value in recorded["inputs"].items()}
             out = replay.adjust("advantage", recorded["advantages"], verifier=lambda: None, **inputs)
             torch.testing.assert_close(out, recorded["out"])
+            if "features" in dump:  # the policy ranks formed SALT's Grams from the features they kept
+                _assert_rank_grams(dump, inputs, recorded, (name, step))
         _, multiplicity = replay.rows(torch.zeros(len(group_ids)))
         torch.testing.assert_close(multiplicity, dump["multiplicity"])
         logged = dict(dump["metrics"])

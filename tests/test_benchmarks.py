@@ -381,7 +381,11 @@ def test_salt_scale_tiny_run_measures_what_fits_and_projects_the_rest(scale, tmp
     for row in papers:
         assert row["driver_share"] == pytest.approx(row["driver_s"] / row["step_s"])
         assert row["bytes"] == row["rollouts"] * dim * 4
+        # the Gram on the ranks: the driver's work is part of the step's path through ranks and driver
+        assert 0 < row["ranks_driver_s"] < row["ranks_s"]
+        assert row["ranks_driver_share"] == pytest.approx(row["ranks_driver_s"] / row["step_s"])
     assert set(result["driver_from_gram"]) == {"16", "32"}
+    assert all(cell.keys() == {"seconds", "with_eigh", "k"} for cell in result["driver_from_gram"].values())
 
 
 def test_salt_scale_child_reports_its_case_and_peak(scale, capsys):

@@ -403,6 +403,27 @@ def test_diagonal_gram_puts_all_of_p_k_a_on_the_largest_norm_rollouts():
     assert stats["pk_rho_inv_len"] == pytest.approx(7.5 / math.sqrt(7.5 * 10))
 
 
+def test_a_repeated_rollouts_copies_are_ties_in_the_rank_statistics_whatever_the_rounding():
+    """A replaced slot repeats its source rollout: diag(P_k) and ‖φ_i‖² of the copies are equal but for rounding,
+    which must not order them (the fork's ranks and the local engine round differently): ranks of ties averaged."""
+    rng = np.random.default_rng(4)
+    features = rng.standard_normal((6, 12))
+    features = features[[0, 1, 1, 2, 3, 3, 3, 4, 5]]  # rollouts 1 and 3 fill 2 and 3 slots
+    K = features @ features.T / 9
+    basis = np.linalg.eigh(K)[1][:, -3:]
+    a, lengths = rng.standard_normal(9), rng.integers(1, 40, size=9).astype(float)
+    t = torch.tensor
+    exact = dg.salt_weight_stats(t(a), t(a), t(K), t(basis), True, t(lengths))
+    diag_p = (basis**2).sum(1)
+    expected = np.corrcoef(rankdata(np.round(diag_p, 9)), rankdata(np.round(np.diag(K), 9)))[0, 1]
+    assert exact["pk_rho_norm"] == pytest.approx(expected, rel=1e-12)
+    for sign in (1, -1):  # copies apart by rounding, either way round
+        noise = sign * 1e-15 * np.arange(9)
+        rounded = dg.salt_weight_stats(t(a), t(a), t(K + np.diag(noise)), t(basis + noise[:, None]), True, t(lengths))
+        for key in ("pk_rho_norm", "pk_rho_inv_len"):
+            assert rounded[key] == exact[key], key
+
+
 def test_salt_weight_stats_without_geometry_are_nan_or_zero():
     a = torch.tensor([1.0, -1.0, 0.0])
     stats = dg.salt_weight_stats(a, a, torch.zeros(3, 3), torch.zeros(3, 0), True, torch.ones(3))  # k = 0

@@ -217,9 +217,10 @@ def test_policy_actor_returns_geometry_only_when_asked(up, tiny_path, monkeypatc
     actor = load_actor(up, tiny_path)
     seq, attn, action = toy_batch(3)
     forward = policy_forward(up)
-    plain = forward(NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=None), seq, action, attn)
+    strategy = NS(ring_attn_group=None, args=None)
+    plain = forward(NS(actor=actor, strategy=strategy, geometry=None), seq, action, attn)
     spec = fork_hooks.GeometrySpec(hidden=True)
-    lp, geo = forward(NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=spec), seq, action, attn)
+    lp, geo = forward(NS(actor=actor, strategy=strategy, geometry=spec), seq, action, attn)
     assert isinstance(plain, torch.Tensor) and torch.equal(lp, plain)
     assert set(geo) == {"hidden"} and geo["hidden"].shape == (3, 32)
 
@@ -279,11 +280,14 @@ class AnswerTokenizer:
 
 
 class ActorGroup:
-    """RayActorGroup stand-in: one 'rank' runs the patched PolicyModelActor.forward on every micro-batch."""
+    """RayActorGroup stand-in: one 'rank' runs the patched PolicyModelActor.forward on every micro-batch; SALT's Gram
+    rows are dealt to `ranks` stand-ins of the patched salt_gram_rows (Ray's object store: `fake_object_store`)."""
 
-    def __init__(self, up, actor, spec):
+    def __init__(self, up, actor, spec, args, ranks=2):
         self.forward = policy_forward(up)
-        self.rank = NS(actor=actor, strategy=NS(ring_attn_group=None), geometry=spec)
+        self.rank = NS(actor=actor, strategy=NS(ring_attn_group=None, args=args), geometry=spec)
+        gram_rows = up.ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.salt_gram_rows
+        self._actor_handlers = [NS(salt_gram_rows=NS(remote=lambda items: gram_rows(None, items)))] * ranks
 
     def async_run_method_batch(self, method_name, sequences, action_mask, attention_mask, **_):
         return [[self.forward(self.rank, *x) for x in zip(sequences, action_mask, attention_mask)]]
@@ -297,18 +301,29 @@ def make_maker(up, tiny_path, monkeypatch, argv, micro_batch=3):
     args = parse(up, monkeypatch, [*argv, "--rollout.micro_batch_size", str(micro_batch)])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(up.experience_maker, "ray", NS(get=lambda x: x, put=lambda x: x))
-    group = ActorGroup(up, load_actor(up, tiny_path), fork_hooks.actor_spec(args))
+    fake_object_store(monkeypatch)
+    group = ActorGroup(up, load_actor(up, tiny_path), fork_hooks.actor_spec(args), args)
     kl = up.FixedKLController(0.0)
     return up.experience_maker.RemoteExperienceMaker(group, None, None, None, kl, NS(args=args), AnswerTokenizer())
 
 
+def fake_object_store(monkeypatch):
+    """Ray's put / get for in-process stand-ins of the ranks (what fork_hooks calls): an object is its reference."""
+    import ray
+
+    monkeypatch.setattr(ray, "put", lambda x: x)
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+
+
 def forward_batch(maker, samples):
-    """make_experience_batch split in two, to read the per-response geometry before the advantage step."""
+    """make_experience_batch split in two, to read the per-response geometry before the advantage step (features
+    kept on the ranks read from their stand-in object store)."""
     experiences = maker.make_experience(maker.split_rollout_samples(samples))
     indices = torch.tensor([i for e in experiences for i in e.index])
     geometry = {}
     for key in getattr(experiences[0], fork_hooks.SIDE_ATTR, {}):
-        rows = torch.cat([getattr(e, fork_hooks.SIDE_ATTR)[key] for e in experiences])
+        parts = [getattr(e, fork_hooks.SIDE_ATTR)[key] for e in experiences]
+        rows = torch.cat([part.ref if isinstance(part, fork_hooks.RankFeatures) else part for part in parts])
         geometry[key] = torch.empty_like(rows).index_copy_(0, indices, rows)  # prompt order
     return experiences, geometry
 
@@ -332,6 +347,42 @@ def test_geometry_writes_each_micro_batch_into_prompt_order_as_concatenating_and
         expected = torch.empty_like(rows).index_copy_(0, order, rows)
         got = batch._geometry(key)
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 5])
+def test_the_ranks_answer_each_partitions_rows_with_their_gram_and_its_eigendecomposition(monkeypatch, ranks):
+    """`RankGrams.grams` deals the partitions over the ranks, each rank fetches the rows it is asked for (repeats
+    too: a replaced slot's source) from the micro-batches' features and answers G = F[rows] F[rows]ᵀ with eigh(G)
+    (`rank_gram`, the patched salt_gram_rows): against float64 numpy, micro-batches in a shuffled prompt order."""
+    import numpy as np
+
+    fake_object_store(monkeypatch)
+    g = torch.Generator().manual_seed(ranks)
+    F = torch.randn(24, 7, generator=g)
+    order = torch.randperm(24, generator=g)
+    parts = [fork_hooks.RankFeatures(F[rows], len(rows)) for rows in order.split(5)]
+    calls = []
+
+    def gram_rows(items):
+        calls.append([p for p, _, _ in items])
+        return fork_hooks.rank_gram(items)
+
+    actors = [NS(salt_gram_rows=NS(remote=gram_rows)) for _ in range(ranks)]
+    source = fork_hooks.RankGrams(actors, parts, [rows.tolist() for rows in order.split(5)])
+    rows = [torch.tensor([0, 1, 1, 3, 4, 6, 7]), torch.arange(8, 16), torch.tensor([23, 16, 17, 17])]
+    answers = source.grams(rows)
+    for wanted, answer in zip(rows, answers):
+        f = F[wanted].double().numpy()
+        np.testing.assert_allclose(answer.matrix.numpy(), f @ f.T, rtol=1e-5, atol=1e-5 * np.abs(f @ f.T).max())
+        lam, vecs = answer.eigh
+        np.testing.assert_allclose(lam.numpy(), np.linalg.eigvalsh(answer.matrix.numpy()), atol=1e-9, rtol=0)
+        torch.testing.assert_close(vecs @ torch.diag(lam) @ vecs.T, answer.matrix)
+    # spread over the ranks: partition p of 3 on rank p·R // 3, or all on the one rank
+    assert sorted(p for call in calls for p in call) == [0, 1, 2] and len(calls) == min(ranks, 3)
+    twice = [rows.tolist() for rows in order.split(5)]
+    twice[1] = twice[0]  # a micro-batch's rows claimed twice: rollouts of another are missing
+    with pytest.raises(RuntimeError, match="SALT: no features for 5 of the 24 rollouts"):
+        fork_hooks.RankGrams(actors, parts, twice)
 
 
 def row_advantages(experiences, size):
@@ -360,6 +411,8 @@ def test_salt_advantages_equal_salt_core_on_the_same_inputs(up, tiny_path, monke
     samples = rollouts(up, 4, seed=11)
     rewards = torch.tensor([s.rewards.item() for s in samples])
     experiences, geometry = forward_batch(maker, samples)
+    # --salt.gram raw: the features stayed on the ranks; SALT got each partition's Gram from them
+    assert all(isinstance(getattr(e, fork_hooks.SIDE_ATTR)["features"], fork_hooks.RankFeatures) for e in experiences)
     result = maker.compute_advantages_and_returns(experiences)
 
     generator = torch.Generator().manual_seed(7 + 2)  # the pipeline's SALT stream: --train.seed + 2
@@ -1282,11 +1335,12 @@ def test_the_experience_maker_hands_salt_and_geoalign_every_turn(up, tiny_path, 
     dump = torch.load(tmp_path / "step0001.pt", weights_only=False)
     assert dump["spans"].tolist() == [2] * 16
     inputs, hidden = dump["advantage"]["inputs"], dump["curate"]["hidden"]
+    assert type(inputs["features"]).__name__ == "ServedGrams"  # SALT got the ranks' Grams; the record, the features
     actor = load_actor(up, tiny_path)
     for i, response in enumerate(responses):  # the samples are in prompt order
         logits, states, tokens, positions = agent_reference(actor, response)
         assert int(dump["actions"][i]) == int(inputs["lengths"][i]) == len(positions)
         expected = eq19(logits, states, tokens, positions, 1.0)
-        torch.testing.assert_close(inputs["features"][i].double(), expected, atol=2e-6, rtol=1e-4)
+        torch.testing.assert_close(dump["features"][i].double(), expected, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(hidden[i].double(), states[positions[-1]], atol=1e-5, rtol=1e-5)
     assert_steps_replay("agent", {1: dump})

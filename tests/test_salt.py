@@ -508,6 +508,32 @@ def test_inner_products_give_what_the_features_give(data, log2_c, variant):
     torch.testing.assert_close(geometry_g.gram, geometry.gram, rtol=1e-9, atol=0)
 
 
+@settings(max_examples=30)
+@given(data=batches(), variant=st.sampled_from(list(VARIANTS)))
+def test_inner_products_with_their_eigendecomposition_give_what_the_features_give(data, variant):
+    """InnerProducts(G, eigh(G)), the eigensolve formed where G is (the fork's ranks): the same a', k_t and stats as
+    the features, whichever side (top k_t or the complement) the basis is read from."""
+    a, F = data
+    assume(relative_gaps(F)[0] > 1e-4)
+    a, G = torch.tensor(a), torch.tensor(F @ F.T)
+    out, stats, geometry = salt_advantages(a, torch.tensor(F), variant, return_basis=True, **kwargs_for(variant))
+    given = InnerProducts(G, torch.linalg.eigh(G))
+    out_g, stats_g, geometry_g = salt_advantages(a, given, variant, return_basis=True, **kwargs_for(variant))
+    torch.testing.assert_close(out_g, out, rtol=1e-7, atol=1e-9 * float(a.norm()))
+    assert stats_g["k"] == stats["k"] and geometry_g.is_top == (2 * stats["k"] <= len(a) or stats["k"] == len(a))
+    # U⊥ of a' in P_k's complement is rounding here, and its gain a ratio of two such
+    residual = 1e-12 * float(a.norm()) * float(np.linalg.norm(F))
+    for key in STAT_KEYS - {"solve_ms", "U_perp_gain"}:
+        tolerance = residual if key == "U_perp" else 1e-9 * max(abs(stats[key]), 1e-300)
+        assert stats_g[key] == pytest.approx(stats[key], rel=1e-7, abs=tolerance), key
+    P = geometry.basis @ geometry.basis.T  # the same projector P_k, from either side
+    P_g = geometry_g.basis @ geometry_g.basis.T
+    eye = torch.eye(len(a), dtype=torch.float64)
+    torch.testing.assert_close(
+        P_g if geometry_g.is_top else eye - P_g, P if geometry.is_top else eye - P, atol=1e-7, rtol=0
+    )
+
+
 def test_inner_products_that_cannot_stand_for_features_raise_naming_them():
     a, F = torch.tensor(grpo([1, 0, 0, 1, 1, 0, 1, 1])), torch.randn(8, 5, dtype=torch.float64)
     with pytest.raises(ValueError, match="InnerProducts need gram='raw'"):
@@ -518,6 +544,9 @@ def test_inner_products_that_cannot_stand_for_features_raise_naming_them():
         salt_advantages(a, InnerProducts(torch.ones(8, dtype=torch.float64)))
     with pytest.raises(ValueError, match="features contains NaN"):
         salt_advantages(a, InnerProducts(torch.full((8, 8), math.nan, dtype=torch.float64)))
+    lam, vecs = torch.linalg.eigh(F @ F.T)
+    with pytest.raises(ValueError, match=r"InnerProducts.eigh must be G's finite eigenvalues \(8,\)"):
+        salt_advantages(a, InnerProducts(F @ F.T, (lam[:7], vecs)))
 
 
 @pytest.mark.parametrize("c", [1e-30, 1e-20, 1e20, 1e30])

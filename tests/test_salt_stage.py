@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from openrlhf_geo import salt_stage
 from openrlhf_geo.pipeline import GeometryConfig, GeometryPipeline
-from openrlhf_geo.salt import SaltConfig, salt_advantages
+from openrlhf_geo.salt import InnerProducts, SaltConfig, salt_advantages
 from openrlhf_geo.stages import Batch
 
 G = 4  # rollouts per prompt
@@ -143,3 +143,76 @@ def test_a_partitions_rows_read_in_place_give_the_bits_of_a_gathered_copy(dtype,
         assert torch.equal(other_out, out) and other_metrics.keys() == metrics.keys()
         for key, values in metrics.items():
             torch.testing.assert_close(other_metrics[key], values, rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+class Grams:
+    """A salt_stage.GramSource on features in this process (the fork's is on its ranks: fork.hooks.RankGrams)."""
+
+    def __init__(self, features):
+        self.features, self.asked = features, []
+
+    def grams(self, rows):
+        self.asked.append(rows)
+        out = []
+        for wanted in rows:
+            G = self.features[wanted] @ self.features[wanted].T
+            out.append(InnerProducts(G, torch.linalg.eigh(G)))
+        return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), n_prompts=st.integers(1, 4), per=st.integers(0, 2))
+def test_a_gram_source_in_place_of_the_features_gives_what_they_give(data, n_prompts, per):
+    """A GramSource (each partition's G = F[rows] F[rows]ᵀ and its eigendecomposition, as the fork's policy ranks
+    answer) in place of F: the same a' and stats, with slots that repeat their prompt's rollouts (a curation plan)
+    and rollouts without action tokens; asked once per batch, for the rows of each partition that has a token."""
+    a, features, lengths, group_ids = batch(data, n_prompts)
+    n = len(a)
+    picks = data.draw(st.lists(st.integers(0, G - 1), min_size=n, max_size=n))
+    source = group_ids * G + torch.tensor(picks)  # slot i holds a rollout of its own prompt
+    grams = Grams(features)
+
+    def reweight(rollout_features):
+        out, metrics = salt_stage.reweight(
+            SaltConfig(features="exact"),
+            salt_stage.SaltState(torch.Generator().manual_seed(0)),
+            Batch(group_ids, None, source, torch.ones(n, dtype=torch.bool), 1),
+            a,
+            features=lambda: rollout_features,
+            entropy=lambda: None,
+            lengths=lambda: lengths,
+            partition_prompts=lambda: per,
+        )
+        metrics.pop("solve_ms", None)  # wall time
+        return out, metrics
+
+    out, metrics = reweight(features)
+    out_g, metrics_g = reweight(grams)
+    size = (per or n_prompts) * G
+    slots = [torch.arange(f, min(f + size, n)) for f in range(0, n, size)]
+    expected_rows = [source[part][lengths[source[part]] > 0] for part in slots]
+    assert len(grams.asked) == 1 and all(map(torch.equal, grams.asked[0], [r for r in expected_rows if r.numel()]))
+    torch.testing.assert_close(out_g, out, rtol=1e-7, atol=1e-9)
+    assert metrics_g.keys() == metrics.keys()
+    # U⊥ gain is x/0 := inf where U⊥ is 0 in one and rounding in the other (the rank statistics pk_rho_* hold: a
+    # repeated rollout's copies, tied but for rounding, are ties there)
+    if "U_perp" in metrics:  # absent when no partition had a slot with a token
+        residual = (metrics["U_perp"] > 1e-9) | (metrics_g["U_perp"] > 1e-9)
+        for m in (metrics, metrics_g):
+            m["U_perp_gain"] = m["U_perp_gain"][residual]
+    for key in metrics:
+        torch.testing.assert_close(metrics_g[key], metrics[key], rtol=1e-6, atol=1e-9, equal_nan=True, msg=key)
+
+
+def test_a_gram_source_stands_for_the_features_only_under_the_raw_gram():
+    with pytest.raises(ValueError, match="--salt.gram shrink reads the features' columns"):
+        salt_stage.reweight(
+            SaltConfig(features="kronecker", dim=4096, gram="shrink"),
+            salt_stage.SaltState(torch.Generator().manual_seed(0)),
+            Batch(torch.arange(8) // G, None, torch.arange(8), torch.ones(8, dtype=torch.bool), 1),
+            torch.randn(8, dtype=torch.float64),
+            features=lambda: Grams(torch.randn(8, 5, dtype=torch.float64)),
+            entropy=lambda: None,
+            lengths=lambda: torch.ones(8),
+            partition_prompts=lambda: 1,
+        )

@@ -43,10 +43,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
-from openrlhf_geo import GeoWarning, baselines, features, options, registry
+from openrlhf_geo import GeoWarning, baselines, diagnostics, features, options, registry
 from openrlhf_geo.estimators import check_reward_scale
 from openrlhf_geo.features import GeometrySpec, lm_head_input  # noqa: F401  (the actor diff's names)
 from openrlhf_geo.fork.flags import FLAGS_KEY, latest_tag, resume_changes, resume_flags, writes_checkpoints
@@ -250,6 +251,91 @@ def response_geometry(
     )
 
 
+# ── SALT's Gram on the policy ranks (trainer/ray/ppo_actor.py, trainer/ppo_utils/experience_maker.py) ──
+
+
+class RankFeatures(NamedTuple):
+    """One micro-batch's SALT features (rows, D), left in the Ray object store of the policy rank that computed them
+    (ref: its ray.put): what the experience forward returns in their place, so that they never reach the trainer."""
+
+    ref: Any
+    rows: int
+
+
+def keep_features(args, geometry):
+    """The experience forward's geometry, its features kept on this rank (RankFeatures) where SALT's Grams are formed
+    on the ranks: --salt.gram raw, whose K = F Fᵀ/m is all SALT reads of F (`salt.InnerProducts`). Under
+    --salt.gram shrink (which reads F's columns) the features travel to the trainer as before."""
+    config = _section(args, "geometry")
+    if geometry is None or "features" not in geometry or config is None or config.salt is None:
+        return geometry
+    if config.salt.gram != "raw":
+        return geometry
+    import ray
+
+    feats = geometry["features"]
+    return {**geometry, "features": RankFeatures(ray.put(feats), feats.shape[0])}
+
+
+class RankGrams:
+    """`salt_stage.GramSource` of the features the policy ranks kept (RankFeatures): parts[j] is micro-batch j's,
+    indices[j] its rows' prompt-order rollout indices. `grams` deals the partitions to the ranks, spread over them
+    (partition p of P to rank p·R // P; round robin when P > R); each rank fetches the rows it is given from the
+    object stores, forms their Gram and its eigendecomposition on its GPU (`rank_gram`) and returns them, so that
+    the trainer receives 2·m² floats per partition instead of m·D and runs no O(m²·D) product nor O(m³) solve."""
+
+    def __init__(self, actors, parts, indices):
+        self.actors, self.refs = actors, [part.ref for part in parts]
+        n = sum(len(index) for index in indices)
+        self.where = torch.full((n, 2), -1)  # rollout -> (micro-batch, row in it)
+        for j, index in enumerate(indices):
+            self.where[torch.as_tensor(index)] = torch.stack(
+                [torch.full((len(index),), j), torch.arange(len(index))], 1
+            )
+        if (self.where[:, 0] < 0).any():
+            raise RuntimeError(f"SALT: no features for {int((self.where[:, 0] < 0).sum())} of the {n} rollouts")
+
+    def grams(self, rows):
+        import ray
+
+        from openrlhf_geo.salt import InnerProducts
+
+        ranks, count = len(self.actors), len(rows)
+        work: list[list] = [[] for _ in self.actors]
+        for p, wanted in enumerate(rows):
+            where = self.where[wanted]
+            pieces = []
+            for j in torch.unique(where[:, 0]).tolist():
+                mine = where[:, 0] == j
+                pieces.append((self.refs[j], where[mine, 1], torch.nonzero(mine)[:, 0]))
+            work[p * ranks // count if count <= ranks else p % ranks].append((p, len(wanted), pieces))
+        busy = [(actor, items) for actor, items in zip(self.actors, work) if items]
+        out: list = [None] * count
+        for (_, items), answers in zip(busy, ray.get([actor.salt_gram_rows.remote(items) for actor, items in busy])):
+            for (p, _, _), (G, lam, vecs) in zip(items, answers):
+                out[p] = InnerProducts(G, (lam, vecs))
+        return out
+
+
+def rank_gram(items) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A policy rank's half of `RankGrams.grams` (its `salt_gram_rows`): per partition, its rows' features fetched
+    from the object stores onto this rank's device, G = F Fᵀ (`diagnostics.gram`: the product in float32 after a
+    power-of-two scale, as the trainer formed it before) and torch.linalg.eigh(G), as float64 CPU tensors."""
+    import ray
+
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    out = []
+    for _, m, pieces in items:
+        fetched = ray.get([ref for ref, _, _ in pieces])
+        F = torch.empty(m, fetched[0].shape[1], dtype=fetched[0].dtype, device=device)
+        for tensor, (_, rows, positions) in zip(fetched, pieces):  # the pieces cover the m rows (RankGrams.grams)
+            F[positions.to(device)] = tensor[rows].to(device)
+        G = diagnostics.gram(F) * m
+        lam, vecs = torch.linalg.eigh(G)
+        out.append((G.cpu(), lam.cpu(), vecs.cpu()))
+    return out
+
+
 # ── the weight sync to vLLM (trainer/ray/ppo_actor.py) ──
 
 
@@ -328,11 +414,12 @@ class ExperienceGeometry:
 
     tokenizer: the experience maker's, to decode responses for Seed-GRPO's answer clusters, which it checks with a
     math-verify worker pool (`reward_from_env`: OPENRLHF_GEO_MATH_TIMEOUT / _WORKERS, as the math reward).
+    actors: the policy model's RayActorGroup, whose ranks form SALT's Grams from the features they kept (RankGrams).
     """
 
-    def __init__(self, args=None, tokenizer=None):
+    def __init__(self, args=None, tokenizer=None, actors=None):
         self.pipeline, self.n_samples, self.steps = None, None, 0
-        self.tokenizer, self.verifier = tokenizer, None
+        self.tokenizer, self.verifier, self.actors = tokenizer, None, actors
         config = _section(args, "geometry")  # options.validate's, built once at parse time
         if config is None:
             return
@@ -445,6 +532,13 @@ class GeometryBatch:
             out[torch.as_tensor(exp.index)] = part.to(out.dtype)
         return out
 
+    def _features(self):
+        """SALT's features (N, D) prompt order; where the ranks kept them (RankFeatures), the ranks' Grams instead."""
+        parts = [getattr(exp, SIDE_ATTR)["features"] for exp in self.experiences]
+        if not isinstance(parts[0], RankFeatures):
+            return self._geometry("features")
+        return RankGrams(self.owner.actors._actor_handlers, parts, [exp.index for exp in self.experiences])
+
     def curate(self, rewards, indices):
         """The registered curation (GeoAlign, PF-PPO) between rewards and group statistics: rewards (N,) prompt order
         -> slot rewards (kept for a registered estimator the pipeline computes, `salt`)."""
@@ -490,7 +584,7 @@ class GeometryBatch:
             a,
             responses=self._responses,
             verifier=lambda: self.owner.verifier,
-            features=lambda: self._geometry("features"),
+            features=self._features,
             entropy=lambda: self._geometry("entropy") if spec is not None and spec.entropy else None,
             lengths=lambda: self.actions,
             partition_prompts=lambda: self.owner.partition_prompts,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 PINNED_VERSION = "0.11.2"
 # Written into openrlhf/__init__.py by patches/openrlhf.__init__.diff; bump both together when the diffs change.
-FORK_ID = "openrlhf==0.11.2+openrlhf-geo.9"
+FORK_ID = "openrlhf==0.11.2+openrlhf-geo.10"
 UPSTREAM_MAIN = "openrlhf.cli.train_ppo_ray"
 CACHE_ENV = "OPENRLHF_GEO_CACHE"
 STAMP = "FORK.json"

@@ -4,9 +4,10 @@
 rank trained on at each optimizer step; a run without the variable returns at its first line.
 
 `Recorder` is what `hooks.RecordingBatch` adds to `hooks.GeometryBatch`: a record of one rollout step (the pipeline's
-state before and after, the inputs and outputs of its curation and of its advantage adjustments (SALT), the
-multiplicities, the metrics and each rollout's vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt.
-tests/smoke_helpers.py replays each record through `openrlhf_geo.pipeline` and compares.
+state before and after, the inputs and outputs of its curation and of its advantage adjustments (SALT; where the
+policy ranks formed SALT's Grams, also the features they kept), the multiplicities, the metrics and each rollout's
+vLLM-vs-actor log-prob gap), saved as <dump>/stepNNNN.pt. tests/smoke_helpers.py replays each record through
+`openrlhf_geo.pipeline` and compares.
 `hooks.ExperienceGeometry.start_batch` picks the recording batch only when the variable is set; nothing of it runs
 otherwise.
 """
@@ -59,6 +60,24 @@ class Recorder:
 
         self.step.curate, self.step.adjust = recorded_curate, recorded_adjust
         return noisy
+
+    def _features(self):
+        features = super()._features()
+        if isinstance(features, torch.Tensor):
+            return features
+        if "features" not in self.dump:
+            # the features the ranks kept, fetched here: the replay checks the ranks' Grams against them
+            import ray
+
+            from openrlhf_geo.fork.hooks import SIDE_ATTR
+
+            parts = ray.get([getattr(exp, SIDE_ATTR)["features"].ref for exp in self.experiences])
+            F = parts[0].new_empty((len(self.indices), parts[0].shape[1]))
+            for exp, part in zip(self.experiences, parts):
+                F[torch.as_tensor(exp.index)] = part
+            self.dump["features"] = F
+            self.served = ServedGrams(features)  # one per step: the record holds what SALT was answered
+        return self.served
 
     def salt(self, advantages):
         if self.owner.active:
@@ -134,3 +153,21 @@ def record_training_step(actor_trainer, experience, step) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder, f"rank{record['rank']}.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class ServedGrams:
+    """A `salt_stage.GramSource` that passes the ranks' answers through (source: `hooks.RankGrams`) and keeps them, so
+    that a recorded step replays on exactly the Grams and eigendecompositions SALT was given (saved without source)."""
+
+    def __init__(self, source):
+        self.source, self.rows, self.answers = source, None, None
+
+    def grams(self, rows):
+        if self.source is not None:
+            self.rows, self.answers = [r.clone() for r in rows], self.source.grams(rows)
+        elif len(rows) != len(self.rows) or not all(torch.equal(a, b) for a, b in zip(rows, self.rows)):
+            raise AssertionError("the replay asks for other rows than the recorded step's SALT did")
+        return self.answers
+
+    def __getstate__(self):
+        return {"source": None, "rows": self.rows, "answers": self.answers}
