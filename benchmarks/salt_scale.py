@@ -485,11 +485,14 @@ def papers_table(args, measured, fit, from_gram):
                 f"{'' if cell else '*'} {seconds / step_s:>7.2%} {_size(nbytes):>8} {send:>7.3f} "
                 f"{send / step_s:>7.2%} {driver:>15.3f} {driver / step_s:>6.2%} {ranks:>7.3f} {ranks / step_s:>6.2%}"
             )
-    worst = max(papers, key=lambda row: row["driver_share"])
-    print(
-        f"\nlargest driver share: {worst['driver_share']:.2%} ({worst['setting']}, {worst['gpus']} GPUs): "
-        f"{'over' if worst['driver_share'] > 0.01 else 'under'} 1 % of a step"
-    )
+    for label, key in (("the features sent to the driver (--salt.gram shrink)", "driver_share"),
+                       ("the fork's path, Gram on the ranks: the driver's work", "ranks_driver_share"),
+                       ("the fork's path: the step's critical path (ranks + driver)", "ranks_share")):  # fmt: skip
+        worst = max(papers, key=lambda row: row[key])
+        print(
+            f"largest share, {label}: {worst[key]:.2%} ({worst['setting'][:40]}, {worst['gpus']} GPUs): "
+            f"{'over' if worst[key] > 0.01 else 'under'} 1 % of a step"
+        )
     return papers
 
 
