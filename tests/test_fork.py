@@ -303,14 +303,14 @@ def cpu_root(tmp_path_factory):
 
 # The GPU fork's eight diffs, pinned: the CPU overlay must never change them (a deliberate change updates this).
 GPU_DIFFS_SHA256 = {
-    "openrlhf.__init__.diff": "4571d6bbb848e3abcd068fb44f11eedfbebd230244c746cfea543f12adfda46f",
+    "openrlhf.__init__.diff": "a45e72c4353c2531756068c7fb8253f6504a4b312941ef3d235d0bc5ff3b0c76",
     "openrlhf.cli.train_ppo_ray.diff": "d0276cdc3590cf7e2b03918a6786f64be21cd152cb8421884b164dcfea964f9d",
     "openrlhf.models.actor.diff": "5f934c451dadd07a6df0e860489681ebca66020888655ad446c6e1fb288f8dcd",
     "openrlhf.trainer.ppo_trainer.diff": "c9373a55aaba77d245373e418c37863456524964af4d88cdce697adaaa393fff",
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
-        "f385ec3463d6c78e886c47b924d601bbe02bf459894163cd14d1dfcc830f4843"
+        "ea272c9b7e793a50f2ee7b4cfce0e92604eaf93a2b35f1b0c6e198baf00d1270"
     ),
-    "openrlhf.trainer.ray.ppo_actor.diff": "75593336a9cf425657ba96912fd148e247a165fd50cb0ec94c91dcb23d7591f6",
+    "openrlhf.trainer.ray.ppo_actor.diff": "929961d0fccb8487d7d2a5e3574a2f37032470f963b584d9e3c4559c46f4fff8",
     "openrlhf.utils.agent.diff": "d720a35de5ad8b306cfa5e5b20205045a00059c569df7c4f7b67b79c3e24aec4",
     "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }
