@@ -9,8 +9,9 @@ examples/data/word_problems.jsonl, G = 8, T = 0.6 (SALT Table 4), up to 256 new 
 Qwen2.5-Math-1.5B; without one a randomly initialised Qwen2-1.5B-shaped model from its config, whose responses run to
 the cap, with a reward that is a hash of the response, so that groups have signal: a timing, not a measurement).
 Runs the command as a user would, in a child process, and prints its phases (summary.json's setup.seconds), the wall
-time and the 1-minute load average before and after (`os.getloadavg`): on a shared machine the load is the number's
-context.
+time, the 1-minute load average before, during (its range, read every 10 s) and after (`os.getloadavg`), and
+OMP_NUM_THREADS: on a shared machine the load is the number's context, and two threads on two cores that other jobs
+keep busy wait on each other (measured: the forward ~3.7x slower than one thread at load average 3.5).
 """
 
 import argparse
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,19 +73,32 @@ def main(argv=None) -> int:
         reward = Path(tempfile.mkdtemp(dir=args.out)) / "hash_reward.py"
         reward.write_text(HASH_REWARD)
         command += ["--reward.func", str(reward)]
+    during, done = [], threading.Event()
+
+    def watch_load():
+        while not done.wait(10):
+            during.append(os.getloadavg()[0])
+
+    watcher = threading.Thread(target=watch_load, daemon=True)
     load_before, start = os.getloadavg(), time.perf_counter()
+    watcher.start()
     code = subprocess.call(command, cwd=REPO)
     wall, load_after = time.perf_counter() - start, os.getloadavg()
+    done.set()
+    watcher.join()
+    during = during or [load_after[0]]
     if code != 0:
         print(f"inspect_walltime: the command failed (exit {code}): {' '.join(command)}", file=sys.stderr)
         return code
     setup = json.loads((args.out / "inspect" / "summary.json").read_text())["setup"]
     result = {"command": command, "wall_s": wall, "phases_s": setup["seconds"], "device": setup["device"],
-              "load_average": {"before": load_before, "after": load_after}, "cpus": os.cpu_count()}  # fmt: skip
+              "load_average": {"before": load_before, "during": [min(during), max(during)], "after": load_after},
+              "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}  # fmt: skip
     (args.out / "walltime.json").write_text(json.dumps(result, indent=1) + "\n")
     phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in setup["seconds"].items())
     print(f"inspect: {wall / 60:.1f} min wall ({phases}); load average {load_before[0]:.1f} before, "
-          f"{load_after[0]:.1f} after, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{min(during):.1f}-{max(during):.1f} during, {load_after[0]:.1f} after; {os.cpu_count()} CPUs, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")  # fmt: skip
     return 0
 
 
