@@ -94,21 +94,37 @@ def _shared_prefix_rollouts():
     return prompt_ids, response_ids
 
 
-@pytest.mark.parametrize("shared_prefix", [False, True])
-def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama, shared_prefix, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_windowed():
+    """A tiny Mistral whose sliding window (4 tokens) is shorter than its sequences."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                           tie_word_embeddings=True, eos_token_id=2, pad_token_id=2, bos_token_id=1,
+                           max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(("model", "shared_prefix"), [("tiny_llama", False), ("tiny_llama", True),
+                                                      ("tiny_windowed", True)])  # fmt: skip
+def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(request, model, shared_prefix, monkeypatch):
     """The prompts' common prefix run once, a prompt's samples packed into one sequence with the prompt (no padding;
-    at most PACKED_TOKENS response tokens a forward) and each token sketched once per segment == one forward per
-    rollout cut at the cap, through `features.response_geometry` as the engines call it. An empty response (none
-    is sampled with max_new_tokens >= 1) has a zero feature and the hidden state of an EOS after its prompt."""
+    at most PACKED_TOKENS response tokens a forward; one sample a forward under a sliding window, which a packed
+    mask would lose) and each token sketched once per segment == one forward per rollout cut at the cap, through
+    `features.response_geometry` as the engines call it. An empty response (none is sampled with max_new_tokens
+    >= 1) has a zero feature and the hidden state of an EOS after its prompt."""
     from openrlhf_geo.features import GeometrySpec, lm_head_input, response_geometry
     from openrlhf_geo.salt import SaltConfig
 
+    lm = request.getfixturevalue(model)
     prompt_ids, response_ids = _shared_prefix_rollouts() if shared_prefix else _rollouts()
     if shared_prefix:
         monkeypatch.setattr(real_lm, "PACKED_TOKENS", 10)  # some micro-batches end at the token budget
         assert real_lm._shared_prefix(prompt_ids) == 6
     caps, temperature = (4, 8, 13), 0.7
-    fast = real_lm.forward_geometry(tiny_llama, prompt_ids, response_ids, 4, caps, temperature, micro_batch=3)
+    fast = real_lm.forward_geometry(lm, prompt_ids, response_ids, 4, caps, temperature, micro_batch=3)
     config = SaltConfig()
     spec = GeometrySpec(features=config.features, dim=config.dim, seed=config.seed, hidden=True)
     for cap in caps:
@@ -116,17 +132,15 @@ def test_forward_geometry_equals_a_direct_forward_of_each_cut_rollout(tiny_llama
         for i, response in enumerate(response_ids):
             prompt, y = prompt_ids[i // 4], response[:cap]
             if not y:
-                width = min(
-                    config.dim, tiny_llama.config.vocab_size * tiny_llama.config.hidden_size
-                )  # V·d <= D: exact
+                width = min(config.dim, lm.config.vocab_size * lm.config.hidden_size)  # V·d <= D: exact
                 feats.append(torch.zeros(width, dtype=torch.float64))
                 with torch.no_grad():
-                    out = tiny_llama(input_ids=torch.tensor([prompt + [2]]), output_hidden_states=True)
+                    out = lm(input_ids=torch.tensor([prompt + [2]]), output_hidden_states=True)
                 hidden.append(out.hidden_states[-1][0, -1])
                 continue
             seq = torch.tensor([prompt + y])
-            with torch.no_grad(), lm_head_input(tiny_llama) as captured:
-                logits = tiny_llama(input_ids=seq).logits
+            with torch.no_grad(), lm_head_input(lm) as captured:
+                logits = lm(input_ids=seq).logits
             producing = torch.zeros_like(seq, dtype=torch.bool)
             producing[:, len(prompt) - 1 : len(prompt) - 1 + len(y)] = True
             response_mask = producing.roll(1, dims=1)

@@ -233,6 +233,15 @@ def _shared_prefix(prompt_ids) -> int:
     return max(shared, 0)
 
 
+def _packable(config) -> bool:
+    """Whether one custom attention mask is every layer's: no sliding-window layers (a packed forward's mask would
+    drop their window; such a model runs one sample a forward, under its own masks)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
 @torch.no_grad()
 def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature, micro_batch=8, progress=None):
     """One forward of every rollout -> {cap: {"gram" (N, N) float64 F Fᵀ of SALT's default proxy features
@@ -241,10 +250,11 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
 
     Row i * samples + j is sample j of prompt i. The prompts' common prefix runs once and its KV cache serves every
     forward; each forward then packs a prompt's rest and up to `micro_batch` of its samples (at most PACKED_TOKENS
-    response tokens) into one sequence, each sample attending to the prompt and to itself only, so no padding is
-    computed, and the LM head runs only where a logit produces a response token. A causal model's logits and hidden
-    states there are those of each full sequence. Eq. 19's feature is a mean over tokens, so each response's tokens
-    are sketched once, per segment between caps, and a cap's feature is the token-weighted sum of its segments' means.
+    response tokens; one with sliding-window layers) into one sequence, each sample attending to the prompt and to
+    itself only, so no padding is computed, and the LM head runs only where a logit produces a response token. A
+    causal model's logits and hidden states there are those of each full sequence. Eq. 19's feature is a mean over
+    tokens, so each response's tokens are sketched once, per segment between caps, and a cap's feature is the
+    token-weighted sum of its segments' means.
     """
     from openrlhf_geo.features import GeometrySpec, response_geometry
     from openrlhf_geo.salt import SaltConfig
@@ -256,7 +266,7 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
     hidden = {cap: None for cap in caps}
     lengths = torch.tensor([len(r) for r in response_ids])
     model.eval()
-    shared = _shared_prefix(prompt_ids)
+    shared, per_forward = _shared_prefix(prompt_ids), micro_batch if _packable(model.config) else 1
     prefix = (
         model(input_ids=torch.tensor([prompt_ids[0][:shared]], device=device), logits_to_keep=1) if shared else None
     )
@@ -264,7 +274,7 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
         rest, rows = prompt[shared:], list(range(i * samples, (i + 1) * samples))
         while rows:
             batch = rows[:1]
-            for r in rows[1:micro_batch]:
+            for r in rows[1:per_forward]:
                 if sum(len(response_ids[b]) for b in batch) + len(response_ids[r]) > PACKED_TOKENS:
                     break
                 batch.append(r)
@@ -273,11 +283,13 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
             responses = [response_ids[r] or [eos] for r in batch]
             starts = np.cumsum([len(rest)] + [len(y) for y in responses[:-1]]).tolist()
             owner = torch.tensor([-1] * len(rest) + [k for k, y in enumerate(responses) for _ in y])
-            allowed = torch.ones(len(owner), len(owner), dtype=torch.bool).tril_() & (
-                (owner[None, :] == -1) | (owner[None, :] == owner[:, None])
-            )
-            mask = torch.zeros(1, 1, len(owner), shared + len(owner), dtype=model.dtype)
-            mask[0, 0, :, shared:].masked_fill_(~allowed, torch.finfo(model.dtype).min)
+            mask = None  # one sample: the model's own causal masks (sliding windows included)
+            if len(batch) > 1:
+                allowed = torch.ones(len(owner), len(owner), dtype=torch.bool).tril_() & (
+                    (owner[None, :] == -1) | (owner[None, :] == owner[:, None])
+                )
+                mask = torch.zeros(1, 1, len(owner), shared + len(owner), dtype=model.dtype, device=device)
+                mask[0, 0, :, shared:].masked_fill_(~allowed.to(device), torch.finfo(model.dtype).min)
             ids = rest + [t for y in responses for t in y]
             positions = list(range(shared, len(prompt))) + [len(prompt) + s for y in responses for s in range(len(y))]
             # position starts[k] + s - 1 (the prompt's last for s = 0) produces token s of response k
@@ -286,7 +298,7 @@ def forward_geometry(model, prompt_ids, response_ids, samples, caps, temperature
                                  for s in range(t)], dtype=torch.long)  # fmt: skip
             step = model(input_ids=torch.tensor([ids], device=device),
                          position_ids=torch.tensor([positions], device=device),
-                         attention_mask=mask.to(device),
+                         attention_mask=mask,
                          past_key_values=copy.deepcopy(prefix.past_key_values) if prefix is not None else None,
                          use_cache=prefix is not None, logits_to_keep=keep.to(device),
                          output_hidden_states=True)  # fmt: skip
