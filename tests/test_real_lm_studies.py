@@ -176,6 +176,33 @@ def test_forward_geometry_runs_the_lm_head_once_per_response_token_and_the_body_
     assert seen["body"] == 6 + sum(len(p) - 6 for p in prompt_ids) + tokens
 
 
+def test_hf_sampling_runs_the_common_prefix_once_and_samples_the_same_tokens(tiny_llama):
+    """`_sample_hf` starts each prompt's `generate` from the common prefix's KV cache: the rollouts of the seeded
+    sampler are those of `generate` on the whole prompts, and the prefix is embedded once, not once per sample."""
+    from transformers import GenerationConfig
+
+    prompt_ids, _ = _shared_prefix_rollouts()
+    collection = real_lm.Collection(prompts=3, samples=4, temperature=0.7, max_tokens=6, caps=(6,), generator="hf")
+    embedded = []
+    hook = tiny_llama.model.embed_tokens.register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    try:
+        rollouts = real_lm._sample_hf(None, prompt_ids, collection, model=tiny_llama)
+        with_prefix, embedded[:] = sum(embedded), []
+        torch.manual_seed(collection.seed)
+        config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=6,
+                                  eos_token_id=2, pad_token_id=2)  # fmt: skip
+        whole = []
+        for ids in prompt_ids:
+            x = torch.tensor([ids] * 4)
+            with torch.no_grad():
+                seq = tiny_llama.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+            whole += [row[: row.index(2) + 1] if 2 in row else row for row in seq[:, len(ids) :].tolist()]
+    finally:
+        hook.remove()
+    assert rollouts == whole
+    assert with_prefix == sum(embedded) - 3 * 4 * 6 + 6  # the 6-token prefix: once instead of 12 times
+
+
 def test_collection_key_changes_with_every_setting():
     base = real_lm.Collection()
     keys = {real_lm.Collection(**{**base.__dict__, **change}).key("/nonexistent") for change in

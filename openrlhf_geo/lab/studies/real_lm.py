@@ -87,7 +87,8 @@ def problems(collection: Collection):
 
 def _sample_hf(model_path, prompt_ids, collection, device="cpu", progress=None, model=None):
     """HF `generate`, one prompt's samples per call -> token ids per sample (EOS included); `model` an already
-    loaded one (else loaded from model_path onto `device`), `progress(1)` after each prompt."""
+    loaded one (else loaded from model_path onto `device`), `progress(1)` after each prompt. The prompts' common
+    prefix (`_shared_prefix`) runs once: its KV cache starts every call, which then prefills only the rest."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if model is None:
@@ -97,11 +98,20 @@ def _sample_hf(model_path, prompt_ids, collection, device="cpu", progress=None, 
     torch.manual_seed(collection.seed)
     config = GenerationConfig(do_sample=True, temperature=collection.temperature, top_k=0, top_p=1.0,
                               max_new_tokens=collection.max_tokens, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+    shared, prefix = _shared_prefix(prompt_ids), None
+    if shared:
+        with torch.no_grad():
+            prefix = model(input_ids=torch.tensor([prompt_ids[0][:shared]], device=model.device), logits_to_keep=1)
     out = []
     for ids in prompt_ids:  # one prompt's samples per call: no padding, the prompt exactly as vLLM gets it
         x = torch.tensor([ids] * collection.samples, device=model.device)
+        cache = None
+        if prefix is not None:
+            cache = copy.deepcopy(prefix.past_key_values)
+            cache.batch_repeat_interleave(collection.samples)
         with torch.no_grad():
-            seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+            seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config,
+                                 past_key_values=cache)  # fmt: skip
         for row in seq[:, len(ids) :].tolist():
             end = row.index(eos) + 1 if eos in row else len(row)
             out.append(row[:end])
