@@ -201,6 +201,7 @@ def test_hf_sampling_runs_the_common_prefix_once_and_samples_the_same_tokens(tin
         hook.remove()
     assert rollouts == whole
     assert with_prefix == sum(embedded) - 3 * 4 * 6 + 6  # the 6-token prefix: once instead of 12 times
+    assert real_lm._sample_hf(None, [], collection, model=tiny_llama) == []
 
 
 def test_collection_key_changes_with_every_setting():

@@ -237,6 +237,8 @@ def _segments(caps):
 def _shared_prefix(prompt_ids) -> int:
     """Tokens every prompt starts with (a few-shot chat template's system turn and demonstration), short of each
     prompt's last token, whose logits produce response token 0."""
+    if not prompt_ids:
+        return 0
     first, shared = prompt_ids[0], min(map(len, prompt_ids)) - 1
     for prompt in prompt_ids[1:]:
         shared = next((k for k in range(shared) if prompt[k] != first[k]), shared)
