@@ -13,6 +13,7 @@ otherwise.
 """
 
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -66,16 +67,13 @@ class Recorder:
         if isinstance(features, torch.Tensor):
             return features
         if "features" not in self.dump:
-            # the features the ranks kept, fetched here: the replay checks the ranks' Grams against them
+            # the features the ranks kept (hooks.RankGrams' micro-batches), fetched here in prompt order: the replay
+            # checks the ranks' Grams against them
             import ray
 
-            from openrlhf_geo.fork.hooks import SIDE_ATTR
-
-            parts = ray.get([getattr(exp, SIDE_ATTR)["features"].ref for exp in self.experiences])
-            F = parts[0].new_empty((len(self.indices), parts[0].shape[1]))
-            for exp, part in zip(self.experiences, parts):
-                F[torch.as_tensor(exp.index)] = part
-            self.dump["features"] = F
+            parts = ray.get(features.refs)
+            first_rows = torch.tensor([0, *itertools.accumulate(len(part) for part in parts)])
+            self.dump["features"] = torch.cat(parts)[first_rows[features.where[:, 0]] + features.where[:, 1]]
             self.served = ServedGrams(features)  # one per step: the record holds what SALT was answered
         return self.served
 
