@@ -384,6 +384,15 @@ def test_the_ranks_answer_each_partitions_rows_with_their_gram_and_its_eigendeco
     with pytest.raises(RuntimeError, match="SALT: no features for 5 of the 24 rollouts"):
         fork_hooks.RankGrams(actors, parts, twice)
 
+    def no_convergence(G):
+        raise torch.linalg.LinAlgError("the algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", no_convergence)  # the trainer then solves from G itself
+    (answer,) = source.grams(rows[:1])
+    assert answer.eigh is None and torch.equal(answer.matrix, answers[0].matrix)
+    a = torch.tensor([1.0, -1.0, 0.5, 0.5, -1.0, 1.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(salt_advantages(a, answer)[0], salt_advantages(a, answers[0])[0])
+
 
 def row_advantages(experiences, size):
     """(N,) prompt order: each row's advantage, checked constant over its action tokens (kl = 0, gamma = 1)."""

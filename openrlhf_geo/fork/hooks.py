@@ -267,9 +267,7 @@ def keep_features(args, geometry):
     on the ranks: --salt.gram raw, whose K = F Fᵀ/m is all SALT reads of F (`salt.InnerProducts`). Under
     --salt.gram shrink (which reads F's columns) the features travel to the trainer as before."""
     config = _section(args, "geometry")
-    if geometry is None or "features" not in geometry or config is None or config.salt is None:
-        return geometry
-    if config.salt.gram != "raw":
+    if geometry is None or "features" not in geometry or config is None or getattr(config.salt, "gram", None) != "raw":
         return geometry
     import ray
 
@@ -312,15 +310,16 @@ class RankGrams:
         busy = [(actor, items) for actor, items in zip(self.actors, work) if items]
         out: list = [None] * count
         for (_, items), answers in zip(busy, ray.get([actor.salt_gram_rows.remote(items) for actor, items in busy])):
-            for (p, _, _), (G, lam, vecs) in zip(items, answers):
-                out[p] = InnerProducts(G, (lam, vecs))
+            for (p, _, _), (G, eig) in zip(items, answers):
+                out[p] = InnerProducts(G, eig)
         return out
 
 
-def rank_gram(items) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def rank_gram(items) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
     """A policy rank's half of `RankGrams.grams` (its `salt_gram_rows`): per partition, its rows' features fetched
     from the object stores onto this rank's device, G = F Fᵀ (`diagnostics.gram`: the product in float32 after a
-    power-of-two scale, as the trainer formed it before) and torch.linalg.eigh(G), as float64 CPU tensors."""
+    power-of-two scale, as the trainer formed it before) and torch.linalg.eigh(G), as float64 CPU tensors; None in
+    eigh's place where the GPU's eigensolver does not converge (the trainer then solves on its own)."""
     import ray
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -331,8 +330,11 @@ def rank_gram(items) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         for tensor, (_, rows, positions) in zip(fetched, pieces):  # the pieces cover the m rows (RankGrams.grams)
             F[positions.to(device)] = tensor[rows].to(device)
         G = diagnostics.gram(F) * m
-        lam, vecs = torch.linalg.eigh(G)
-        out.append((G.cpu(), lam.cpu(), vecs.cpu()))
+        try:
+            eig = tuple(x.cpu() for x in torch.linalg.eigh(G))
+        except torch.linalg.LinAlgError:
+            eig = None
+        out.append((G.cpu(), eig))
     return out
 
 
