@@ -310,7 +310,7 @@ GPU_DIFFS_SHA256 = {
     "openrlhf.trainer.ppo_utils.experience_maker.diff": (
         "ea272c9b7e793a50f2ee7b4cfce0e92604eaf93a2b35f1b0c6e198baf00d1270"
     ),
-    "openrlhf.trainer.ray.ppo_actor.diff": "929961d0fccb8487d7d2a5e3574a2f37032470f963b584d9e3c4559c46f4fff8",
+    "openrlhf.trainer.ray.ppo_actor.diff": "d74beecac95378c653ff11ceb7aa319522d76e1acad9c9a920d42024a44314a3",
     "openrlhf.utils.agent.diff": "d720a35de5ad8b306cfa5e5b20205045a00059c569df7c4f7b67b79c3e24aec4",
     "openrlhf.utils.deepspeed.deepspeed.diff": "ac770fdced969ac30bb494e9882aceac6e5c0dd49371ce3066fcf44f55228520",
 }

@@ -281,13 +281,13 @@ class AnswerTokenizer:
 
 class ActorGroup:
     """RayActorGroup stand-in: one 'rank' runs the patched PolicyModelActor.forward on every micro-batch; SALT's Gram
-    rows are dealt to `ranks` stand-ins of the patched salt_gram_rows (Ray's object store: `fake_object_store`)."""
+    rows are dealt to `ranks` stand-ins of the patched salt_grams (Ray's object store: `fake_object_store`)."""
 
     def __init__(self, up, actor, spec, args, ranks=2):
         self.forward = policy_forward(up)
         self.rank = NS(actor=actor, strategy=NS(ring_attn_group=None, args=args), geometry=spec)
-        gram_rows = up.ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.salt_gram_rows
-        self._actor_handlers = [NS(salt_gram_rows=NS(remote=lambda items: gram_rows(None, items)))] * ranks
+        gram_rows = up.ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.salt_grams
+        self._actor_handlers = [NS(salt_grams=NS(remote=lambda items: gram_rows(None, items)))] * ranks
 
     def async_run_method_batch(self, method_name, sequences, action_mask, attention_mask, **_):
         return [[self.forward(self.rank, *x) for x in zip(sequences, action_mask, attention_mask)]]
@@ -353,7 +353,7 @@ def test_geometry_writes_each_micro_batch_into_prompt_order_as_concatenating_and
 def test_the_ranks_answer_each_partitions_rows_with_their_gram_and_its_eigendecomposition(monkeypatch, ranks):
     """`RankGrams.grams` deals the partitions over the ranks, each rank fetches the rows it is asked for (repeats
     too: a replaced slot's source) from the micro-batches' features and answers G = F[rows] F[rows]ᵀ with eigh(G)
-    (`rank_gram`, the patched salt_gram_rows): against float64 numpy, micro-batches in a shuffled prompt order."""
+    (`rank_gram`, the patched salt_grams): against float64 numpy, micro-batches in a shuffled prompt order."""
     import numpy as np
 
     fake_object_store(monkeypatch)
@@ -367,7 +367,7 @@ def test_the_ranks_answer_each_partitions_rows_with_their_gram_and_its_eigendeco
         calls.append([p for p, _, _ in items])
         return fork_hooks.rank_gram(items)
 
-    actors = [NS(salt_gram_rows=NS(remote=gram_rows)) for _ in range(ranks)]
+    actors = [NS(salt_grams=NS(remote=gram_rows)) for _ in range(ranks)]
     source = fork_hooks.RankGrams(actors, parts, [rows.tolist() for rows in order.split(5)])
     rows = [torch.tensor([0, 1, 1, 3, 4, 6, 7]), torch.arange(8, 16), torch.tensor([23, 16, 17, 17])]
     answers = source.grams(rows)

@@ -309,14 +309,14 @@ class RankGrams:
             work[p * ranks // count if count <= ranks else p % ranks].append((p, len(wanted), pieces))
         busy = [(actor, items) for actor, items in zip(self.actors, work) if items]
         out: list = [None] * count
-        for (_, items), answers in zip(busy, ray.get([actor.salt_gram_rows.remote(items) for actor, items in busy])):
+        for (_, items), answers in zip(busy, ray.get([actor.salt_grams.remote(items) for actor, items in busy])):
             for (p, _, _), (G, eig) in zip(items, answers):
                 out[p] = InnerProducts(G, eig)
         return out
 
 
 def rank_gram(items) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
-    """A policy rank's half of `RankGrams.grams` (its `salt_gram_rows`): per partition, its rows' features fetched
+    """A policy rank's half of `RankGrams.grams` (its `salt_grams`): per partition, its rows' features fetched
     from the object stores onto this rank's device, G = F Fᵀ (`diagnostics.gram`: the product in float32 after a
     power-of-two scale, as the trainer formed it before) and torch.linalg.eigh(G), as float64 CPU tensors; None in
     eigh's place where the GPU's eigensolver does not converge (the trainer then solves on its own)."""
