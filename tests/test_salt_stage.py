@@ -24,6 +24,20 @@ def salt_on(a, features, lengths, group_ids, partition_prompts=0, config=None):
     return out, step.metrics
 
 
+def reweight_slots(features, a, group_ids, source, lengths, per, config=None):
+    """`salt_stage.reweight` as the engines call it (every slot kept, step 1), on per-rollout features and lengths."""
+    return salt_stage.reweight(
+        config or SaltConfig(features="exact"),
+        salt_stage.SaltState(torch.Generator().manual_seed(0)),
+        Batch(group_ids, None, source, torch.ones(len(a), dtype=torch.bool), 1),
+        a,
+        features=lambda: features,
+        entropy=lambda: None,
+        lengths=lambda: lengths,
+        partition_prompts=lambda: per,
+    )
+
+
 def batch(data, n_prompts):
     n = n_prompts * G
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
@@ -121,16 +135,7 @@ def test_a_partitions_rows_read_in_place_give_the_bits_of_a_gathered_copy(dtype,
 
     def reweight(rollout_features, source):
         in_place.clear()
-        out, metrics = salt_stage.reweight(
-            SaltConfig(features="exact"),
-            salt_stage.SaltState(torch.Generator().manual_seed(0)),
-            Batch(group_ids, None, source, torch.ones(n, dtype=torch.bool), 1),
-            a,
-            features=lambda: rollout_features,
-            entropy=lambda: None,
-            lengths=lambda: lengths[source.argsort()],  # per rollout
-            partition_prompts=lambda: per,
-        )
+        out, metrics = reweight_slots(rollout_features, a, group_ids, source, lengths[source.argsort()], per)
         metrics.pop("solve_ms")  # wall time
         return out, metrics, list(in_place)
 
@@ -171,23 +176,10 @@ def test_a_gram_source_in_place_of_the_features_gives_what_they_give(data, n_pro
     picks = data.draw(st.lists(st.integers(0, G - 1), min_size=n, max_size=n))
     source = group_ids * G + torch.tensor(picks)  # slot i holds a rollout of its own prompt
     grams = Grams(features)
-
-    def reweight(rollout_features):
-        out, metrics = salt_stage.reweight(
-            SaltConfig(features="exact"),
-            salt_stage.SaltState(torch.Generator().manual_seed(0)),
-            Batch(group_ids, None, source, torch.ones(n, dtype=torch.bool), 1),
-            a,
-            features=lambda: rollout_features,
-            entropy=lambda: None,
-            lengths=lambda: lengths,
-            partition_prompts=lambda: per,
-        )
-        metrics.pop("solve_ms", None)  # wall time
-        return out, metrics
-
-    out, metrics = reweight(features)
-    out_g, metrics_g = reweight(grams)
+    out, metrics = reweight_slots(features, a, group_ids, source, lengths, per)
+    out_g, metrics_g = reweight_slots(grams, a, group_ids, source, lengths, per)
+    for m in (metrics, metrics_g):
+        m.pop("solve_ms", None)  # wall time
     size = (per or n_prompts) * G
     slots = [torch.arange(f, min(f + size, n)) for f in range(0, n, size)]
     expected_rows = [source[part][lengths[source[part]] > 0] for part in slots]
@@ -205,14 +197,7 @@ def test_a_gram_source_in_place_of_the_features_gives_what_they_give(data, n_pro
 
 
 def test_a_gram_source_stands_for_the_features_only_under_the_raw_gram():
+    shrink = SaltConfig(features="kronecker", dim=4096, gram="shrink")
     with pytest.raises(ValueError, match="--salt.gram shrink reads the features' columns"):
-        salt_stage.reweight(
-            SaltConfig(features="kronecker", dim=4096, gram="shrink"),
-            salt_stage.SaltState(torch.Generator().manual_seed(0)),
-            Batch(torch.arange(8) // G, None, torch.arange(8), torch.ones(8, dtype=torch.bool), 1),
-            torch.randn(8, dtype=torch.float64),
-            features=lambda: Grams(torch.randn(8, 5, dtype=torch.float64)),
-            entropy=lambda: None,
-            lengths=lambda: torch.ones(8),
-            partition_prompts=lambda: 1,
-        )
+        reweight_slots(Grams(torch.randn(8, 5, dtype=torch.float64)), torch.randn(8, dtype=torch.float64),
+                       torch.arange(8) // G, torch.arange(8), torch.ones(8), 1, shrink)  # fmt: skip

@@ -57,6 +57,7 @@ from openrlhf_geo.local import rundir
 from openrlhf_geo.local.reward import RewardTimeout
 from openrlhf_geo.pipeline import GeometryPipeline, SignalGuard, check_finite
 from openrlhf_geo.registry import POLICY_LOSSES, adjustment_inputs
+from openrlhf_geo.salt import InnerProducts
 from openrlhf_geo.salt_stage import minibatch_order, minibatch_partitions, salt_partition_prompts
 from openrlhf_geo.stages import FORK_STEP_STRIDE
 
@@ -295,8 +296,6 @@ class RankGrams:
 
     def grams(self, rows):
         import ray
-
-        from openrlhf_geo.salt import InnerProducts
 
         ranks, count = len(self.actors), len(rows)
         work: list[list] = [[] for _ in self.actors]
