@@ -19,13 +19,15 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"])
-    + ["openrlhf_geo.fork.patches", "openrlhf_geo.fork.patches.cpu", "openrlhf_geo.assets.demo_sft"],
+    + ["openrlhf_geo.fork.patches", "openrlhf_geo.fork.patches.cpu", "openrlhf_geo.assets.demo_sft",
+       "openrlhf_geo.assets.real_lm_rollouts"],
     # The fork's diffs live at the repository root (patches/) and ship inside the fork's package.
     package_dir={"openrlhf_geo.fork.patches": "patches", "openrlhf_geo.fork.patches.cpu": "patches/cpu"},
     package_data={
         "openrlhf_geo.fork.patches": ["*.diff", "*.md"],
         "openrlhf_geo.fork.patches.cpu": ["*.diff"],
         "openrlhf_geo.assets.demo_sft": ["*"],  # the demo's SFT warm-up (recipe.SHIPPED_SFT): data, no Python
+        "openrlhf_geo.assets.real_lm_rollouts": ["*.npz"],  # the committed real-LM studies' rollouts (token ids)
     },
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),

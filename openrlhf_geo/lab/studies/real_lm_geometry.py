@@ -804,22 +804,18 @@ def estimate_seconds(sizes, temperatures, cached) -> float:
     return total
 
 
+def study_collections(sizes, generator="vllm", seed=0) -> dict:
+    """{T: the study's collection at temperature T} (the committed run's: FULL, vLLM, seed 0)."""
+    return {T: real_lm.Collection(prompts=sizes["prompts"], samples=sizes["samples"], temperature=T,
+                                  max_tokens=sizes["max_tokens"], caps=sizes["caps"], seed=seed, generator=generator)
+            for T in TEMPERATURES}  # fmt: skip
+
+
 def run(args, out, workers, cache=None):
     sizes = QUICK if args.quick else FULL
     generator = args.generator or "vllm"
     temperatures = TEMPERATURES
-    collections = {
-        T: real_lm.Collection(
-            prompts=sizes["prompts"],
-            samples=sizes["samples"],
-            temperature=T,
-            max_tokens=sizes["max_tokens"],
-            caps=sizes["caps"],
-            seed=args.seeds[0],
-            generator=generator,
-        )  # fmt: skip
-        for T in temperatures
-    }
+    collections = study_collections(sizes, generator, args.seeds[0])
     cached = {T for T, c in collections.items() if real_lm.cached(c, cache)}
     estimate = estimate_seconds(sizes, temperatures, cached)
     print(f"study real-lm-geometry: {len(temperatures)} temperatures x {len(sizes['caps'])} caps x "
@@ -829,6 +825,7 @@ def run(args, out, workers, cache=None):
     records, seconds, resampled = [], {}, {}
     for T, collection in collections.items():
         data = real_lm.collect(collection, cache)
+        real_lm.write_rollouts(data, out)
         seconds[str(T)] = data["seconds"]
         analysis = time.perf_counter()
         records += analyse(data, sizes)
