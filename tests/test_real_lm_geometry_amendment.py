@@ -427,24 +427,36 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "studies" / "results" / "real-lm-geometry"
 
 
-def test_the_protocols_verdict_counts_are_the_committed_analysis_recomputed():
-    """The batch-percentile verdicts recomputed by the study's own interval and rule from the committed records.json,
-    and the registered ones from the committed summary.json's CIs over prompts, are the counts the protocol states."""
-    records = nan_json(json.loads((RESULTS / "records.json").read_text()))
-    summary = nan_json(json.loads((RESULTS / "summary.json").read_text()))
+def _verdict_counts(results):
+    """(batch percentile, registered CI, corrected CI): each (in, outside, not decided) over the 24 conditions, by
+    the study's own interval and rule from the result directory's records.json and summary.json."""
+    records = nan_json(json.loads((results / "records.json").read_text()))
+    summary = nan_json(json.loads((results / "summary.json").read_text()))
     conditions = {}
     for rec in records:
         conditions.setdefault((rec["T"], rec["cap"], rec["G"]), []).append(rec)
 
     def counts(verdicts):
         verdicts = list(verdicts)
-        return sum(v.startswith("outside") for v in verdicts), sum(v.startswith("not decided") for v in verdicts)
+        return tuple(sum(v.startswith(word) for v in verdicts) for word in ("in SALT", "outside", "not decided"))
 
-    batches = counts(study.regime(study.interval([r["n_eff"] for r in rows])) for rows in conditions.values())
-    registered = counts(study.regime(row["n_eff_prompts"]) for row in summary["table"].values())
-    apart = counts(study.regime(row["n_eff_prompts_apart"]) for row in summary["table"].values())
-    assert (batches, registered, apart) == ((18, 6), (18, 6), (16, 8))
+    return (counts(study.regime(study.interval([r["n_eff"] for r in rows])) for rows in conditions.values()),
+            counts(study.regime(row["n_eff_prompts"]) for row in summary["table"].values()),
+            counts(study.regime(row["n_eff_prompts_apart"]) for row in summary["table"].values()))  # fmt: skip
+
+
+def test_the_protocols_verdict_counts_are_the_committed_analysis_recomputed():
+    """The verdict counts the protocol states for the 2026-12-05 rerun and for the replication on committed rollouts
+    are those its committed records.json and summary.json give by the study's own intervals and rules."""
     text = " ".join((ROOT / "docs" / "studies" / "real-lm-geometry.md").read_text().split())
-    assert f"**Outside: {apart[0]} of 24 by the corrected prompt CI (post hoc), not decided {apart[1]}**" in text
-    assert f"The registered CI reads {registered[0]} outside / {registered[1]} not decided" in text
-    assert f"the batch percentile {batches[0]} / {batches[1]} as well" in text
+    batches, registered, apart = _verdict_counts(RESULTS / "rerun-2026-12-05")
+    assert (batches, registered, apart) == ((0, 18, 6), (0, 18, 6), (0, 16, 8))
+    assert f"**Outside: {apart[1]} of 24 by the corrected prompt CI (post hoc), not decided {apart[2]}**" in text
+    assert f"The registered CI reads {registered[1]} outside / {registered[2]} not decided" in text
+    assert f"the batch percentile {batches[1]} / {batches[2]} as well" in text
+    batches, registered, apart = _verdict_counts(RESULTS)
+    assert (batches, registered, apart) == ((1, 20, 3), (0, 19, 5), (1, 12, 11))
+    assert f"**In SALT's regime: {apart[0]} of 24**" in text
+    assert f"**Outside: {apart[1]}** (2026-12-05: 16). **Not decided: {apart[2]}** (8)." in text
+    stated = "The registered (biased) CI reads {} in / {} outside / {} not decided, the batch percentile {} / {} / {}"
+    assert stated.format(*registered, *batches) in text
