@@ -462,7 +462,7 @@ def _assert_reproduced(mine, theirs, tolerance, where=""):
         assert mine == theirs, (where, mine, theirs)
 
 
-@pytest.mark.full  # the forward of 1024 real-LM rollouts and both analyses: about 9 min on the idle 2-core VM
+@pytest.mark.full  # the forward of 1024 real-LM rollouts and both analyses: 7.4 min on the idle 2-core VM
 def test_inspect_on_the_committed_rollouts_reproduces_the_committed_real_lm_studies(tmp_path):
     """`openrlhf-geo inspect --rollouts` on real-lm-geometry's committed T = 0.6 rollouts of the shipped word problems
     (examples/data/word_problems.jsonl: 64 x 16, SmolLM2-135M-Instruct, a 4-bit quantization), at the study's batch
