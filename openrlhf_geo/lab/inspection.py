@@ -46,7 +46,7 @@ from openrlhf_geo.jsonl import strict_json
 
 ROLLOUTS, REWARDS, GEOMETRY = "rollouts.npz", "rewards.pt", "geometry.pt"  # rollouts: real_lm.save_rollouts
 SUMMARY, REPORT, PLOT = "summary.json", "report.md", "inspect.png"
-FORMAT = 1  # what rollouts.pt / rewards.pt / geometry.pt hold; a phase file of another format is recomputed
+FORMAT = 1  # what rewards.pt / geometry.pt hold; a phase file of another format is recomputed
 MIN_PROMPTS = 8  # fewer: a percentile CI over prompt resamples is no CI (and GeoAlign has no held-out fold)
 PERMUTED_DRAWS = 20  # the permuted-advantage null of D_a and ‖a'‖/‖a‖: draws per batch
 PERMUTED_STREAM = 4  # real_lm_geometry.draw_seed's stream for it (0-3 are the study's)

@@ -413,7 +413,8 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     seconds = {}
     t0 = time.perf_counter()
     committed = ROLLOUTS_DIR / f"{target.parent.name}.npz"
-    if committed.exists():
+    source = "committed" if committed.exists() else "sampled"
+    if source == "committed":
         log(f"rollouts: the committed {committed.name} ({len(rows)} prompts x {collection.samples})")
         stored, response_ids, _ = load_rollouts(committed)
         if stored != prompt_ids:  # the key pins the task and model; a tokenizer that changes under them must not pass
@@ -442,7 +443,7 @@ def collect(collection: Collection, cache: Path | None = None, log=print) -> dic
     result = {
         "collection": asdict(collection),
         "key": target.parent.name,
-        "rollouts": "committed" if committed.exists() else "sampled",
+        "rollouts": source,
         "eos": tokenizer.eos_token_id,
         "questions": [q for q, _ in rows],
         "answers": answers,
