@@ -19,8 +19,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["openrlhf_geo", "openrlhf_geo.*"])
-    + ["openrlhf_geo.fork.patches", "openrlhf_geo.fork.patches.cpu", "openrlhf_geo.assets.demo_sft",
-       "openrlhf_geo.assets.real_lm_rollouts"],
+    + [
+        "openrlhf_geo.fork.patches",
+        "openrlhf_geo.fork.patches.cpu",
+        "openrlhf_geo.assets.demo_sft",
+        "openrlhf_geo.assets.real_lm_rollouts",
+    ],
     # The fork's diffs live at the repository root (patches/) and ship inside the fork's package.
     package_dir={"openrlhf_geo.fork.patches": "patches", "openrlhf_geo.fork.patches.cpu": "patches/cpu"},
     package_data={
