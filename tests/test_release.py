@@ -78,9 +78,10 @@ def lock_lines(name, names=None):
     return [line for line in lines if names is None or line.split("==")[0] in names]
 
 
-def test_the_sdist_and_the_wheel_ship_the_license_and_the_notice(tmp_path):
+def test_the_sdist_and_the_wheel_ship_the_license_the_notice_and_the_committed_rollouts(tmp_path):
     """LICENSE (Apache-2.0, as setup.py declares) and NOTICE (crediting OpenRLHF, whose files patches/ changes), byte
-    for byte, at the sdist's root and in the wheel's dist-info/licenses, and named by the wheel's metadata."""
+    for byte, at the sdist's root and in the wheel's dist-info/licenses, and named by the wheel's metadata; the real-LM
+    studies' committed rollouts (`studies.real_lm.ROLLOUTS_DIR`) byte for byte in both."""
     import tarfile
     import zipfile
 
@@ -99,6 +100,14 @@ def test_the_sdist_and_the_wheel_ship_the_license_and_the_notice(tmp_path):
         for name, text in (("LICENSE", license_text), ("NOTICE", notice)):
             assert wheel.read(f"{info}/licenses/{name}") == text, name
         metadata = wheel.read(f"{info}/METADATA").decode()
+        rollouts = sorted((ROOT / "openrlhf_geo" / "assets" / "real_lm_rollouts").glob("*.npz"))
+        assert rollouts
+        for path in rollouts:
+            assert wheel.read(f"openrlhf_geo/assets/real_lm_rollouts/{path.name}") == path.read_bytes(), path.name
+    with tarfile.open(dist / f"openrlhf_geo-{version}.tar.gz") as sdist:
+        for path in rollouts:
+            member = f"openrlhf_geo-{version}/openrlhf_geo/assets/real_lm_rollouts/{path.name}"
+            assert sdist.extractfile(member).read() == path.read_bytes(), path.name
     assert {"License-Expression: Apache-2.0", "License-File: LICENSE", "License-File: NOTICE"} <= set(
         metadata.splitlines()
     )
