@@ -125,6 +125,7 @@ def test_rollouts_given_with_rollouts_are_analysed_as_the_run_that_sampled_them(
     # the out directory is whole on its own: the given rollouts saved there, for a resume
     saved = real_lm.load_rollouts(mine / inspection.ROLLOUTS)
     assert saved[:2] == real_lm.load_rollouts(out / inspection.ROLLOUTS)[:2]
+    assert saved[2]["collection"]["generator"] == f"--rollouts {out / inspection.ROLLOUTS}"  # not this run's sampler
 
 
 @pytest.mark.parametrize(("extra", "message"), [

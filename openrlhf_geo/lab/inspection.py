@@ -381,8 +381,10 @@ def collect(args, out, log=print) -> dict:
             with tqdm(total=n, desc=f"sampling {n} prompts x {G}", unit="prompt") as bar:
                 response_ids = real_lm._sample_hf(path, prompt_ids, collection, progress=bar.update, model=model)
         sampled = {"prompt_ids": prompt_ids, "response_ids": response_ids}
+        # where the token ids came from: this run's sampler, or the --rollouts file they were read from
+        origin = f"--rollouts {args.rollouts}" if args.rollouts else args.generator
         meta = {"inspect": key, "collection": {"prompts": n, "samples": G, "temperature": args.temperature,
-                                               "max_tokens": L, "seed": args.seed, "generator": args.generator,
+                                               "max_tokens": L, "seed": args.seed, "generator": origin,
                                                "model": args.model}}  # fmt: skip
         real_lm.save_rollouts(out / ROLLOUTS, prompt_ids, response_ids, meta)
         timings["sampling"] = time.perf_counter() - start
